@@ -1,0 +1,1 @@
+"""jaxrl: pipeline RL for language models in JAX."""
