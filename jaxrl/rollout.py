@@ -1,0 +1,116 @@
+"""Rollout (one finished sample, host side) and Batch (fixed-shape arrays for the learner).
+
+Per-token arrays of a Batch are aligned with `tokens_BxL`: entry i describes token i (its behavior logprob,
+the policy version that sampled it, whether it is trained on). Token 0 of a row is never a target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """The distribution a token was drawn from: logits / temperature, then top-k, then top-p (nucleus)."""
+
+  temperature: float = 1.0
+  top_k: int = 0  # 0: no top-k filter
+  top_p: float = 1.0  # 1.0: no nucleus filter
+  greedy: bool = False
+
+  def __post_init__(self):
+    if not self.greedy and not self.temperature > 0:
+      raise ValueError(f"temperature must be > 0 (got {self.temperature}); use greedy=True for argmax")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclasses.dataclass
+class Rollout:
+  """One finished sample: prompt, completion, and for every completion token its behavior logprob and version."""
+
+  prompt_tokens: np.ndarray  # int32 [P]
+  completion_tokens: np.ndarray  # int32 [C]
+  logprobs: np.ndarray  # float32 [C], log p_behavior(token) under the distribution actually sampled from
+  versions: np.ndarray  # int32 [C], policy version of the params that computed the token's logits
+  finish_reason: str  # "eos" | "stop" | "length"
+  group_id: int  # samples of one prompt (a GRPO group) share it
+  sample_index: int = 0  # index within the group
+  sampling: SamplingParams = SamplingParams()
+  reward: float = float("nan")
+  meta: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    c = len(self.completion_tokens)
+    if len(self.logprobs) != c or len(self.versions) != c:
+      raise ValueError(
+          f"rollout arrays disagree: {c} completion tokens, {len(self.logprobs)} logprobs, "
+          f"{len(self.versions)} versions"
+      )
+
+  @property
+  def min_version(self) -> int:
+    """Oldest policy version in the sample; staleness at learner step s is s - min_version."""
+    return int(self.versions.min()) if len(self.versions) else -1
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_tokens) + len(self.completion_tokens)
+
+
+@flax.struct.dataclass
+class Batch:
+  """Fixed-shape learner input; rows are right-padded samples (segment id 0 marks padding)."""
+
+  tokens_BxL: jax.Array  # int32
+  positions_BxL: jax.Array  # int32
+  segment_ids_BxL: jax.Array  # int32, 1 for real tokens, 0 for padding
+  loss_mask_BxL: jax.Array  # float32, 1 on completion tokens (the ones trained on)
+  behavior_logprobs_BxL: jax.Array  # float32, 0 off the completion
+  versions_BxL: jax.Array  # int32, -1 off the completion
+  rewards_B: jax.Array  # float32
+  group_ids_B: jax.Array  # int32, -1 for padding rows
+  sample_mask_B: jax.Array  # float32, 0 for padding rows
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return tuple(self.tokens_BxL.shape)
+
+
+def make_batch(rollouts: Sequence[Rollout], batch_size: int, seq_len: int, pad_id: int = 0) -> Batch:
+  """Packs rollouts into a right-padded numpy Batch of exactly [batch_size, seq_len]."""
+  if len(rollouts) > batch_size:
+    raise ValueError(f"{len(rollouts)} rollouts do not fit a batch of {batch_size}")
+  tokens = np.full((batch_size, seq_len), pad_id, np.int32)
+  positions = np.zeros((batch_size, seq_len), np.int32)
+  segments = np.zeros((batch_size, seq_len), np.int32)
+  loss_mask = np.zeros((batch_size, seq_len), np.float32)
+  logprobs = np.zeros((batch_size, seq_len), np.float32)
+  versions = np.full((batch_size, seq_len), -1, np.int32)
+  rewards = np.zeros((batch_size,), np.float32)
+  group_ids = np.full((batch_size,), -1, np.int32)
+  sample_mask = np.zeros((batch_size,), np.float32)
+  for b, r in enumerate(rollouts):
+    p, c = len(r.prompt_tokens), len(r.completion_tokens)
+    if p == 0:
+      raise ValueError(f"rollout {b} (group {r.group_id}) has an empty prompt")
+    if p + c > seq_len:
+      raise ValueError(f"rollout {b} (group {r.group_id}) has {p + c} tokens, more than seq_len={seq_len}")
+    tokens[b, :p] = r.prompt_tokens
+    tokens[b, p : p + c] = r.completion_tokens
+    positions[b, : p + c] = np.arange(p + c)
+    segments[b, : p + c] = 1
+    loss_mask[b, p : p + c] = 1.0
+    logprobs[b, p : p + c] = r.logprobs
+    versions[b, p : p + c] = r.versions
+    rewards[b] = r.reward
+    group_ids[b] = r.group_id
+    sample_mask[b] = 1.0
+  return Batch(tokens, positions, segments, loss_mask, logprobs, versions, rewards, group_ids, sample_mask)
