@@ -1,0 +1,128 @@
+"""ModelConfig: the decoder's hyper-parameters, read from a transformers PretrainedConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Llama / Qwen2 / Qwen3 family decoder. Sizes follow transformers' names, shortened."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  # ("default" | "linear" | "llama3", {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings})
+  rope_type: str = "default"
+  rope_scaling: tuple[tuple[str, float], ...] = ()
+  rms_norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+  max_position_embeddings: int = 2048
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  remat: bool = False  # rematerialise each block in the backward pass (learner memory)
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  pad_token_id: int | None = None
+  architecture: str = "llama"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ModelConfig.{name} must be positive (got {getattr(self, name)})")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
+    if self.rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"ModelConfig.{name} must be one of {tuple(_DTYPES)} (got {getattr(self, name)!r})")
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, float]:
+    return dict(self.rope_scaling)
+
+  def replace(self, **kw) -> ModelConfig:
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def tiny(cls, **overrides) -> ModelConfig:
+    """A few-thousand-parameter decoder for tests and the `tiny` config."""
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8, max_position_embeddings=256)
+    kw.update(overrides)
+    return cls(**kw)
+
+  @classmethod
+  def from_hf(cls, hf: Any, **overrides) -> ModelConfig:
+    """Reads a transformers PretrainedConfig (v5 `rope_parameters` or legacy `rope_theta`/`rope_scaling`)."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(f"unsupported architecture model_type={model_type!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    if getattr(hf, "use_sliding_window", False):
+      raise ValueError(f"{model_type}: sliding-window attention is not supported (use_sliding_window=True)")
+    if getattr(hf, "mlp_bias", False):
+      raise ValueError(f"{model_type}: mlp_bias=True is not supported")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+      raise ValueError(f"{model_type}: hidden_act={hf.hidden_act!r} is not supported (only silu)")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if not rope:  # legacy configs
+      rope = dict(getattr(hf, "rope_scaling", None) or {})
+      rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0) or 10000.0))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+      raise ValueError(f"{model_type}: partial_rotary_factor != 1 is not supported")
+    rope.pop("partial_rotary_factor", None)
+    scaling = tuple(sorted((k, float(v)) for k, v in rope.items() if isinstance(v, (int, float))))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    eos = hf.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    kw = dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_type=rope_type,
+        rope_scaling=scaling,
+        rms_norm_eps=hf.rms_norm_eps,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=hf.max_position_embeddings,
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=eos,
+        pad_token_id=getattr(hf, "pad_token_id", None),
+        architecture=model_type,
+    )
+    kw.update(overrides)
+    return cls(**kw)

@@ -1,0 +1,223 @@
+"""Llama / Qwen2 / Qwen3 decoder in Flax NNX, with a full-sequence path and a KV-cache path.
+
+Every parameter carries logical axis names in its `axes` metadata (see jaxrl/sharding.py for the rules that map
+them to mesh axes). Blocks are stacked along a leading `layers` axis and run with `jax.lax.scan`, so compile
+time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl.models.config import ModelConfig
+
+_NEG_INF = -1e30
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated keys and values; entry s of a row holds the token at position s."""
+
+  k_LxBxSxKxD: jax.Array
+  v_LxBxSxKxD: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k_LxBxSxKxD.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  dtype = dtype or cfg.compute_dtype
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, fan_in: int | None = None, value: float | None = None):
+  if value is not None:
+    init = jnp.full(shape, value, cfg.weight_dtype)
+  else:
+    std = 1.0 / math.sqrt(fan_in) if fan_in else 0.02
+    init = std * jax.random.normal(rngs.params(), shape, cfg.weight_dtype)
+  return nnx.Param(init, axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, axis_name: str | None, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.eps = cfg.rms_norm_eps
+    self.scale = _param(rngs, (dim,), (axis_name,), cfg, value=1.0)
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale.value.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies of rotary embeddings, with linear or Llama-3 scaling."""
+  d = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  s = cfg.rope_scaling_dict
+  if cfg.rope_type == "linear":
+    inv_freq = inv_freq / s["factor"]
+  elif cfg.rope_type == "llama3":
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    inv_freq = jnp.where(medium, smoothed, scaled)
+  return inv_freq
+
+
+def apply_rope(x_BxTxHxD, positions_BxT, inv_freq):
+  """Rotates halves (HF layout): x * cos + rotate_half(x) * sin."""
+  angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # BxTx(D/2)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x_BxTxHxD.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxD.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q_proj = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), cfg, fan_in=e)
+    self.k_proj = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), cfg, fan_in=e)
+    self.v_proj = _param(rngs, (e, k, d), ("embed", "kv_heads", "head_dim"), cfg, fan_in=e)
+    self.o_proj = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), cfg, fan_in=h * d)
+    if cfg.attention_bias:
+      self.q_bias = _param(rngs, (h, d), ("heads", "head_dim"), cfg, value=0.0)
+      self.k_bias = _param(rngs, (k, d), ("kv_heads", "head_dim"), cfg, value=0.0)
+      self.v_bias = _param(rngs, (k, d), ("kv_heads", "head_dim"), cfg, value=0.0)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(d, "head_dim", cfg, rngs)
+      self.k_norm = RMSNorm(d, "head_dim", cfg, rngs)
+
+  def __call__(self, x_BxTxE, positions_BxT, inv_freq, *, segment_ids_BxT=None, cache_kv=None):
+    cfg, dt = self.cfg, x_BxTxE.dtype
+    q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj.value.astype(dt))
+    k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj.value.astype(dt))
+    v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj.value.astype(dt))
+    if cfg.attention_bias:
+      q, k, v = q + self.q_bias.value.astype(dt), k + self.k_bias.value.astype(dt), v + self.v_bias.value.astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions_BxT, inv_freq)
+    k = apply_rope(k, positions_BxT, inv_freq)
+
+    if cache_kv is None:  # full sequence: causal by index within equal, non-zero segment ids
+      keys, values = k, v
+      t = x_BxTxE.shape[1]
+      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+      same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+      mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
+      new_cache_kv = None
+    else:  # cache index = position; a query at position p sees entries 0..p
+      cache_k, cache_v = cache_kv
+      rows = jnp.arange(x_BxTxE.shape[0])[:, None]
+      keys = cache_k.at[rows, positions_BxT].set(k.astype(cache_k.dtype), mode="drop")
+      values = cache_v.at[rows, positions_BxT].set(v.astype(cache_v.dtype), mode="drop")
+      new_cache_kv = (keys, values)
+      keys, values = keys.astype(dt), values.astype(dt)
+      mask_BxTxS = jnp.arange(keys.shape[1])[None, None, :] <= positions_BxT[:, :, None]
+
+    b, t, h, d = q.shape
+    groups = h // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj.value.astype(dt)), new_cache_kv
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    e, m = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _param(rngs, (e, m), ("embed", "mlp"), cfg, fan_in=e)
+    self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), cfg, fan_in=e)
+    self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), cfg, fan_in=m)
+
+  def __call__(self, x):
+    dt = x.dtype
+    gate = jax.nn.silu(x @ self.gate_proj.value.astype(dt))
+    return (gate * (x @ self.up_proj.value.astype(dt))) @ self.down_proj.value.astype(dt)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(cfg.hidden_size, "embed", cfg, rngs)
+    self.attn = Attention(cfg, rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, "embed", cfg, rngs)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, inv_freq, *, segment_ids=None, cache_kv=None):
+    h, cache_kv = self.attn(self.input_norm(x), positions, inv_freq, segment_ids_BxT=segment_ids, cache_kv=cache_kv)
+    x = x + h
+    return x + self.mlp(self.post_attn_norm(x)), cache_kv
+
+
+class Decoder(nnx.Module):
+  """Token ids -> next-token logits (float32)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg, fan_in=None)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg.hidden_size, "embed", cfg, rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, fan_in=cfg.hidden_size)
+
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *, cache: KVCache | None = None):
+    """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache)."""
+    cfg = self.cfg
+    if cache is None and segment_ids_BxT is None:
+      raise ValueError("the full-sequence path needs segment_ids_BxT (0 marks padding)")
+    x = self.embed.value.astype(cfg.compute_dtype)[tokens_BxT]
+    inv_freq = rope_inv_freq(cfg)
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def body(x, layer):
+      state, kv = layer
+      x, kv = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT, cache_kv=kv)
+      return x, kv
+
+    if cfg.remat:
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    xs = (stacked, None if cache is None else (cache.k_LxBxSxKxD, cache.v_LxBxSxKxD))
+    x, new_kv = jax.lax.scan(body, x, xs)
+    x = self.final_norm(x)
+    head = self.embed.value.T if cfg.tie_embeddings else self.lm_head.value
+    logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    if cache is None:
+      return logits
+    return logits, KVCache(*new_kv)
+
+
+def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):
+  """Pure full-sequence forward over (graphdef, params) from `nnx.split(model)`."""
+  return nnx.merge(graphdef, params)(tokens_BxL, positions_BxL, segment_ids_BxL)
+
+
+def forward_cached(graphdef, params, tokens_BxT, positions_BxT, cache: KVCache):
+  """Pure cached step: writes the tokens' keys/values at their positions and returns (logits, cache)."""
+  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache=cache)

@@ -1,0 +1,185 @@
+"""Meshes, the sampler/learner split, logical-axis rules, and versioned parameter transfer between submeshes.
+
+Meshes use Auto axes (GSPMD: shardings given at jit boundaries and by constraints), so one train step or decode
+step serves FSDP, tensor parallel or both, chosen by the rules alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
+LEARNER_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+)
+SAMPLER_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", "data"),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+)
+
+
+def _ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+  """Devices grouped by process, each process's devices in its local order (ids are not contiguous per host)."""
+  devices = list(jax.devices() if devices is None else devices)
+  local_rank = {}
+  for d in devices:
+    local_rank[d] = sum(1 for e in local_rank if e.process_index == d.process_index)
+  return sorted(devices, key=lambda d: (d.process_index, local_rank[d]))
+
+
+def resolve_axis_sizes(axes: Mapping[str, int] | Sequence[tuple[str, int]], num_devices: int) -> dict[str, int]:
+  """Fills the one -1 ("the rest") and checks that the sizes multiply to num_devices."""
+  axes = dict(axes)
+  if not axes:
+    raise ValueError("a mesh needs at least one axis")
+  bad = {k: v for k, v in axes.items() if not isinstance(v, int) or (v < 1 and v != -1)}
+  if bad:
+    raise ValueError(f"mesh axis sizes must be positive ints or -1 (the rest), got {bad}")
+  rest = [k for k, v in axes.items() if v == -1]
+  if len(rest) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got {rest}")
+  known = math.prod(v for v in axes.values() if v != -1)
+  if rest:
+    if num_devices % known:
+      raise ValueError(f"mesh axes {axes}: {num_devices} devices are not divisible by {known}")
+    axes[rest[0]] = num_devices // known
+  if math.prod(axes.values()) != num_devices:
+    raise ValueError(f"mesh axes {axes} need {math.prod(axes.values())} devices, {num_devices} given")
+  return axes
+
+
+def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with Auto axes over `devices` (default: all), e.g. make_mesh({"fsdp": -1, "tensor": 2})."""
+  devices = _ordered_devices(devices)
+  sizes = resolve_axis_sizes(axes, len(devices))
+  grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
+  return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitMeshes:
+  learner: Mesh
+  sampler: Mesh
+
+
+def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None = None,
+                  whole_processes: bool = False) -> tuple[list[jax.Device], list[jax.Device]]:
+  """Disjoint (learner, sampler) device lists: the learner takes the first devices, the sampler the last.
+
+  num_sampler is a count (int) or a fraction of the pool (float in (0, 1)). With whole_processes, the split
+  falls on a process boundary so that each process serves one role (multi-host pipelines).
+  """
+  devices = _ordered_devices(devices)
+  n = len(devices)
+  if isinstance(num_sampler, float):
+    if not 0 < num_sampler < 1:
+      raise ValueError(f"sampler fraction must be in (0, 1), got {num_sampler}")
+    num_sampler = max(1, round(num_sampler * n))
+  if not isinstance(num_sampler, (int, np.integer)) or not 0 < num_sampler < n:
+    raise ValueError(f"sampler devices must be in [1, {n - 1}] for a pool of {n} devices, got {num_sampler}")
+  learner, sampler = devices[: n - num_sampler], devices[n - num_sampler :]
+  if whole_processes and {d.process_index for d in learner} & {d.process_index for d in sampler}:
+    raise ValueError(f"a split of {len(learner)} learner / {num_sampler} sampler devices cuts through a process")
+  return learner, sampler
+
+
+def split_mesh(num_sampler: int | float, learner_axes: Mapping[str, int], sampler_axes: Mapping[str, int],
+               devices: Sequence[jax.Device] | None = None, whole_processes: bool = False) -> SplitMeshes:
+  learner, sampler = split_devices(num_sampler, devices, whole_processes)
+  return SplitMeshes(learner=make_mesh(learner_axes, learner), sampler=make_mesh(sampler_axes, sampler))
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_axes(params: nnx.State) -> nnx.State:
+  """Logical axis names of every parameter (stacked blocks gain a leading "layers" axis)."""
+
+  def axes_of(path, v):
+    axes = tuple(v.get_metadata().get("axes", (None,) * v.value.ndim))
+    under_blocks = any(getattr(k, "key", None) == "blocks" for k in path)
+    if under_blocks and len(axes) == v.value.ndim - 1:
+      axes = ("layers", *axes)
+    if len(axes) != v.value.ndim:
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has shape {v.value.shape} but axes {axes}")
+    return axes
+
+  return jax.tree_util.tree_map_with_path(axes_of, params, is_leaf=_is_variable)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Sequence[tuple[str, Any]]) -> P:
+  """Maps logical axes to a PartitionSpec; a mesh axis is used once, and only where it divides the dimension."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name, dim in zip(axes, shape, strict=True):
+    targets = table.get(name) if name is not None else None
+    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    chosen = tuple(t for t in targets if t in mesh.shape and t not in used and mesh.shape[t] > 1)
+    while chosen and dim % math.prod(mesh.shape[t] for t in chosen):
+      chosen = chosen[:-1]  # replicate what does not divide evenly (e.g. 2 kv heads on a tensor axis of 4)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return P(*spec)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> nnx.State:
+  """NamedSharding for every parameter, following the logical-axis rules."""
+  axes = logical_axes(params)
+  return jax.tree.map(
+      lambda v, a: NamedSharding(mesh, logical_to_spec(a, v.value.shape, mesh, rules)),
+      params, axes, is_leaf=lambda x: _is_variable(x) or isinstance(x, tuple),
+  )
+
+
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]], ndim: int = 2) -> NamedSharding:
+  """Shards the leading (batch) dimension over the mesh axes the "batch" rule names."""
+  targets = dict(rules).get("batch")
+  targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+  chosen = tuple(t for t in targets if t in mesh.shape)
+  lead = None if not chosen else chosen[0] if len(chosen) == 1 else chosen
+  return NamedSharding(mesh, P(lead, *([None] * (ndim - 1))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+  """A parameter pytree and the policy version (number of learner updates) it holds."""
+
+  params: Any
+  version: int
+
+
+def transfer(params: Any, version: int, dst_shardings: Any, dtype=None) -> Versioned:
+  """Moves params to another submesh's shardings (asynchronous dispatch), optionally casting the dtype first.
+
+  The cast happens on the source side, so that exactly the bytes the sampler will use are sent.
+  """
+  if version < 0:
+    raise ValueError(f"policy version must be >= 0, got {version}")
+  if dtype is not None:
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+  return Versioned(jax.device_put(params, dst_shardings), int(version))
