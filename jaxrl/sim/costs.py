@@ -1,0 +1,231 @@
+"""Cost model: decode step time (roofline), KV-limited batch, prefill, train and weight-transfer time.
+
+Decode step of one engine (a replica of the sampler on `devices` devices), for a batch of B live sequences
+whose contexts add up to C tokens (the scaling-book "general" step time, plus a fixed overhead):
+
+    t(B, C) = overhead + kv_s_per_token * C + smoothmax(weights_s, compute_s_per_seq * B)
+
+with weights_s = W / (n * BW * mem_eff), kv_s_per_token = kv_bytes / (n * BW * mem_eff) and
+compute_s_per_seq = 2 N / (n * F * flop_eff). Attention reads are always bandwidth-bound; the linear layers
+are bound by the weight read until B reaches the knee weights_s / compute_s_per_seq.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxrl.sim.hardware import Hardware
+
+
+def _check_positive(owner: str, **values):
+  for name, v in values.items():
+    if not v > 0:
+      raise ValueError(f"{owner}: {name} must be > 0 (got {v})")
+
+
+def _check_nonnegative(owner: str, **values):
+  for name, v in values.items():
+    if not v >= 0:
+      raise ValueError(f"{owner}: {name} must be >= 0 (got {v})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """What the cost model needs to know about a decoder: parameter count and KV-cache bytes per token."""
+
+  name: str
+  params: float
+  kv_bytes_per_token: float
+  bytes_per_param: float = 2.0  # bf16 weights for sampling and for the transfer
+
+  def __post_init__(self):
+    _check_positive(f"ModelSpec {self.name!r}", params=self.params, kv_bytes_per_token=self.kv_bytes_per_token,
+                    bytes_per_param=self.bytes_per_param)
+
+  @property
+  def weight_bytes(self) -> float:
+    return self.params * self.bytes_per_param
+
+  @classmethod
+  def from_dims(cls, name: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+                num_heads: int, num_kv_heads: int, head_dim: int, tie_embeddings: bool = False,
+                bytes_per_param: float = 2.0, kv_bytes_per_value: float = 2.0) -> ModelSpec:
+    """Llama/Qwen-style decoder (SwiGLU MLP, GQA attention, RMSNorm) counted from its sizes."""
+    dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    _check_positive(f"ModelSpec {name!r}", **dims)
+    d, q, kv = hidden_size, num_heads * head_dim, num_kv_heads * head_dim
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * intermediate_size + 2 * d
+    embed = vocab_size * d * (1 if tie_embeddings else 2)
+    params = num_layers * per_layer + embed + d
+    kv_bytes = 2 * num_layers * kv * kv_bytes_per_value
+    return cls(name, float(params), float(kv_bytes), bytes_per_param)
+
+  @classmethod
+  def from_model_config(cls, cfg, name: str = "model", bytes_per_param: float = 2.0) -> ModelSpec:
+    """From a `jaxrl.models.ModelConfig` (read by attribute, so this module does not import the model)."""
+    return cls.from_dims(name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         tie_embeddings=cfg.tie_embeddings, bytes_per_param=bytes_per_param,
+                         kv_bytes_per_value=bytes_per_param)
+
+
+def smoothmax(a, b, sharpness: float):
+  """(a^p + b^p)^(1/p): the max for p = inf, at most 2^(1/p) above it at the knee a = b."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if math.isinf(sharpness):
+    return np.maximum(a, b)
+  hi, lo = np.maximum(a, b), np.minimum(a, b)
+  ratio = np.divide(lo, hi, out=np.zeros_like(hi), where=hi > 0)
+  return hi * (1.0 + ratio**sharpness) ** (1.0 / sharpness)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCurve:
+  """Decode step time of one engine vs live batch and total context (see the module docstring)."""
+
+  weights_s: float
+  kv_s_per_token: float
+  compute_s_per_seq: float
+  overhead_s: float = 0.0
+  knee_sharpness: float = math.inf  # p of the smooth max; inf is the hard roofline
+
+  def __post_init__(self):
+    _check_nonnegative("DecodeCurve", weights_s=self.weights_s, kv_s_per_token=self.kv_s_per_token,
+                       compute_s_per_seq=self.compute_s_per_seq, overhead_s=self.overhead_s)
+    _check_positive("DecodeCurve", knee_sharpness=self.knee_sharpness)
+
+  @property
+  def knee_batch(self) -> float:
+    """Batch where the linear layers turn from weight-read-bound to compute-bound."""
+    return self.weights_s / self.compute_s_per_seq if self.compute_s_per_seq > 0 else math.inf
+
+  def step_time(self, batch, context_tokens):
+    """Seconds for one decode step of `batch` sequences whose contexts total `context_tokens`."""
+    batch, context_tokens = np.asarray(batch, np.float64), np.asarray(context_tokens, np.float64)
+    if np.any(batch < 1) or np.any(context_tokens < 0):
+      raise ValueError(f"decode step needs batch >= 1 and context >= 0 (got {batch}, {context_tokens})")
+    t = self.overhead_s + self.kv_s_per_token * context_tokens + smoothmax(
+        self.weights_s, self.compute_s_per_seq * batch, self.knee_sharpness)
+    return float(t) if t.ndim == 0 else t
+
+
+def roofline_decode(model: ModelSpec, hw: Hardware, devices: int, *, mem_eff: float = 1.0, flop_eff: float = 1.0,
+                    overhead_s: float = 0.0, knee_sharpness: float = math.inf) -> DecodeCurve:
+  """The decode curve of an engine spread over `devices` devices of `hw`."""
+  _check_positive("roofline_decode", devices=devices, mem_eff=mem_eff, flop_eff=flop_eff)
+  bw = devices * hw.hbm_bandwidth * mem_eff
+  return DecodeCurve(weights_s=model.weight_bytes / bw, kv_s_per_token=model.kv_bytes_per_token / bw,
+                     compute_s_per_seq=2 * model.params / (devices * hw.peak_flops * flop_eff),
+                     overhead_s=overhead_s, knee_sharpness=knee_sharpness)
+
+
+def kv_limited_batch(model: ModelSpec, hw: Hardware, devices: int, slot_tokens: int,
+                     mem_fraction: float = 1.0) -> int:
+  """Decode slots that fit next to the weights when every slot reserves `slot_tokens` of KV cache."""
+  _check_positive("kv_limited_batch", devices=devices, slot_tokens=slot_tokens, mem_fraction=mem_fraction)
+  free = devices * hw.hbm_bytes * mem_fraction - model.weight_bytes
+  return max(0, int(free // (model.kv_bytes_per_token * slot_tokens)))
+
+
+def min_engine_devices(model: ModelSpec, hw: Hardware, slot_tokens: int, min_batch: int,
+                       mem_fraction: float = 1.0, max_devices: int = 1024) -> int:
+  """Smallest power-of-two engine (tensor-parallel degree) that holds the weights and `min_batch` slots."""
+  d = 1
+  while d <= max_devices:
+    if kv_limited_batch(model, hw, d, slot_tokens, mem_fraction) >= min_batch:
+      return d
+    d *= 2
+  raise ValueError(f"{model.name} with {min_batch} slots of {slot_tokens} tokens does not fit {max_devices} "
+                   f"{hw.name} devices")
+
+
+def prefill_s_per_token(model: ModelSpec, hw: Hardware, devices: int, flop_eff: float = 1.0) -> float:
+  """Prefill is compute-bound for prompts longer than the knee: 2 N FLOPs per prompt token."""
+  _check_positive("prefill_s_per_token", devices=devices, flop_eff=flop_eff)
+  return 2 * model.params / (devices * hw.peak_flops * flop_eff)
+
+
+def train_tokens_per_s_per_device(model: ModelSpec, hw: Hardware, mfu: float) -> float:
+  """Learner throughput at a stated MFU: 6 N FLOPs per trained token (forward + backward)."""
+  if not 0 < mfu <= 1:
+    raise ValueError(f"mfu must be in (0, 1] (got {mfu})")
+  return hw.peak_flops * mfu / (6 * model.params)
+
+
+def learner_min_devices(model: ModelSpec, hw: Hardware, bytes_per_param: float = 16.0,
+                        mem_fraction: float = 1.0) -> int:
+  """Devices whose memory holds the training state (bf16 params and grads, fp32 master + Adam: 16 B/param)."""
+  _check_positive("learner_min_devices", bytes_per_param=bytes_per_param, mem_fraction=mem_fraction)
+  return math.ceil(model.params * bytes_per_param / (hw.hbm_bytes * mem_fraction))
+
+
+def transfer_time(weight_bytes: float, link_bandwidth: float, senders: int, receivers: int,
+                  copies: int = 1) -> float:
+  """Seconds to send `copies` replicas of the weights from `senders` to `receivers` devices.
+
+  Each receiver takes weight_bytes * copies / receivers bytes and each sender gives the same total split over
+  the senders; the slower side at `link_bandwidth` per device sets the time.
+  """
+  _check_positive("transfer_time", weight_bytes=weight_bytes, link_bandwidth=link_bandwidth, senders=senders,
+                  receivers=receivers, copies=copies)
+  total = weight_bytes * copies
+  return max(total / senders, total / receivers) / link_bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Everything the simulator charges time for, for one model on one kind of device."""
+
+  decode: DecodeCurve  # per engine
+  devices_per_engine: int
+  max_batch: int  # live sequences per engine (KV-cache limit)
+  prefill_s_per_token: float  # per engine, per prompt token
+  train_tokens_per_s_per_device: float
+  weight_bytes: float
+  link_bandwidth: float  # bytes/s per device during a weight transfer
+  train_overhead_s: float = 0.0  # fixed per learner step (optimizer update, host work)
+  sync_overhead_s: float = 0.0  # fixed per weight transfer (latency, re-layout)
+
+  def __post_init__(self):
+    _check_positive("Costs", devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
+                    train_tokens_per_s_per_device=self.train_tokens_per_s_per_device,
+                    weight_bytes=self.weight_bytes, link_bandwidth=self.link_bandwidth)
+    _check_nonnegative("Costs", prefill_s_per_token=self.prefill_s_per_token,
+                       train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s)
+
+  def replace(self, **kw) -> Costs:
+    return dataclasses.replace(self, **kw)
+
+  def train_time(self, tokens: float, devices: int) -> float:
+    _check_positive("train_time", devices=devices)
+    return self.train_overhead_s + tokens / (devices * self.train_tokens_per_s_per_device)
+
+  def sync_time(self, sender_devices: int, receiver_devices: int) -> float:
+    """One weight publish: every engine of the receivers gets a full copy."""
+    engines = receiver_devices // self.devices_per_engine
+    return self.sync_overhead_s + transfer_time(self.weight_bytes, self.link_bandwidth, sender_devices,
+                                                receiver_devices, copies=max(engines, 1))
+
+
+def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, slot_tokens: int,
+                   mem_eff: float = 1.0, flop_eff: float = 1.0, mfu: float = 0.4, overhead_s: float = 0.0,
+                   knee_sharpness: float = math.inf, kv_mem_fraction: float = 1.0, max_batch_cap: int = 1024,
+                   train_overhead_s: float = 0.0, sync_overhead_s: float = 0.0) -> Costs:
+  """Costs from datasheet numbers and efficiency factors; `slot_tokens` is the KV reserved per sequence."""
+  max_batch = min(max_batch_cap, kv_limited_batch(model, hw, devices_per_engine, slot_tokens, kv_mem_fraction))
+  if max_batch < 1:
+    raise ValueError(f"{model.name} does not fit an engine of {devices_per_engine} {hw.name} devices with one "
+                     f"slot of {slot_tokens} tokens; use more devices per engine")
+  return Costs(
+      decode=roofline_decode(model, hw, devices_per_engine, mem_eff=mem_eff, flop_eff=flop_eff,
+                             overhead_s=overhead_s, knee_sharpness=knee_sharpness),
+      devices_per_engine=devices_per_engine, max_batch=max_batch,
+      prefill_s_per_token=prefill_s_per_token(model, hw, devices_per_engine, flop_eff),
+      train_tokens_per_s_per_device=train_tokens_per_s_per_device(model, hw, mfu),
+      weight_bytes=model.weight_bytes, link_bandwidth=hw.link_bandwidth,
+      train_overhead_s=train_overhead_s, sync_overhead_s=sync_overhead_s)

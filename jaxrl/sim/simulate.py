@@ -1,0 +1,455 @@
+"""Discrete-event simulator of synchronous and pipelined RL on a sampler/learner device split.
+
+Sampler: `sampler_devices // devices_per_engine` engines, each with `max_batch` decode slots and continuous
+batching (a freed slot takes the next pending sample after a prefill). Between events an engine's live batch
+is fixed and every context grows by one token per step, so the time of n decode steps has the closed form
+n * t(B, C) + kv_s_per_token * B * n (n - 1) / 2 and the simulator jumps from event to event.
+
+Controller (the same for both modes; sync is the k = 0 case):
+- A group (group_size samples of one prompt) is admitted at policy version v with deadline v + k: it must be
+  trained on by learner step v + k. Admission holds while open groups (started, not yet trained on) number at
+  most (v + k - s + 1) * groups_per_step, s being the next learner step; this makes every deadline feasible,
+  so no sample is ever dropped and staleness never exceeds k. A bounded queue (`queue_groups`) also stops
+  admission while that many finished groups wait.
+- Complete-group rule: a group reaches the queue when its last sample finishes.
+- Learner step s takes the groups whose deadlines force them into step s (waiting for any that are still
+  generating), then fills the batch with finished groups in completion order.
+- After a train step the new weights go to every engine (in-flight update): an engine pauses at its next
+  decode-step boundary for the transfer and continues its live samples under the new version; the learner is
+  busy for the transfer too.
+With k = 0 nothing is admitted between a learner step's start and its publish, which is exactly the
+synchronous loop: sample a batch, train, sync weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+
+import numpy as np
+
+from jaxrl.sim.costs import Costs, smoothmax
+from jaxrl.sim.lengths import LengthDist
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """A run to simulate: device split, batch shape, staleness bound and response lengths."""
+
+  sampler_devices: int
+  learner_devices: int
+  batch_size: int  # samples per learner step
+  group_size: int
+  max_staleness: int  # k
+  lengths: LengthDist
+  prompt_len: int = 256
+  steps: int = 8  # learner steps to simulate
+  queue_groups: int = 0  # finished groups the queue may hold; 0: bounded by admission only
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
+      if not getattr(self, name) >= 1:
+        raise ValueError(f"RunSpec.{name} must be >= 1 (got {getattr(self, name)})")
+    for name in ("max_staleness", "queue_groups"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"RunSpec.{name} must be >= 0 (got {getattr(self, name)})")
+    if self.batch_size % self.group_size:
+      raise ValueError(f"batch_size={self.batch_size} is not a multiple of group_size={self.group_size}: "
+                       "batches are made of whole groups")
+    if not isinstance(self.lengths, LengthDist):
+      raise ValueError(f"RunSpec.lengths must be a LengthDist (got {type(self.lengths).__name__})")
+
+  @property
+  def groups_per_step(self) -> int:
+    return self.batch_size // self.group_size
+
+  def replace(self, **kw) -> RunSpec:
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass
+class SimResult:
+  """What a simulated run did. Times in seconds from the start of the run."""
+
+  mode: str  # "sync" | "sync_colocated" | "pipeline"
+  spec: RunSpec
+  step_time_s: float  # steady-state seconds per learner step
+  step_start_s: np.ndarray  # [steps]
+  step_end_s: np.ndarray  # [steps] end of each train step (its weights are published from here)
+  samples: dict[str, np.ndarray]  # per sample: length, group, engine, start_s, finish_s, start_version,
+  #                                 end_version, step (-1: not trained on), staleness (-1: not trained on)
+  timeline: list[tuple[str, str, float, float]]  # (lane, kind, start, end); kinds decode | sync | train
+  window_s: tuple[float, float]  # the steady-state window the rates below are measured over
+  sampler_idle_frac: float
+  learner_idle_frac: float
+  device_busy_frac: float  # all devices of the run, busy-seconds over device-seconds
+  tokens_per_s: float  # completion tokens trained on per second (steady state)
+  decode_tokens: int  # tokens decoded by all engines over the whole run
+  decode_busy_s: float  # engine-seconds spent decoding or prefilling over the whole run
+  engines: int
+  sync_s: float  # one weight transfer
+
+  @property
+  def trained(self) -> np.ndarray:
+    return self.samples["step"] >= 0
+
+  @property
+  def staleness(self) -> np.ndarray:
+    """Staleness of every trained sample: learner step minus the oldest version among its tokens."""
+    return self.samples["staleness"][self.trained]
+
+  def staleness_length_corr(self) -> float:
+    """Pearson correlation between a trained sample's staleness and its length (nan if either is constant)."""
+    s, n = self.staleness.astype(np.float64), self.samples["length"][self.trained].astype(np.float64)
+    if s.size < 2 or s.std() == 0 or n.std() == 0:
+      return math.nan
+    return float(np.corrcoef(s, n)[0, 1])
+
+  def summary(self) -> dict[str, float]:
+    s = self.staleness
+    return dict(step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
+                sampler_idle=self.sampler_idle_frac, learner_idle=self.learner_idle_frac,
+                device_busy=self.device_busy_frac, staleness_mean=float(s.mean()) if s.size else 0.0,
+                staleness_max=int(s.max()) if s.size else 0, staleness_length_corr=self.staleness_length_corr())
+
+
+class _Engine:
+  """One sampler engine: live decode slots, a pending list, a clock and the version of its weights.
+
+  Live samples sit in a heap keyed by the value of the engine's decode-step counter at which they finish, so
+  an event costs O(log B); a live sample's context is prompt_len + (counter - its start counter).
+  """
+
+  def __init__(self, index: int, costs: Costs, prompt_len: int):
+    d = costs.decode
+    self.index, self.max_batch, self.prompt_len = index, costs.max_batch, prompt_len
+    self.o, self.kv, self.w, self.c, self.p = d.overhead_s, d.kv_s_per_token, d.weights_s, d.compute_s_per_seq, \
+        d.knee_sharpness
+    self.prefill_s = costs.prefill_s_per_token * prompt_len
+    self.clock, self.version = 0.0, 0
+    self.counter = 0  # decode steps run so far
+    self.live: list[tuple[int, int, int]] = []  # heap of (finish counter, sample id, start counter)
+    self.start_sum = 0  # sum of the live samples' start counters
+    self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (sample id, length)
+    self.busy: list[list] = []  # [kind, start, end], contiguous spans of one kind merged
+    self.tokens = 0
+
+  @property
+  def batch(self) -> int:
+    return len(self.live)
+
+  @property
+  def load(self) -> int:
+    return len(self.live) + len(self.pending)
+
+  def _mark(self, kind: str, start: float, end: float):
+    if end <= start:
+      return
+    if self.busy and self.busy[-1][0] == kind and abs(self.busy[-1][2] - start) < 1e-12:
+      self.busy[-1][2] = end
+    else:
+      self.busy.append([kind, start, end])
+
+  def _first_step(self) -> tuple[float, float]:
+    """(time of the next decode step, growth of each later step): contexts grow by B tokens per step."""
+    b = len(self.live)
+    ctx_sum = b * (self.prompt_len + self.counter) - self.start_sum
+    linear = max(self.w, self.c * b) if math.isinf(self.p) else float(smoothmax(self.w, self.c * b, self.p))
+    return self.o + self.kv * ctx_sum + linear, self.kv * b
+
+  def _span(self, n: int) -> float:
+    a, s = self._first_step()
+    return n * a + s * n * (n - 1) / 2
+
+  def steps_to_finish(self) -> int:
+    return self.live[0][0] - self.counter
+
+  def next_finish(self) -> float:
+    return self.clock + self._span(self.steps_to_finish()) if self.live else math.inf
+
+  def steps_to_reach(self, t: float) -> int:
+    """Fewest decode steps that take the clock to t or past it (at most until the next sample finishes)."""
+    n_max = self.steps_to_finish()
+    tau = t - self.clock
+    if tau <= 0:
+      return 0
+    a, s = self._first_step()
+    if s == 0:
+      n = math.ceil(tau / a)
+    else:
+      h = a - s / 2
+      n = math.ceil((-h + math.sqrt(h * h + 2 * s * tau)) / s)
+    n = max(0, min(n, n_max))
+    while n > 0 and self._span(n - 1) >= tau:  # float round-off in the root
+      n -= 1
+    while n < n_max and self._span(n) < tau:
+      n += 1
+    return n
+
+  def decode(self, n: int) -> list[int]:
+    """Runs n decode steps; returns the ids of samples that finished."""
+    if n <= 0 or not self.live:
+      return []
+    dt = self._span(n)
+    self._mark("decode", self.clock, self.clock + dt)
+    self.clock += dt
+    self.tokens += n * len(self.live)
+    self.counter += n
+    finished = []
+    while self.live and self.live[0][0] == self.counter:
+      _, sid, start = heapq.heappop(self.live)
+      self.start_sum -= start
+      finished.append(sid)
+    return finished
+
+  def start_pending(self) -> list[int]:
+    """Prefills pending samples into free slots (one after another); returns the ids started."""
+    started = []
+    while self.pending and len(self.live) < self.max_batch:
+      sid, length = self.pending.popleft()
+      self._mark("decode", self.clock, self.clock + self.prefill_s)
+      self.clock += self.prefill_s
+      heapq.heappush(self.live, (self.counter + length, sid, self.counter))
+      self.start_sum += self.counter
+      started.append(sid)
+    return started
+
+  def stall(self, start: float, seconds: float):
+    self.clock = max(self.clock, start)
+    self._mark("sync", self.clock, self.clock + seconds)
+    self.clock += seconds
+
+
+def _busy_in(spans, lo: float, hi: float, kinds=("decode",)) -> float:
+  return sum(max(0.0, min(e, hi) - max(s, lo)) for k, s, e in spans if k in kinds)
+
+
+class _Sim:
+  """State of one simulated run (kept inside `simulate`; everything outside is pure)."""
+
+  def __init__(self, costs: Costs, spec: RunSpec, engines: int, learner_devices: int, k: int, sync_s: float):
+    if engines < 1:
+      raise ValueError(f"{spec.sampler_devices} sampler devices hold no engine of "
+                       f"{costs.devices_per_engine} devices")
+    self.costs, self.spec, self.k, self.sync_s = costs, spec, k, sync_s
+    self.learner_devices = learner_devices
+    self.gb, self.g = spec.groups_per_step, spec.group_size
+    self.engines = [_Engine(i, costs, spec.prompt_len) for i in range(engines)]
+    self.rng = np.random.default_rng(spec.seed)
+    self.blocks: dict[int, np.ndarray] = {}
+    # Admission never lets more than (k + 1) steps of groups be open, so this many groups suffice for the
+    # simulated steps plus the look-ahead that keeps the last measured steps in steady state.
+    self.max_groups = (spec.steps + k + 1) * self.gb
+    n = self.max_groups * self.g
+    self.s = {key: np.full(n, -1, np.int64) for key in ("length", "group", "engine", "start_version",
+                                                         "end_version", "step", "staleness")}
+    self.s.update(start_s=np.full(n, np.nan), finish_s=np.full(n, np.nan))
+    self.deadline = np.zeros(self.max_groups, np.int64)
+    self.done_count = np.zeros(self.max_groups, np.int64)
+    self.finished_fifo: list[int] = []  # finished groups not yet trained on, in completion order
+    self.open: set[int] = set()  # started groups not yet trained on
+    self.started = 0
+    self.consumed = 0  # groups trained on (so the next learner step is consumed // gb)
+    self.version = 0
+    self.learner_phase, self.learner_until = "idle", 0.0
+    self.learner_spans: list[list] = []
+    self.step_start: list[float] = []
+    self.step_end: list[float] = []
+    self.current_batch: list[int] = []
+    self.next_t = [math.inf] * engines
+
+  # -- engines ------------------------------------------------------------------------------------------
+  def _refresh(self, e: _Engine):
+    self.next_t[e.index] = e.next_finish()
+
+  def _finished(self, e: _Engine, sids: list[int]):
+    s = self.s
+    for sid in sids:
+      s["finish_s"][sid], s["end_version"][sid] = e.clock, e.version
+      g = int(s["group"][sid])
+      self.done_count[g] += 1
+      if self.done_count[g] == self.g:
+        self.finished_fifo.append(g)
+
+  def _fill(self, e: _Engine):
+    for sid in e.start_pending():
+      self.s["start_s"][sid], self.s["start_version"][sid] = e.clock, e.version
+
+  def _sync_engine(self, e: _Engine, t: float):
+    """Brings an engine's clock to its first decode-step boundary at or after t (or to t)."""
+    if e.live:  # stop short of a finish: that is the engine's own event, handled in time order
+      e.decode(min(e.steps_to_reach(t), e.steps_to_finish() - 1))
+    e.clock = max(e.clock, t)
+
+  # -- controller -----------------------------------------------------------------------------------------
+  def _admit(self, t: float):
+    need = min(self.g, self.costs.max_batch)
+    while self.started < self.max_groups:
+      s_next = self.consumed // self.gb
+      if len(self.open) + 1 > (self.version + self.k - s_next + 1) * self.gb:
+        return
+      if self.spec.queue_groups and len(self.finished_fifo) >= self.spec.queue_groups:
+        return
+      free = [e for e in self.engines if e.max_batch - e.load >= need]
+      if not free:
+        return
+      e = min(free, key=lambda x: (x.load, x.index))
+      self._sync_engine(e, t)
+      g = self.started
+      self.started += 1
+      self.open.add(g)
+      self.deadline[g] = self.version + self.k
+      lengths = self._group_lengths(g)
+      for i, n in enumerate(lengths):
+        sid = g * self.g + i
+        self.s["length"][sid], self.s["group"][sid], self.s["engine"][sid] = n, g, e.index
+        e.pending.append((sid, int(n)))
+      self._fill(e)
+      self._refresh(e)
+
+  def _group_lengths(self, g: int) -> np.ndarray:
+    """Lengths are drawn a step's worth of groups at a time, in group order, at the version the first group
+    of the block is admitted at; so sync and pipeline runs of one seed see the same lengths (unless the
+    distribution changes with the step)."""
+    block = g // self.gb
+    if block not in self.blocks:
+      n = self.gb * self.g
+      self.blocks[block] = self.spec.lengths.sample(self.rng, n, step=self.version).reshape(self.gb, self.g)
+    return self.blocks[block][g % self.gb]
+
+  def _select(self, step: int) -> list[int] | None:
+    """The groups of learner step `step`, or None while the batch cannot be formed yet."""
+    if len(self.finished_fifo) < self.gb:
+      return None
+    finished = set(self.finished_fifo)
+    by_deadline = collections.Counter(int(self.deadline[g]) for g in self.open)
+    n_mand, count = 0, 0
+    for d in sorted(by_deadline):
+      count += by_deadline[d]
+      n_mand = max(n_mand, count - (d - step) * self.gb)
+    order = sorted(self.open, key=lambda g: (self.deadline[g], g not in finished, g))
+    mandatory = order[:n_mand]
+    if any(g not in finished for g in mandatory):
+      return None
+    chosen = set(mandatory)
+    fill = [g for g in self.finished_fifo if g not in chosen][: self.gb - n_mand]
+    if len(fill) < self.gb - n_mand:
+      return None
+    return mandatory + fill
+
+  def _try_learn(self, t: float):
+    if self.learner_phase != "idle" or len(self.step_start) >= self.spec.steps:
+      return
+    step = self.consumed // self.gb
+    batch = self._select(step)
+    if batch is None:
+      return
+    for g in batch:
+      self.open.discard(g)
+    chosen = set(batch)
+    self.finished_fifo = [g for g in self.finished_fifo if g not in chosen]
+    self.consumed += len(batch)
+    sids = (np.asarray(batch)[:, None] * self.g + np.arange(self.g)[None, :]).ravel()
+    self.s["step"][sids] = step
+    self.s["staleness"][sids] = step - self.s["start_version"][sids]
+    tokens = int(self.s["length"][sids].sum()) + sids.size * self.spec.prompt_len
+    dt = self.costs.train_time(tokens, self.learner_devices)
+    self.step_start.append(t)
+    self.learner_spans.append(["train", t, t + dt])
+    self.learner_phase, self.learner_until = "train", t + dt
+
+  def _publish(self, t: float):
+    """End of a train step: new version, in-flight transfer to every engine."""
+    self.step_end.append(t)
+    self.version += 1
+    for e in self.engines:
+      self._sync_engine(e, t)
+      e.stall(t, self.sync_s)
+      e.version = self.version
+      self._refresh(e)
+    self.learner_spans.append(["sync", t, t + self.sync_s])
+    self.learner_phase, self.learner_until = "sync", t + self.sync_s
+
+  def run(self):
+    t = 0.0
+    self._admit(t)
+    while len(self.step_end) < self.spec.steps:
+      self._try_learn(t)
+      i_eng = min(range(len(self.next_t)), key=self.next_t.__getitem__)
+      t_eng = self.next_t[i_eng]
+      t_learn = self.learner_until if self.learner_phase != "idle" else math.inf
+      t = min(t_eng, t_learn)
+      if math.isinf(t):
+        raise RuntimeError(f"simulation stalled at step {len(self.step_end)}: no sample in flight, learner idle "
+                           f"(open groups {len(self.open)}, finished {len(self.finished_fifo)})")
+      if t_learn <= t_eng:
+        if self.learner_phase == "train":
+          self._publish(t)
+        else:
+          self.learner_phase = "idle"
+      else:
+        e = self.engines[i_eng]
+        self._finished(e, e.decode(e.steps_to_finish()))
+        self._fill(e)
+        self._refresh(e)
+      self._admit(t)
+    return self
+
+
+def _window(step_end: np.ndarray) -> tuple[float, float, int]:
+  """Steady-state window: from the end of step w (a quarter in) to the last step; returns (lo, hi, w)."""
+  n = step_end.size
+  if n < 3:
+    return 0.0, float(step_end[-1]), -1
+  w = max(1, n // 4)
+  return float(step_end[w]), float(step_end[-1]), w
+
+
+def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
+  step_end = np.asarray(sim.step_end)
+  lo, hi, w = _window(step_end)
+  span, n_steps = hi - lo, step_end.size - 1 - w
+  sampler_busy = sum(_busy_in(e.busy, lo, hi) for e in sim.engines)
+  learner_busy = _busy_in(sim.learner_spans, lo, hi, ("train",))
+  e_count, dpe = len(sim.engines), sim.costs.devices_per_engine
+  trained_tokens = int(sim.s["length"][sim.s["step"] > w].sum())
+  timeline = [(f"engine {e.index}", k, s, t) for e in sim.engines for k, s, t in e.busy]
+  timeline += [("learner", k, s, t) for k, s, t in sim.learner_spans]
+  device_busy = (sampler_busy * dpe + learner_busy * sim.learner_devices) / (total_devices * span)
+  return SimResult(
+      mode=mode, spec=sim.spec, step_time_s=span / n_steps, step_start_s=np.asarray(sim.step_start),
+      step_end_s=step_end, samples=sim.s, timeline=timeline, window_s=(lo, hi),
+      sampler_idle_frac=1.0 - sampler_busy / (e_count * span), learner_idle_frac=1.0 - learner_busy / span,
+      device_busy_frac=device_busy, tokens_per_s=trained_tokens / span,
+      decode_tokens=sum(e.tokens for e in sim.engines),
+      decode_busy_s=sum(_busy_in(e.busy, 0.0, math.inf) for e in sim.engines), engines=e_count,
+      sync_s=sim.sync_s)
+
+
+def simulate_pipeline(costs: Costs, spec: RunSpec) -> SimResult:
+  """Sampler and learner on disjoint devices, running at the same time with staleness bound k."""
+  engines = spec.sampler_devices // costs.devices_per_engine
+  sim = _Sim(costs, spec, engines, spec.learner_devices, spec.max_staleness,
+             costs.sync_time(spec.learner_devices, engines * costs.devices_per_engine)).run()
+  return _result(sim, "pipeline", spec.sampler_devices + spec.learner_devices)
+
+
+def simulate_sync(costs: Costs, spec: RunSpec, colocated: bool = True) -> SimResult:
+  """The synchronous loop: sample the whole batch, train on it, sync weights, repeat.
+
+  colocated: every device of the run (sampler + learner devices) samples, then every device trains.
+  Otherwise the sampler devices sample and the learner devices train, one after the other.
+  """
+  spec0 = spec.replace(max_staleness=0)
+  if colocated:
+    pool = spec.sampler_devices + spec.learner_devices
+    engines = pool // costs.devices_per_engine
+    sim = _Sim(costs, spec0, engines, pool, 0, costs.sync_time(pool, engines * costs.devices_per_engine)).run()
+    return _result(sim, "sync_colocated", pool)
+  engines = spec.sampler_devices // costs.devices_per_engine
+  sim = _Sim(costs, spec0, engines, spec.learner_devices, 0,
+             costs.sync_time(spec.learner_devices, engines * costs.devices_per_engine)).run()
+  return _result(sim, "sync", spec.sampler_devices + spec.learner_devices)
