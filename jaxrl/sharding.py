@@ -119,12 +119,12 @@ def logical_axes(params: nnx.State) -> nnx.State:
   """Logical axis names of every parameter (stacked blocks gain a leading "layers" axis)."""
 
   def axes_of(path, v):
-    axes = tuple(v.get_metadata().get("axes", (None,) * v.value.ndim))
+    axes = tuple(v.get_metadata().get("axes", (None,) * v.get_value().ndim))
     under_blocks = any(getattr(k, "key", None) == "blocks" for k in path)
-    if under_blocks and len(axes) == v.value.ndim - 1:
+    if under_blocks and len(axes) == v.get_value().ndim - 1:
       axes = ("layers", *axes)
-    if len(axes) != v.value.ndim:
-      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has shape {v.value.shape} but axes {axes}")
+    if len(axes) != v.get_value().ndim:
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has shape {v.get_value().shape} but axes {axes}")
     return axes
 
   return jax.tree_util.tree_map_with_path(axes_of, params, is_leaf=_is_variable)
@@ -151,7 +151,7 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, An
   """NamedSharding for every parameter, following the logical-axis rules."""
   axes = logical_axes(params)
   return jax.tree.map(
-      lambda v, a: NamedSharding(mesh, logical_to_spec(a, v.value.shape, mesh, rules)),
+      lambda v, a: NamedSharding(mesh, logical_to_spec(a, v.get_value().shape, mesh, rules)),
       params, axes, is_leaf=lambda x: _is_variable(x) or isinstance(x, tuple),
   )
 

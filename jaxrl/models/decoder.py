@@ -55,7 +55,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale.value.astype(x.dtype) * y.astype(x.dtype)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -106,11 +106,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxE, positions_BxT, inv_freq, *, segment_ids_BxT=None, cache_kv=None):
     cfg, dt = self.cfg, x_BxTxE.dtype
-    q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj.value.astype(dt))
-    k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj.value.astype(dt))
-    v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj.value.astype(dt))
+    q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(dt))
+    k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...].astype(dt))
+    v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...].astype(dt))
     if cfg.attention_bias:
-      q, k, v = q + self.q_bias.value.astype(dt), k + self.k_bias.value.astype(dt), v + self.v_bias.value.astype(dt)
+      q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, positions_BxT, inv_freq)
@@ -139,7 +139,7 @@ class Attention(nnx.Module):
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj.value.astype(dt)), new_cache_kv
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_cache_kv
 
 
 class MLP(nnx.Module):
@@ -152,8 +152,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = x.dtype
-    gate = jax.nn.silu(x @ self.gate_proj.value.astype(dt))
-    return (gate * (x @ self.up_proj.value.astype(dt))) @ self.down_proj.value.astype(dt)
+    gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
+    return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -192,7 +192,7 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     if cache is None and segment_ids_BxT is None:
       raise ValueError("the full-sequence path needs segment_ids_BxT (0 marks padding)")
-    x = self.embed.value.astype(cfg.compute_dtype)[tokens_BxT]
+    x = self.embed[...].astype(cfg.compute_dtype)[tokens_BxT]
     inv_freq = rope_inv_freq(cfg)
     graphdef, stacked = nnx.split(self.blocks)
 
@@ -206,7 +206,7 @@ class Decoder(nnx.Module):
     xs = (stacked, None if cache is None else (cache.k_LxBxSxKxD, cache.v_LxBxSxKxD))
     x, new_kv = jax.lax.scan(body, x, xs)
     x = self.final_norm(x)
-    head = self.embed.value.T if cfg.tie_embeddings else self.lm_head.value
+    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
     if cache is None:
       return logits

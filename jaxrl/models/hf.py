@@ -159,16 +159,16 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
     entry = entries.get(key)
     if entry is None:
       raise CheckpointError(f"no Hugging Face tensor maps to parameter {'/'.join(key)}")
-    want = tuple(var.value.shape)
+    want = tuple(var.get_value().shape)
     if key[0] == "blocks":
       parts = [_convert(tensors, entry, entry.hf.format(i=i), want[1:]) for i in range(cfg.num_layers)]
       host = np.stack(parts)
     else:
       host = _convert(tensors, entry, entry.hf, want)
-    host = host.astype(var.value.dtype)
+    host = host.astype(var.get_value().dtype)
     sh = sharding_of.get(key)
     if sh is not None:
-      sh = sh.value if isinstance(sh, nnx.Variable) else sh
+      sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
       arr = jax.make_array_from_callback(host.shape, sh, lambda idx, h=host: h[idx])
     else:
       arr = jax.numpy.asarray(host)
@@ -214,7 +214,7 @@ def save_params(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer_dir
   """Writes a HF directory atomically (a temp folder renamed into place); tokenizer files copied if given."""
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  flat = {tuple(str(k) for k in key): np.asarray(jax.device_get(v.value))
+  flat = {tuple(str(k) for k in key): np.asarray(jax.device_get(v.get_value()))
           for key, v in nnx.to_flat_state(params)}
   tensors = {}
   for entry in _entries(cfg):
@@ -232,9 +232,13 @@ def save_params(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer_dir
       for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).is_file():
           shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-    if path.exists():
-      shutil.rmtree(path)
-    os.replace(tmp, path)
+    if path.exists():  # keep the old folder until the new one is in place
+      old = path.with_name(f".{path.name}.old-{os.getpid()}")
+      os.replace(path, old)
+      os.replace(tmp, path)
+      shutil.rmtree(old)
+    else:
+      os.replace(tmp, path)
   finally:
     if tmp.exists():
       shutil.rmtree(tmp)
