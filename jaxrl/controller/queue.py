@@ -1,0 +1,183 @@
+"""Host-side plumbing between sampler and learner: group assembly, the bounded rollout queue, the staleness
+policy, the weight publisher, and the ledger that accounts for every sample."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable
+
+from jaxrl.rollout import Rollout
+from jaxrl.sharding import Versioned, transfer
+
+
+class Stopped(Exception):
+  """The run is stopping (another thread failed, or the step budget is spent)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessPolicy:
+  """Bounds staleness = learner step - oldest token version, at admission and again at batch assembly.
+
+  Admission: if groups are consumed in submission order, the g-th admitted group is trained at step
+  g // groups_per_step; submitting it while the sampler holds version v keeps its staleness <= k when
+  g < (v + k + 1) * groups_per_step. Completion order can differ from submission order (continuous batching),
+  so batch assembly filters again and drops what is over the bound, with a counted reason.
+  """
+
+  max_staleness: int
+  groups_per_step: int
+
+  def __post_init__(self):
+    if self.max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+    if self.groups_per_step < 1:
+      raise ValueError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
+
+  def may_admit(self, groups_live: int, sampler_version: int) -> bool:
+    """groups_live: groups admitted so far minus groups dropped (the ones the learner will consume)."""
+    return groups_live < (sampler_version + self.max_staleness + 1) * self.groups_per_step
+
+  @staticmethod
+  def staleness(group: list[Rollout], learner_step: int) -> int:
+    versions = [r.min_version for r in group if len(r.versions)]
+    return learner_step - min(versions) if versions else 0
+
+  def is_fresh(self, group: list[Rollout], learner_step: int) -> bool:
+    return self.staleness(group, learner_step) <= self.max_staleness
+
+
+class GroupAssembler:
+  """Collects finished samples; a GRPO group is released only when all its samples are done."""
+
+  def __init__(self):
+    self._open: dict[int, list[Rollout]] = {}
+    self._size: dict[int, int] = {}
+
+  def expect(self, group_id: int, n: int) -> None:
+    if group_id in self._size:
+      raise ValueError(f"group {group_id} is already open")
+    self._size[group_id] = n
+    self._open[group_id] = []
+
+  def add(self, rollout: Rollout) -> list[Rollout] | None:
+    gid = rollout.group_id
+    if gid not in self._size:
+      raise KeyError(f"rollout for unknown group {gid}")
+    self._open[gid].append(rollout)
+    if len(self._open[gid]) < self._size[gid]:
+      return None
+    del self._size[gid]
+    return sorted(self._open.pop(gid), key=lambda r: r.sample_index)
+
+  @property
+  def open_groups(self) -> list[int]:
+    return sorted(self._size)
+
+
+class RolloutQueue:
+  """Bounded FIFO of complete groups. A full queue blocks the producer (back-pressure); both sides wake on stop."""
+
+  def __init__(self, max_groups: int, stop: threading.Event, poll_s: float = 0.05):
+    if max_groups < 1:
+      raise ValueError(f"queue size must be >= 1, got {max_groups}")
+    self._q: queue.Queue[list[Rollout]] = queue.Queue(max_groups)
+    self._stop = stop
+    self._poll_s = poll_s
+    self.max_depth = 0
+
+  def put(self, group: list[Rollout]) -> None:
+    while True:
+      if self._stop.is_set():
+        raise Stopped
+      try:
+        self._q.put(group, timeout=self._poll_s)
+        self.max_depth = max(self.max_depth, self._q.qsize())
+        return
+      except queue.Full:
+        continue
+
+  def get(self) -> list[Rollout]:
+    while True:
+      if self._stop.is_set():
+        raise Stopped
+      try:
+        return self._q.get(timeout=self._poll_s)
+      except queue.Empty:
+        continue
+
+  def drain(self) -> list[list[Rollout]]:
+    out = []
+    while True:
+      try:
+        out.append(self._q.get_nowait())
+      except queue.Empty:
+        return out
+
+  def qsize(self) -> int:
+    return self._q.qsize()
+
+
+class WeightPublisher:
+  """Holds the newest params for the sampler: the learner publishes, the sampler takes between decode steps."""
+
+  def __init__(self, dst_shardings, dtype=None, on_publish: Callable[[Versioned], None] | None = None):
+    self._dst = dst_shardings
+    self._dtype = dtype
+    self._lock = threading.Lock()
+    self._latest: Versioned | None = None
+    self._on_publish = on_publish
+    self.published = 0
+
+  def publish(self, params, version: int) -> Versioned:
+    moved = transfer(params, version, self._dst, self._dtype)
+    with self._lock:
+      if self._latest is not None and version <= self._latest.version:
+        raise ValueError(f"published version {version} is not newer than {self._latest.version}")
+      self._latest = moved
+      self.published += 1
+    if self._on_publish is not None:
+      self._on_publish(moved)
+    return moved
+
+  def take_newer(self, version: int) -> Versioned | None:
+    """The latest params if newer than `version`, else None."""
+    with self._lock:
+      latest = self._latest
+    return latest if latest is not None and latest.version > version else None
+
+
+@dataclasses.dataclass
+class Ledger:
+  """Counts every sample: generated = trained + dropped (by reason) + in flight. Checkpointed with the run."""
+
+  groups_admitted: int = 0
+  samples_generated: int = 0
+  samples_trained: int = 0
+  samples_regenerated: int = 0  # in flight at a checkpoint, generated again after a resume
+  dropped: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+  dropped_groups: int = 0
+  reward_failures: int = 0
+  skipped_prompts: int = 0
+  skipped_updates: int = 0
+
+  def drop(self, group: list[Rollout], reason: str) -> None:
+    self.dropped[reason] += len(group)
+    self.dropped_groups += 1
+
+  @property
+  def samples_dropped(self) -> int:
+    return sum(self.dropped.values())
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["dropped"] = dict(self.dropped)
+    return d
+
+  @classmethod
+  def from_json(cls, d: dict) -> Ledger:
+    d = dict(d)
+    dropped = collections.defaultdict(int, d.pop("dropped", {}))
+    return cls(dropped=dropped, **d)

@@ -1,0 +1,70 @@
+"""Metrics sinks: JSONL (one record per learner step), TensorBoard event files, and a live progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
+                 ("ess_fraction", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
+                 ("learner_busy", "lrn"), ("step_time_s", "s/step"))
+
+
+def _scalar(v: Any) -> float | None:
+  try:
+    f = float(np.asarray(v))
+  except (TypeError, ValueError):
+    return None
+  return f
+
+
+class MetricsWriter:
+  """Writes scalars per step to workdir/metrics.jsonl and TensorBoard; prints a one-line summary."""
+
+  def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
+               total_steps: int | None = None):
+    self.workdir = Path(workdir)
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self._tb = SummaryWriter(str(self.workdir / "tb"))
+    self._progress = progress
+    self._total = total_steps
+    self._t0 = time.monotonic()
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+    record = {"step": step, "time": time.time(), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(record) + "\n")
+    if self._tb is not None:
+      for k, v in scalars.items():
+        self._tb.add_scalar(k, v, step)
+    if self._progress:
+      total = f"/{self._total}" if self._total else ""
+      parts = [f"{short} {scalars[k]:.3g}" for k, short in PROGRESS_KEYS if k in scalars]
+      elapsed = time.monotonic() - self._t0
+      print(f"[step {step}{total} {elapsed:6.1f}s] " + "  ".join(parts), file=sys.stderr, flush=True)
+
+  def write_histogram(self, step: int, name: str, values) -> None:
+    if self._tb is not None and len(values):
+      self._tb.add_histogram(name, np.asarray(values), step)
+
+  def close(self) -> None:
+    self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
