@@ -45,7 +45,8 @@ class RunSpec:
   max_staleness: int  # k
   lengths: LengthDist
   prompt_len: int = 256
-  steps: int = 8  # learner steps to simulate
+  steps: int = 8  # learner steps measured, after warmup
+  warmup_steps: int = -1  # learner steps simulated first and not measured; -1: max_staleness + 1
   queue_groups: int = 0  # finished groups the queue may hold; 0: bounded by admission only
   seed: int = 0
 
@@ -53,6 +54,8 @@ class RunSpec:
     for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
       if not getattr(self, name) >= 1:
         raise ValueError(f"RunSpec.{name} must be >= 1 (got {getattr(self, name)})")
+    if self.warmup_steps < -1:
+      raise ValueError(f"RunSpec.warmup_steps must be >= 0, or -1 for max_staleness + 1 (got {self.warmup_steps})")
     for name in ("max_staleness", "queue_groups"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"RunSpec.{name} must be >= 0 (got {getattr(self, name)})")
@@ -65,6 +68,14 @@ class RunSpec:
   @property
   def groups_per_step(self) -> int:
     return self.batch_size // self.group_size
+
+  @property
+  def warmup(self) -> int:
+    return self.max_staleness + 1 if self.warmup_steps == -1 else self.warmup_steps
+
+  @property
+  def total_steps(self) -> int:
+    return self.warmup + self.steps
 
   def replace(self, **kw) -> RunSpec:
     return dataclasses.replace(self, **kw)
@@ -79,8 +90,8 @@ class SimResult:
   step_time_s: float  # steady-state seconds per learner step
   step_start_s: np.ndarray  # [steps]
   step_end_s: np.ndarray  # [steps] end of each train step (its weights are published from here)
-  samples: dict[str, np.ndarray]  # per sample: length, group, engine, start_s, finish_s, start_version,
-  #                                 end_version, step (-1: not trained on), staleness (-1: not trained on)
+  samples: dict[str, np.ndarray]  # per sample: length, group, engine, start_s, finish_s, trained_s,
+  #                                 start_version, end_version, step and staleness (-1: not trained on)
   timeline: list[tuple[str, str, float, float]]  # (lane, kind, start, end); kinds decode | sync | train
   window_s: tuple[float, float]  # the steady-state window the rates below are measured over
   sampler_idle_frac: float
@@ -108,9 +119,17 @@ class SimResult:
       return math.nan
     return float(np.corrcoef(s, n)[0, 1])
 
+  def queue_wait_s(self) -> np.ndarray:
+    """Seconds each trained sample's group waited, complete, for the learner step that used it."""
+    tr = self.trained
+    group_done = np.zeros(self.samples["group"].max() + 1)
+    np.maximum.at(group_done, self.samples["group"][tr], self.samples["finish_s"][tr])
+    return self.samples["trained_s"][tr] - group_done[self.samples["group"][tr]]
+
   def summary(self) -> dict[str, float]:
     s = self.staleness
     return dict(step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
+                queue_wait_mean_s=float(self.queue_wait_s().mean()) if s.size else 0.0,
                 sampler_idle=self.sampler_idle_frac, learner_idle=self.learner_idle_frac,
                 device_busy=self.device_busy_frac, staleness_mean=float(s.mean()) if s.size else 0.0,
                 staleness_max=int(s.max()) if s.size else 0, staleness_length_corr=self.staleness_length_corr())
@@ -242,15 +261,16 @@ class _Sim:
     self.blocks: dict[int, np.ndarray] = {}
     # Admission never lets more than (k + 1) steps of groups be open, so this many groups suffice for the
     # simulated steps plus the look-ahead that keeps the last measured steps in steady state.
-    self.max_groups = (spec.steps + k + 1) * self.gb
+    self.max_groups = (spec.total_steps + k + 1) * self.gb
     n = self.max_groups * self.g
     self.s = {key: np.full(n, -1, np.int64) for key in ("length", "group", "engine", "start_version",
                                                          "end_version", "step", "staleness")}
-    self.s.update(start_s=np.full(n, np.nan), finish_s=np.full(n, np.nan))
+    self.s.update(start_s=np.full(n, np.nan), finish_s=np.full(n, np.nan), trained_s=np.full(n, np.nan))
     self.deadline = np.zeros(self.max_groups, np.int64)
     self.done_count = np.zeros(self.max_groups, np.int64)
     self.finished_fifo: list[int] = []  # finished groups not yet trained on, in completion order
-    self.open: set[int] = set()  # started groups not yet trained on
+    self.open: dict[int, set[int]] = collections.defaultdict(set)  # deadline -> started groups not trained on
+    self.n_open = 0
     self.started = 0
     self.consumed = 0  # groups trained on (so the next learner step is consumed // gb)
     self.version = 0
@@ -258,7 +278,7 @@ class _Sim:
     self.learner_spans: list[list] = []
     self.step_start: list[float] = []
     self.step_end: list[float] = []
-    self.current_batch: list[int] = []
+    self.batch_may_be_ready = False
     self.next_t = [math.inf] * engines
 
   # -- engines ------------------------------------------------------------------------------------------
@@ -273,6 +293,7 @@ class _Sim:
       self.done_count[g] += 1
       if self.done_count[g] == self.g:
         self.finished_fifo.append(g)
+        self.batch_may_be_ready = True
 
   def _fill(self, e: _Engine):
     for sid in e.start_pending():
@@ -289,7 +310,7 @@ class _Sim:
     need = min(self.g, self.costs.max_batch)
     while self.started < self.max_groups:
       s_next = self.consumed // self.gb
-      if len(self.open) + 1 > (self.version + self.k - s_next + 1) * self.gb:
+      if self.n_open + 1 > (self.version + self.k - s_next + 1) * self.gb:
         return
       if self.spec.queue_groups and len(self.finished_fifo) >= self.spec.queue_groups:
         return
@@ -300,8 +321,9 @@ class _Sim:
       self._sync_engine(e, t)
       g = self.started
       self.started += 1
-      self.open.add(g)
       self.deadline[g] = self.version + self.k
+      self.open[self.version + self.k].add(g)
+      self.n_open += 1
       lengths = self._group_lengths(g)
       for i, n in enumerate(lengths):
         sid = g * self.g + i
@@ -325,13 +347,17 @@ class _Sim:
     if len(self.finished_fifo) < self.gb:
       return None
     finished = set(self.finished_fifo)
-    by_deadline = collections.Counter(int(self.deadline[g]) for g in self.open)
     n_mand, count = 0, 0
-    for d in sorted(by_deadline):
-      count += by_deadline[d]
+    deadlines = sorted(d for d, gs in self.open.items() if gs)
+    for d in deadlines:
+      count += len(self.open[d])
       n_mand = max(n_mand, count - (d - step) * self.gb)
-    order = sorted(self.open, key=lambda g: (self.deadline[g], g not in finished, g))
-    mandatory = order[:n_mand]
+    mandatory = []
+    for d in deadlines:  # earliest deadlines first; within one, finished groups first
+      if len(mandatory) == n_mand:
+        break
+      gs = sorted(self.open[d], key=lambda g: (g not in finished, g))
+      mandatory += gs[: n_mand - len(mandatory)]
     if any(g not in finished for g in mandatory):
       return None
     chosen = set(mandatory)
@@ -341,20 +367,23 @@ class _Sim:
     return mandatory + fill
 
   def _try_learn(self, t: float):
-    if self.learner_phase != "idle" or len(self.step_start) >= self.spec.steps:
+    if self.learner_phase != "idle" or not self.batch_may_be_ready or len(self.step_start) >= self.spec.total_steps:
       return
     step = self.consumed // self.gb
     batch = self._select(step)
+    self.batch_may_be_ready = False  # until a group finishes or the learner frees up
     if batch is None:
       return
     for g in batch:
-      self.open.discard(g)
+      self.open[int(self.deadline[g])].discard(g)
+    self.n_open -= len(batch)
     chosen = set(batch)
     self.finished_fifo = [g for g in self.finished_fifo if g not in chosen]
     self.consumed += len(batch)
     sids = (np.asarray(batch)[:, None] * self.g + np.arange(self.g)[None, :]).ravel()
     self.s["step"][sids] = step
     self.s["staleness"][sids] = step - self.s["start_version"][sids]
+    self.s["trained_s"][sids] = t
     tokens = int(self.s["length"][sids].sum()) + sids.size * self.spec.prompt_len
     dt = self.costs.train_time(tokens, self.learner_devices)
     self.step_start.append(t)
@@ -376,7 +405,7 @@ class _Sim:
   def run(self):
     t = 0.0
     self._admit(t)
-    while len(self.step_end) < self.spec.steps:
+    while len(self.step_end) < self.spec.total_steps:
       self._try_learn(t)
       i_eng = min(range(len(self.next_t)), key=self.next_t.__getitem__)
       t_eng = self.next_t[i_eng]
@@ -384,12 +413,12 @@ class _Sim:
       t = min(t_eng, t_learn)
       if math.isinf(t):
         raise RuntimeError(f"simulation stalled at step {len(self.step_end)}: no sample in flight, learner idle "
-                           f"(open groups {len(self.open)}, finished {len(self.finished_fifo)})")
+                           f"(open groups {self.n_open}, finished {len(self.finished_fifo)})")
       if t_learn <= t_eng:
         if self.learner_phase == "train":
           self._publish(t)
         else:
-          self.learner_phase = "idle"
+          self.learner_phase, self.batch_may_be_ready = "idle", True
       else:
         e = self.engines[i_eng]
         self._finished(e, e.decode(e.steps_to_finish()))
@@ -399,18 +428,16 @@ class _Sim:
     return self
 
 
-def _window(step_end: np.ndarray) -> tuple[float, float, int]:
-  """Steady-state window: from the end of step w (a quarter in) to the last step; returns (lo, hi, w)."""
-  n = step_end.size
-  if n < 3:
+def _window(step_end: np.ndarray, warmup: int) -> tuple[float, float, int]:
+  """Measured window: from the end of the last warmup step (or 0) to the end of the last step."""
+  if warmup == 0:
     return 0.0, float(step_end[-1]), -1
-  w = max(1, n // 4)
-  return float(step_end[w]), float(step_end[-1]), w
+  return float(step_end[warmup - 1]), float(step_end[-1]), warmup - 1
 
 
 def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
   step_end = np.asarray(sim.step_end)
-  lo, hi, w = _window(step_end)
+  lo, hi, w = _window(step_end, sim.spec.warmup)
   span, n_steps = hi - lo, step_end.size - 1 - w
   sampler_busy = sum(_busy_in(e.busy, lo, hi) for e in sim.engines)
   learner_busy = _busy_in(sim.learner_spans, lo, hi, ("train",))

@@ -1,0 +1,116 @@
+"""jaxrl-plan: find the best sampler/learner split of a device pool and predict its speedup over sync.
+
+  jaxrl-plan --config=configs/plan_mission.py [--outdir=/tmp/plan]
+
+Prints the sweep table and writes timeline.png, speedup_vs_split.png, staleness_vs_split.png and
+speedup_vs_length.png to the output directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxrl.sim import costs as costs_lib
+from jaxrl.sim import lengths as lengths_lib
+from jaxrl.sim import planner, plots
+from jaxrl.sim.calibrate import Calibration
+from jaxrl.sim.hardware import preset
+from jaxrl.sim.simulate import RunSpec
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/plan_<name>.py", lock_config=True)
+_OUTDIR = flags.DEFINE_string("outdir", None, "where the PNGs go (default: config.outdir)")
+
+
+def build(config) -> dict:
+  """Costs, workload and planner arguments from a plan config (importable for notebooks and tests)."""
+  model = costs_lib.ModelSpec.from_dims(**config.model)
+  hw = preset(config.hardware).replace(**dict(config.hardware_overrides))
+  if config.calibration:
+    costs = Calibration.load(config.calibration).costs()
+  else:
+    costs = costs_lib.roofline_costs(
+        model, hw, devices_per_engine=config.devices_per_engine, slot_tokens=config.slot_tokens,
+        mem_eff=config.mem_eff, flop_eff=config.flop_eff, mfu=config.mfu, overhead_s=config.overhead_s,
+        knee_sharpness=config.knee_sharpness, kv_mem_fraction=config.kv_mem_fraction,
+        max_batch_cap=config.max_batch_cap, train_overhead_s=config.train_overhead_s,
+        sync_overhead_s=config.sync_overhead_s)
+  lengths = lengths_lib.from_config(config.lengths.to_dict())
+  workload = RunSpec(sampler_devices=1, learner_devices=1, batch_size=config.batch_sizes[0],
+                     group_size=config.group_size, max_staleness=config.ks[0], lengths=lengths,
+                     prompt_len=config.prompt_len, steps=config.steps, seed=config.seed)
+  return dict(model=model, hardware=hw, costs=costs, workload=workload, pool=config.pool,
+              staleness_bound=config.staleness_bound, batch_sizes=tuple(config.batch_sizes), ks=tuple(config.ks),
+              splits=tuple(config.splits),
+              learner_min_devices=costs_lib.learner_min_devices(model, hw, config.learner_bytes_per_param))
+
+
+def run_plan(b: dict) -> planner.Plan:
+  return planner.plan(b["costs"], b["workload"], b["pool"], staleness_bound=b["staleness_bound"],
+                      batch_sizes=b["batch_sizes"], ks=b["ks"], splits=b["splits"],
+                      learner_min_devices=b["learner_min_devices"])
+
+
+def length_sweep(b: dict, best: planner.PlanRow, factors) -> tuple[list[float], list[float]]:
+  """Best speedup over the splits at the best (batch, k), with every length scaled by each factor."""
+  means, speedups = [], []
+  base = b["workload"].lengths
+  for f in factors:
+    dist = lengths_lib.Scaled(base, f, max(1, int(round(base.max_len * f))))
+    wl = b["workload"].replace(lengths=dist)
+    p = planner.plan(b["costs"], wl, b["pool"], staleness_bound=b["staleness_bound"],
+                     batch_sizes=(best.batch_size,), ks=(best.max_staleness,), splits=b["splits"],
+                     learner_min_devices=b["learner_min_devices"])
+    means.append(dist.mean())
+    speedups.append(p.best.speedup if p.best else math.nan)
+  return means, speedups
+
+
+def _main(argv):
+  del argv
+  config = _CONFIG.value
+  outdir = _OUTDIR.value or config.outdir
+  os.makedirs(outdir, exist_ok=True)
+  t0 = time.perf_counter()
+  b = build(config)
+  c = b["costs"]
+  print(f"model {b['model'].name}: {b['model'].params / 1e9:.3g}B params on {b['pool']} x {b['hardware'].name}; "
+        f"engine = {c.devices_per_engine} devices, {c.max_batch} slots, knee at batch {c.decode.knee_batch:.0f}; "
+        f"learner needs >= {b['learner_min_devices']} devices; mean response {b['workload'].lengths.mean():.0f} "
+        "tokens")
+  p = run_plan(b)
+  print(p.table())
+  best = p.best
+  if best is None:
+    print("no feasible configuration")
+    return 1
+  sync = p.sync[best.batch_size]
+  print(f"\nsync on all {b['pool']} devices: {sync.step_time_s:.2f} s/step; best pipeline: {best.sampler_devices} "
+        f"sampler + {best.learner_devices} learner devices, k={best.max_staleness}: {best.step_time_s:.2f} s/step, "
+        f"speedup {best.speedup:.3f}x (sweep took {time.perf_counter() - t0:.1f} s)")
+  plots.timeline(p.best_result(), os.path.join(outdir, "timeline.png"))
+  plots.timeline(sync, os.path.join(outdir, "timeline_sync.png"))
+  plots.vs_split(p, "speedup", "pipeline speedup over sync", os.path.join(outdir, "speedup_vs_split.png"))
+  plots.vs_split(p, "staleness_mean", "mean staleness (learner steps)",
+                 os.path.join(outdir, "staleness_vs_split.png"))
+  if config.length_factors:
+    means, speedups = length_sweep(b, best, config.length_factors)
+    for m, s in zip(means, speedups, strict=True):
+      print(f"mean length {m:8.0f} tokens: best speedup {s:.3f}x")
+    plots.speedup_vs_length(means, speedups, os.path.join(outdir, "speedup_vs_length.png"),
+                            label=f"batch {best.batch_size}, k={best.max_staleness}")
+  print(f"plots in {outdir} ({time.perf_counter() - t0:.1f} s in all)")
+  return 0
+
+
+def main():
+  """Console-script entry point (jaxrl-plan = "jaxrl.sim.plan:main")."""
+  app.run(_main)
+
+
+if __name__ == "__main__":
+  main()

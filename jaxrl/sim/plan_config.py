@@ -1,0 +1,38 @@
+"""Defaults of the configs/plan_*.py files (each field documented here once)."""
+
+import math
+
+import ml_collections
+
+
+def base() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict()  # ModelSpec.from_dims keyword arguments (name + decoder sizes)
+  c.hardware = "h100"  # a jaxrl.sim.hardware preset: tpu_v5e, tpu_v5p, tpu_v6e, h100, h200, cpu
+  c.hardware_overrides = ml_collections.ConfigDict()  # Hardware fields to replace, e.g. link_bandwidth
+  c.calibration = ""  # a Calibration JSON (jaxrl-profile output); when set it replaces the roofline costs
+  c.pool = 8  # devices to split between sampler and learner
+  c.devices_per_engine = 1  # devices of one sampler engine (its tensor-parallel degree)
+  c.slot_tokens = 4096  # KV-cache tokens reserved per live sequence; sets the slots per engine
+  c.kv_mem_fraction = 0.9  # share of device memory usable for weights + KV cache
+  c.max_batch_cap = 1024  # most live sequences per engine, whatever the memory allows
+  c.mem_eff = 0.8  # achieved / peak memory bandwidth in decode
+  c.flop_eff = 0.5  # achieved / peak FLOP/s in decode and prefill matmuls
+  c.mfu = 0.4  # learner model-FLOPs utilisation (6 N FLOPs per trained token)
+  c.overhead_s = 0.005  # fixed cost of one decode step (sampling, host loop, launch)
+  c.knee_sharpness = math.inf  # smoothing of the roofline knee (inf: hard max)
+  c.train_overhead_s = 0.0  # fixed cost of one learner step
+  c.sync_overhead_s = 0.5  # fixed cost of one weight publish (latency, re-layout)
+  c.learner_bytes_per_param = 16.0  # training state: bf16 params + grads, fp32 master + Adam moments
+  c.lengths = ml_collections.ConfigDict()  # jaxrl.sim.lengths.from_config: lognormal | mixture | empirical
+  c.prompt_len = 256
+  c.group_size = 8
+  c.batch_sizes = (64,)  # samples per learner step to sweep
+  c.ks = (1,)  # staleness bounds to sweep
+  c.staleness_bound = 1  # configurations with k above this are dropped
+  c.splits = ()  # sampler device counts to sweep; empty: every whole-engine split
+  c.steps = 6  # learner steps measured per simulation (after max_staleness + 1 warmup steps)
+  c.seed = 0
+  c.length_factors = ()  # scale every length by these for the speedup-vs-length plot; empty: skip
+  c.outdir = "/tmp/jaxrl-plan"
+  return c
