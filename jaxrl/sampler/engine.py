@@ -1,0 +1,269 @@
+"""Decode engine over a fixed pool of slots (JetStream Engine API shape): prefill, insert, generate.
+
+The decode state holds a preallocated KV cache for `max_slots` sequences of up to `max_len` tokens, sharded on
+the sampler mesh (slots over "data", kv heads over "tensor"). Each slot keeps its whole sequence in `tokens_SxT`
+and `pos_S`, the position of its last token, whose logits the next step computes. `generate` runs
+`steps_per_call` decode steps in one jitted loop; a slot that finishes goes inactive inside the loop and is
+refilled by `insert` between calls. Shapes never depend on the requests, so each function compiles once (prefill,
+insert and rebuild once per prompt-length bucket).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxrl.models import KVCache, ModelConfig, forward_cached, init_cache
+from jaxrl.models.hf import abstract_params
+from jaxrl.sampler.sampling import sample
+from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
+
+
+@flax.struct.dataclass
+class SlotSettings:
+  """Per-request decoding settings; in the decode state every field has a leading slot axis."""
+
+  key: jax.Array  # uint32 raw key data of the request's rng; token t is drawn with fold_in(key, t)
+  temperature: jax.Array  # float32
+  top_k: jax.Array  # int32
+  top_p: jax.Array  # float32
+  greedy: jax.Array  # bool
+  max_new: jax.Array  # int32, completion tokens allowed
+  stop_ids: jax.Array  # int32 [..., max_stop_ids], -1 padded; generating one of them ends the sample
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: KVCache  # [L, S, T, K, D]
+  tokens_SxT: jax.Array  # int32, prompt then completion
+  pos_S: jax.Array  # int32, position of the last token (its logits are computed next)
+  active_S: jax.Array  # bool
+  num_generated_S: jax.Array  # int32
+  settings: SlotSettings
+
+
+@flax.struct.dataclass
+class Prefix:
+  """A prefilled prompt: its keys/values over a length bucket, ready to be inserted into any number of slots."""
+
+  cache: KVCache  # [L, 1, bucket, K, D]
+  tokens_B: jax.Array  # int32 [bucket], the prompt right-padded with 0
+  length: jax.Array  # int32 scalar, the true prompt length
+  version: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
+class ResultTokens:
+  """What one generate call produced: entry [s, i] is slot s's token from decode step i (if valid)."""
+
+  tokens_SxK: jax.Array
+  logprobs_SxK: jax.Array
+  valid_SxK: jax.Array  # the slot was active at that step
+  done_S: jax.Array  # the slot finished within this call (stop id or max tokens or full cache)
+  version: jax.Array  # int32 scalar: the policy version of the params of this call
+
+
+def _prefill(graphdef, cfg, cache_dtype, params, tokens_B, length):
+  bucket = tokens_B.shape[0]
+  cache = init_cache(cfg, 1, bucket, cache_dtype)
+  _, cache = forward_cached(graphdef, params, tokens_B[None], jnp.arange(bucket)[None], cache)
+  return Prefix(cache, tokens_B, length)
+
+
+def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings) -> DecodeState:
+  at = (0, slot, 0, 0, 0)
+  cache = KVCache(jax.lax.dynamic_update_slice(state.cache.k_LxBxSxKxD, prefix.cache.k_LxBxSxKxD, at),
+                  jax.lax.dynamic_update_slice(state.cache.v_LxBxSxKxD, prefix.cache.v_LxBxSxKxD, at))
+  tokens = jax.lax.dynamic_update_slice(state.tokens_SxT, prefix.tokens_B[None], (slot, 0))
+  put = lambda rows, value: rows.at[slot].set(value)
+  return DecodeState(
+      cache=cache,
+      tokens_SxT=tokens,
+      pos_S=put(state.pos_S, prefix.length - 1),
+      active_S=put(state.active_S, True),
+      num_generated_S=put(state.num_generated_S, 0),
+      settings=jax.tree.map(put, state.settings, settings),
+  )
+
+
+def _generate(graphdef, steps, params, version, state: DecodeState):
+  num_slots, max_len = state.tokens_SxT.shape
+  rows = jnp.arange(num_slots)
+  s = state.settings
+  request_keys = jax.random.wrap_key_data(s.key)
+
+  def step(i, carry):
+    state, out = carry
+    token_S = state.tokens_SxT[rows, state.pos_S]
+    logits, cache = forward_cached(graphdef, params, token_S[:, None], state.pos_S[:, None], state.cache)
+    keys = jax.vmap(jax.random.fold_in)(request_keys, state.num_generated_S)
+    new_S, logprob_S = sample(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
+    active = state.active_S
+    next_pos = jnp.where(active, state.pos_S + 1, state.pos_S)
+    tokens = state.tokens_SxT.at[rows, next_pos].set(jnp.where(active, new_S, state.tokens_SxT[rows, next_pos]))
+    num_generated = state.num_generated_S + active
+    stop = jnp.any(new_S[:, None] == s.stop_ids, axis=-1)
+    done = active & (stop | (num_generated >= s.max_new) | (next_pos >= max_len - 1))
+    state = state.replace(cache=cache, tokens_SxT=tokens, pos_S=next_pos, active_S=active & ~done,
+                          num_generated_S=num_generated)
+    out = (out[0].at[:, i].set(new_S), out[1].at[:, i].set(logprob_S), out[2].at[:, i].set(active))
+    return state, out
+
+  out = (jnp.zeros((num_slots, steps), jnp.int32), jnp.zeros((num_slots, steps), jnp.float32),
+         jnp.zeros((num_slots, steps), bool))
+  new_state, (tokens, logprobs, valid) = jax.lax.fori_loop(0, steps, step, (state, out))
+  done = state.active_S & ~new_state.active_S
+  return new_state, ResultTokens(tokens, logprobs, valid, done, version)
+
+
+def _rebuild(graphdef, chunk, length, params, state: DecodeState) -> DecodeState:
+  """Recomputes keys/values of positions [0, length) of every slot with `params` (after a weight update)."""
+  num_slots, max_len = state.tokens_SxT.shape
+
+  def body(c, cache):
+    pos_SxC = jnp.broadcast_to(c * chunk + jnp.arange(chunk), (num_slots, chunk))
+    # Positions past the cache read a clamped token and their writes are dropped.
+    tokens_SxC = jnp.take_along_axis(state.tokens_SxT, jnp.minimum(pos_SxC, max_len - 1), axis=1)
+    _, cache = forward_cached(graphdef, params, tokens_SxC, pos_SxC, cache)
+    return cache
+
+  return state.replace(cache=jax.lax.fori_loop(0, math.ceil(length / chunk), body, state.cache))
+
+
+def _release(state: DecodeState, slot) -> DecodeState:
+  return state.replace(active_S=state.active_S.at[slot].set(False))
+
+
+class Engine:
+  """Prefill / insert / generate over `max_slots` decode slots of `max_len` tokens on the sampler mesh."""
+
+  def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
+               min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, cache_dtype=None,
+               rules=SAMPLER_RULES):
+    for name, value in (("max_slots", max_slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
+                        ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk)):
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"Engine: {name} must be a positive int (got {value!r})")
+    if max_len < 2:
+      raise ValueError(f"Engine: max_len must be >= 2 to hold a prompt token and a generated one (got {max_len})")
+    self.cfg, self.mesh, self.rules = cfg, mesh, rules
+    self.max_slots, self.max_len, self.steps_per_call = max_slots, max_len, steps_per_call
+    self.max_stop_ids = max_stop_ids
+    self.cache_dtype = cache_dtype or cfg.compute_dtype
+    buckets, b = [], min_bucket
+    while b < max_len:
+      buckets.append(b)
+      b *= 2
+    self.buckets = (*buckets, max_len)
+    self.graphdef, abstract = abstract_params(cfg)
+    self.param_shardings = param_shardings(abstract, mesh, rules)
+    self._state_shardings = self._decode_state_shardings()
+    prefix_shardings = Prefix(self._kv_sharding(batch_axis=None), self._named(None), self._named())
+    result_shardings = ResultTokens(self._named("batch", None), self._named("batch", None),
+                                    self._named("batch", None), self._named("batch"), self._named())
+    g = self.graphdef
+    self._prefill = jax.jit(functools.partial(_prefill, g, cfg, self.cache_dtype), out_shardings=prefix_shardings)
+    self._insert = jax.jit(_insert, donate_argnums=1, out_shardings=self._state_shardings)
+    self._generate = jax.jit(functools.partial(_generate, g, steps_per_call), donate_argnums=2,
+                             out_shardings=(self._state_shardings, result_shardings))
+    self._rebuild = jax.jit(functools.partial(_rebuild, g, rebuild_chunk), static_argnums=0, donate_argnums=2,
+                            out_shardings=self._state_shardings)
+    self._release = jax.jit(_release, donate_argnums=0, out_shardings=self._state_shardings)
+
+  def _named(self, *axes) -> NamedSharding:
+    """Sharding of an array whose dimensions carry these logical axes (sizes are only checked for divisibility)."""
+    return NamedSharding(self.mesh, logical_to_spec(axes, self._dims(axes), self.mesh, self.rules))
+
+  def _dims(self, axes):
+    sizes = {"batch": self.max_slots, "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
+             "layers": self.cfg.num_layers}
+    return [sizes.get(a, 1) for a in axes]
+
+  def _kv_sharding(self, batch_axis="batch") -> KVCache:
+    sh = self._named("layers", batch_axis, None, "kv_heads", "head_dim")
+    return KVCache(sh, sh)
+
+  def _decode_state_shardings(self) -> DecodeState:
+    vec = self._named("batch")
+    mat = self._named("batch", None)
+    return DecodeState(self._kv_sharding(), mat, vec, vec, vec, SlotSettings(mat, vec, vec, vec, vec, vec, mat))
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.max_slots
+
+  def bucket(self, length: int) -> int:
+    """The smallest prompt-length bucket that holds `length` tokens."""
+    for b in self.buckets:
+      if b >= length:
+        return b
+    raise ValueError(f"a prompt of {length} tokens does not fit the cache (max_len={self.max_len})")
+
+  def place(self, params, version: int) -> Versioned:
+    """Puts params onto the sampler shardings (a no-op for arrays already there)."""
+    return transfer(params, version, self.param_shardings)
+
+  def init_decode_state(self) -> DecodeState:
+    s, t = self.max_slots, self.max_len
+    key_shape = jax.random.key_data(jax.random.key(0)).shape
+
+    def zeros():
+      cache = init_cache(self.cfg, s, t, self.cache_dtype)
+      settings = SlotSettings(jnp.zeros((s, *key_shape), jnp.uint32), jnp.ones((s,), jnp.float32),
+                              jnp.zeros((s,), jnp.int32), jnp.ones((s,), jnp.float32), jnp.zeros((s,), bool),
+                              jnp.zeros((s,), jnp.int32), jnp.full((s, self.max_stop_ids), -1, jnp.int32))
+      return DecodeState(cache, jnp.zeros((s, t), jnp.int32), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), bool),
+                         jnp.zeros((s,), jnp.int32), settings)
+
+    return jax.jit(zeros, out_shardings=self._state_shardings)()
+
+  def prefill(self, params: Versioned, tokens, true_length: int | None = None) -> Prefix:
+    """Keys/values of the prompt tokens[:true_length], padded to its length bucket."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    true_length = len(tokens) if true_length is None else int(true_length)
+    if not 0 < true_length <= len(tokens):
+      raise ValueError(f"true_length must be in [1, {len(tokens)}] (got {true_length}); prompts cannot be empty")
+    if true_length > self.max_len - 1:
+      raise ValueError(f"a prompt of {true_length} tokens does not fit the cache: max_len={self.max_len} leaves "
+                       f"room for prompts of at most {self.max_len - 1} tokens")
+    padded = np.zeros(self.bucket(true_length), np.int32)
+    padded[:true_length] = tokens[:true_length]
+    prefix = self._prefill(params.params, padded, np.int32(true_length))
+    return prefix.replace(version=params.version)
+
+  def slot_settings(self, key, sampling, max_new: int, stop_ids=()) -> SlotSettings:
+    """One request's settings as host scalars; stop_ids must already be checked against the vocabulary."""
+    if len(stop_ids) > self.max_stop_ids:
+      raise ValueError(f"{len(stop_ids)} stop token ids given, the engine holds at most {self.max_stop_ids}")
+    stops = np.full((self.max_stop_ids,), -1, np.int32)
+    stops[: len(stop_ids)] = stop_ids
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    return SlotSettings(np.asarray(jax.random.key_data(key), np.uint32), np.float32(temperature),
+                        np.int32(sampling.top_k), np.float32(sampling.top_p), np.bool_(sampling.greedy),
+                        np.int32(max_new), stops)
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, settings: SlotSettings) -> DecodeState:
+    if not 0 <= slot < self.max_slots:
+      raise ValueError(f"slot {slot} is outside [0, {self.max_slots})")
+    return self._insert(prefix, decode_state, np.int32(slot), settings)
+
+  def generate(self, params: Versioned, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+    return self._generate(params.params, np.int32(params.version), decode_state)
+
+  def rebuild(self, params: Versioned, decode_state: DecodeState, length: int) -> DecodeState:
+    """Recomputes the cache of positions [0, length) of all slots with new params (exact in-flight update)."""
+    return self._rebuild(self.bucket(min(length, self.max_len)), params.params, decode_state)
+
+  def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Stops a slot (the host ended its sample, e.g. on a stop string)."""
+    return self._release(decode_state, np.int32(slot))
+
+  def compile_count(self) -> int:
+    """Compiled executables across the engine's jitted functions (each shape compiles once)."""
+    return sum(f._cache_size() for f in (self._prefill, self._insert, self._generate, self._rebuild, self._release))

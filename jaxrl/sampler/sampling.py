@@ -1,0 +1,67 @@
+"""Token sampling (temperature, top-k, top-p, greedy) and the log-probabilities of the distribution sampled from.
+
+The sampler draws from `filtered_logprobs` and the learner recomputes behavior logprobs with the same function
+(`sampling_logprobs`), so both see exactly the same support. Filters apply in the order of SamplingParams:
+logits / temperature, then top-k, then top-p on the renormalised top-k distribution. Ties at a cut-off value are
+kept. Greedy is the point mass on the argmax of the raw logits (logprob 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.rollout import SamplingParams
+
+_NEG_INF = -jnp.inf
+
+
+def _filter(scaled_NxV, top_k_N, top_p_N):
+  """Sets logits outside the top-k / top-p support to -inf."""
+  v = scaled_NxV.shape[-1]
+  desc_NxV = jnp.flip(jnp.sort(scaled_NxV, axis=-1), axis=-1)
+  k_N = jnp.where((top_k_N > 0) & (top_k_N < v), top_k_N, v)
+  in_top_k_NxV = jnp.arange(v)[None, :] < k_N[:, None]
+  probs_NxV = jax.nn.softmax(jnp.where(in_top_k_NxV, desc_NxV, _NEG_INF), axis=-1)
+  mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV
+  # top_p == 1 keeps everything even where rounding pushes the cumulative mass to 1 before the tail.
+  keep_NxV = in_top_k_NxV & ((mass_before_NxV < top_p_N[:, None]) | (top_p_N[:, None] >= 1.0))
+  last_kept_N = jnp.sum(keep_NxV, axis=-1) - 1  # the top token is always kept
+  threshold_N = jnp.take_along_axis(desc_NxV, last_kept_N[:, None], axis=-1)
+  return jnp.where(scaled_NxV >= threshold_N, scaled_NxV, _NEG_INF)
+
+
+def filtered_logprobs(logits_NxV, temperature_N, top_k_N, top_p_N, greedy_N):
+  """Log-probabilities (-inf off the support) of the distribution each row's token is drawn from."""
+  logits_NxV = logits_NxV.astype(jnp.float32)
+  v = logits_NxV.shape[-1]
+  scaled_NxV = logits_NxV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]
+  # The sort over the vocabulary is the expensive part; skip it when no row filters.
+  needs_filter = jnp.any(~greedy_N & (((top_k_N > 0) & (top_k_N < v)) | (top_p_N < 1.0)))
+  masked_NxV = jax.lax.cond(needs_filter, _filter, lambda s, k, p: s, scaled_NxV, top_k_N, top_p_N)
+  sampled_NxV = jax.nn.log_softmax(masked_NxV, axis=-1)
+  is_argmax_NxV = jnp.arange(v)[None, :] == jnp.argmax(logits_NxV, axis=-1)[:, None]
+  greedy_NxV = jnp.where(is_argmax_NxV, 0.0, _NEG_INF)
+  return jnp.where(greedy_N[:, None], greedy_NxV, sampled_NxV)
+
+
+def sampling_logprobs(logits, tokens, sampling: SamplingParams):
+  """log p(token) under the distribution SamplingParams builds from `logits` (any leading shape, last axis V).
+
+  For the learner: logits[..., t, :] are the logits that predicted tokens[..., t].
+  """
+  lead = tokens.shape
+  if logits.shape[:-1] != lead:
+    raise ValueError(f"logits {logits.shape} do not match tokens {tokens.shape} (expected logits [..., V])")
+  logits_NxV = logits.reshape(-1, logits.shape[-1])
+  full = lambda x, dtype: jnp.full((logits_NxV.shape[0],), x, dtype)
+  lp_NxV = filtered_logprobs(logits_NxV, full(sampling.temperature, jnp.float32), full(sampling.top_k, jnp.int32),
+                             full(sampling.top_p, jnp.float32), full(sampling.greedy, bool))
+  return jnp.take_along_axis(lp_NxV, tokens.reshape(-1, 1).astype(jnp.int32), axis=-1).reshape(lead)
+
+
+def sample(keys_N, logits_NxV, temperature_N, top_k_N, top_p_N, greedy_N):
+  """Draws one token per row; returns (tokens_N, logprobs_N) with the logprob under the filtered distribution."""
+  lp_NxV = filtered_logprobs(logits_NxV, temperature_N, top_k_N, top_p_N, greedy_N)
+  tokens_N = jax.vmap(jax.random.categorical)(keys_N, lp_NxV).astype(jnp.int32)
+  return tokens_N, jnp.take_along_axis(lp_NxV, tokens_N[:, None], axis=-1)[:, 0]

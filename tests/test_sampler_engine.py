@@ -1,0 +1,296 @@
+"""Engine + Sampler: continuous batching equals one-at-a-time decoding, exact behavior logprobs and versions."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.models import Decoder, ModelConfig, forward
+from jaxrl.rollout import SamplingParams
+from jaxrl.sampler import Engine, Request, Sampler, sampling_logprobs
+from jaxrl.sharding import make_mesh
+
+MAX_LEN = 48
+CFG = ModelConfig.tiny(eos_token_ids=(1,))
+
+
+def _perturb(params, seed):
+  return jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(seed + x.size), x.shape), params)
+
+
+@pytest.fixture(scope="module")
+def model():
+  graphdef, params = nnx.split(Decoder(CFG, nnx.Rngs(0)))
+  return graphdef, _perturb(params, 0), _perturb(params, 1000)  # versions 0 and 1
+
+
+@pytest.fixture(scope="module")
+def engine():
+  mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:])  # a sampler submesh: slots x kv heads
+  return Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _full_logits(graphdef, params, tokens_T, length):
+  """Full-sequence forward (no cache) over a right-padded sequence: logits_TxV."""
+  t = tokens_T.shape[0]
+  segments = (jnp.arange(t) < length).astype(jnp.int32)
+  return forward(graphdef, params, tokens_T[None], jnp.arange(t)[None], segments[None])[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _sequence_logprobs(graphdef, params, tokens_T, sampling, length):
+  """Entry t: log p(token t+1) under `sampling` built from the full forward's logits at t."""
+  logits = _full_logits(graphdef, params, tokens_T, length)
+  return sampling_logprobs(logits[:-1], tokens_T[1:], sampling)
+
+
+def _padded(tokens):
+  out = np.zeros(MAX_LEN, np.int32)
+  out[: len(tokens)] = tokens
+  return out
+
+
+def _greedy_reference(graphdef, params, prompt, max_tokens, stop_ids=(1,)):
+  """One sequence at a time, full forward at every step: (completion, finish_reason)."""
+  seq = list(prompt)
+  while True:
+    logits = _full_logits(graphdef, params, _padded(seq), len(seq))
+    seq.append(int(jnp.argmax(logits[len(seq) - 1])))
+    completion = seq[len(prompt):]
+    if completion[-1] in stop_ids:
+      return completion, "eos"
+    if len(completion) == max_tokens or len(seq) == MAX_LEN:
+      return completion, "length"
+
+
+def _prompts(n, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(2, CFG.vocab_size, rng.integers(1, 20)).tolist() for _ in range(n)]
+
+
+def _drain(sampler):
+  out = []
+  while sampler.num_active or sampler.num_waiting:
+    out += sampler.step()
+  return {(r.group_id, r.sample_index): r for r in out}
+
+
+def _check_logprobs_match_forward(model, rollout):
+  """Each token's behavior logprob equals the full forward of the version it is tagged with."""
+  graphdef, *by_version = model
+  seq = np.concatenate([rollout.prompt_tokens, rollout.completion_tokens])
+  p, c = len(rollout.prompt_tokens), len(rollout.completion_tokens)
+  for v in np.unique(rollout.versions):
+    ref = np.asarray(_sequence_logprobs(graphdef, by_version[v], _padded(seq), rollout.sampling, len(seq)))[p - 1 :]
+    mask = rollout.versions == v
+    np.testing.assert_allclose(rollout.logprobs[mask], ref[:c][mask], atol=1e-5, rtol=0)
+
+
+def test_decode_state_is_sharded_on_the_sampler_mesh(engine):
+  state = engine.init_decode_state()
+  assert state.cache.k_LxBxSxKxD.sharding.spec == P(None, "data", None, "tensor", None)
+  assert state.tokens_SxT.sharding.spec == P("data", None)
+  assert engine.max_concurrent_decodes == 4 and engine.buckets == (8, 16, 32, 48)
+
+
+def test_greedy_continuous_batching_equals_one_at_a_time(model, engine):
+  graphdef, params, _ = model
+  prompts = _prompts(10, seed=0)
+  max_tokens = [3, 29, 5, 17, 2, 40, 8, 11, 6, 23]
+  sampler = Sampler(engine, params)
+  for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+    sampler.submit(p, group_id=i, max_tokens=m, sampling=SamplingParams(greedy=True))
+  got = _drain(sampler)
+  assert sorted(got) == [(i, 0) for i in range(10)]
+  for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+    completion, reason = _greedy_reference(graphdef, params, p, m)
+    assert got[i, 0].completion_tokens.tolist() == completion, f"prompt {i}"
+    assert got[i, 0].finish_reason == reason
+    assert (got[i, 0].logprobs == 0).all() and (got[i, 0].versions == 0).all()
+  assert sampler.stats.prefills == 10
+  # Slots were refilled while others ran: fewer decode calls than a static batch padded to its longest.
+  static_calls = sum(-(-max(len(got[i, 0].completion_tokens) for i in range(b, min(b + 4, 10))) // 4)
+                     for b in range(0, 10, 4))
+  assert sampler.stats.decode_calls < static_calls
+
+
+def test_no_recompilation_as_requests_come_and_go(model, engine):
+  _, params, _ = model
+  sampler = Sampler(engine, params)
+
+  def run(seed):
+    for i, p in enumerate(_prompts(7, seed)):
+      sampler.submit(p, group_id=i, n=1 + i % 3, max_tokens=3 + 5 * i, sampling=SamplingParams(top_k=8))
+    _drain(sampler)
+
+  run(seed=1)
+  before = engine.compile_count()
+  run(seed=2)
+  assert engine.compile_count() == before
+
+
+def test_sampled_tokens_do_not_depend_on_slot_placement(model, engine):
+  _, params, _ = model
+  sp = SamplingParams(temperature=1.2, top_p=0.9)
+  requests = [Request(p, group_id=10 + i, n=2, sampling=sp, max_tokens=4 + 3 * i) for i, p in enumerate(_prompts(5, 3))]
+
+  def run(eng, reqs, **kw):
+    sampler = Sampler(eng, params, seed=7, **kw)
+    for r in reqs:
+      sampler.submit_request(r)
+    return _drain(sampler)
+
+  base = run(engine, requests)
+  other_engine = Engine(CFG, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=2, max_len=MAX_LEN,
+                        steps_per_call=3, min_bucket=16)
+  for got in (run(engine, requests[::-1]), run(engine, requests, admission="static"),
+              run(other_engine, requests[2:] + requests[:2])):
+    assert sorted(got) == sorted(base)
+    for k, r in base.items():
+      np.testing.assert_array_equal(got[k].completion_tokens, r.completion_tokens)
+      np.testing.assert_allclose(got[k].logprobs, r.logprobs, atol=1e-5)  # other meshes sum in another order
+  assert len({tuple(r.completion_tokens) for r in base.values()}) == len(base)  # the samples really differ
+  assert run(engine, requests[:1])[10, 0].completion_tokens.tolist() == base[10, 0].completion_tokens.tolist()
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(temperature=0.6, top_k=5),
+                                SamplingParams(temperature=1.4, top_p=0.7), SamplingParams(greedy=True)])
+def test_behavior_logprobs_equal_full_forward(model, engine, sp):
+  _, params, _ = model
+  sampler = Sampler(engine, params, seed=1)
+  for i, p in enumerate(_prompts(3, 4)):
+    sampler.submit(p, group_id=i, n=2, sampling=sp, max_tokens=25)
+  for r in _drain(sampler).values():
+    assert r.sampling == sp
+    _check_logprobs_match_forward(model, r)
+
+
+def test_in_flight_update_tags_each_token_with_its_version(model, engine):
+  _, params, params_v1 = model
+  sampler = Sampler(engine, params, seed=2, eos_token_ids=())
+  for i, p in enumerate(_prompts(6, 5)):
+    sampler.submit(p, group_id=i, max_tokens=20, sampling=SamplingParams(temperature=0.9, top_k=20))
+  first = sampler.step() + sampler.step()  # 8 tokens per slot on version 0
+  assert not first and sampler.num_active == 4
+  sampler.update_params(params_v1, version=1)
+  assert sampler.version == 1 and sampler.num_active == 4  # no slot dropped
+  got = _drain(sampler)
+  assert sampler.stats.rebuilds == 1
+  mixed = [r for r in got.values() if set(r.versions.tolist()) == {0, 1}]
+  fresh = [r for r in got.values() if set(r.versions.tolist()) == {1}]
+  assert len(mixed) == 4 and len(fresh) == 2
+  for r in mixed:
+    assert r.versions.tolist() == [0] * 8 + [1] * 12
+  for r in got.values():
+    _check_logprobs_match_forward(model, r)
+
+
+def test_finish_mode_completes_in_flight_samples_on_old_params(model, engine):
+  _, params, params_v1 = model
+  sampler = Sampler(engine, params, seed=3, on_update="finish", eos_token_ids=())
+  for i, p in enumerate(_prompts(6, 6)):
+    sampler.submit(p, group_id=i, max_tokens=6 + 3 * i, sampling=SamplingParams())
+  sampler.step()
+  sampler.update_params(params_v1, version=1)
+  assert sampler.version == 0
+  out = []
+  while sampler.num_active:
+    out += sampler.step()
+    assert sampler.num_waiting == 2  # nothing admitted while draining
+  got = _drain(sampler)
+  assert sampler.version == 1
+  assert all((r.versions == 0).all() for r in out) and len(out) == 4
+  assert all((r.versions == 1).all() for r in got.values()) and len(got) == 2
+  for r in [*out[:1], *got.values()]:
+    _check_logprobs_match_forward(model, r)
+
+
+def test_group_shares_one_prefill(model, engine):
+  _, params, _ = model
+  sampler = Sampler(engine, params, seed=4)
+  sampler.submit([5, 6, 7], group_id=0, n=5, sampling=SamplingParams(temperature=2.0), max_tokens=6)  # > 4 slots
+  sampler.submit([9, 9], group_id=1, n=2, sampling=SamplingParams(temperature=2.0), max_tokens=6)
+  got = _drain(sampler)
+  assert sampler.stats.prefills == 2
+  assert sorted(got) == [(0, i) for i in range(5)] + [(1, 0), (1, 1)]
+  assert len({tuple(got[0, i].completion_tokens) for i in range(5)}) == 5
+
+
+def test_stop_tokens_eos_and_lengths(model, engine):
+  graphdef, params, _ = model
+  prompt = [7, 3, 12]
+  free, _ = _greedy_reference(graphdef, params, prompt, 30, stop_ids=())
+  stop = free[3]
+  expect = free[: free.index(stop) + 1]
+  greedy = SamplingParams(greedy=True)
+  sampler = Sampler(engine, params, eos_token_ids=(stop,))
+  sampler.submit(prompt, group_id=0, sampling=greedy, max_tokens=30)
+  sampler.submit(prompt, group_id=1, sampling=greedy, max_tokens=30, ignore_eos=True, stop_token_ids=(free[5],))
+  sampler.submit(prompt, group_id=2, sampling=greedy, max_tokens=30, ignore_eos=True)
+  sampler.submit(list(range(2, MAX_LEN + 1)), group_id=3, sampling=greedy)  # max_len - 1 tokens: room for one
+  got = _drain(sampler)
+  assert (got[0, 0].completion_tokens.tolist(), got[0, 0].finish_reason) == (expect, "eos")
+  assert (got[1, 0].completion_tokens.tolist(), got[1, 0].finish_reason) == (free[: free.index(free[5]) + 1], "stop")
+  assert (got[2, 0].completion_tokens.tolist(), got[2, 0].finish_reason) == (free, "length")
+  assert (len(got[3, 0].completion_tokens), got[3, 0].finish_reason) == (1, "length")
+
+
+def test_stop_strings_end_the_sample_and_free_the_slot(model, engine):
+  graphdef, params, _ = model
+  prompt = [4, 4, 8]
+  free, _ = _greedy_reference(graphdef, params, prompt, 25, stop_ids=())
+  detok = lambda ids: "".join(f"<{t}>" for t in ids)
+  stop = f"<{free[2]}><{free[3]}>"
+  end = detok(free).index(stop) + len(stop)
+  expect = next(free[:i] for i in range(1, 26) if len(detok(free[:i])) >= end)
+  sampler = Sampler(engine, params, eos_token_ids=(), detokenize=detok)
+  sampler.submit(prompt, group_id=0, sampling=SamplingParams(greedy=True), max_tokens=25, stop_strings=(stop,))
+  sampler.submit(prompt, group_id=1, sampling=SamplingParams(greedy=True), max_tokens=25)
+  first = sampler.step()  # 4 tokens: the stop string completes in this call
+  assert [(r.group_id, r.finish_reason, r.completion_tokens.tolist()) for r in first] == [(0, "stop", expect)]
+  assert sampler.num_active == 1
+  assert _drain(sampler)[1, 0].completion_tokens.tolist() == free
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(prompt_tokens=list(range(2, MAX_LEN + 2))), "does not fit the KV cache"),
+    (dict(prompt_tokens=[]), "empty prompt"),
+    (dict(stop_token_ids=(CFG.vocab_size,)), r"stop token ids \[64\] are outside the vocabulary"),
+    (dict(prompt_tokens=[3, -1]), "prompt token ids"),
+    (dict(n=0), "n must be"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop_strings=("x",)), "detokenize"),
+    (dict(stop_token_ids=tuple(range(2, 12))), "max_stop_ids"),
+])
+def test_bad_requests_fail_alone(model, engine, kw, match):
+  graphdef, params, _ = model
+  sampler = Sampler(engine, params)
+  greedy = SamplingParams(greedy=True)
+  sampler.submit([5, 6], group_id=0, sampling=greedy, max_tokens=9)
+  with pytest.raises(ValueError, match=match):
+    sampler.submit_request(Request(**{"prompt_tokens": [2, 3], "group_id": 1, "sampling": greedy, **kw}))
+  sampler.submit([7], group_id=2, sampling=greedy, max_tokens=9)
+  got = _drain(sampler)
+  assert sorted(got) == [(0, 0), (2, 0)]
+  assert got[0, 0].completion_tokens.tolist() == _greedy_reference(graphdef, params, [5, 6], 9)[0]
+  assert got[2, 0].completion_tokens.tolist() == _greedy_reference(graphdef, params, [7], 9)[0]
+
+
+def test_bad_configuration_is_rejected(model, engine):
+  _, params, _ = model
+  sampler = Sampler(engine, params, version=3)
+  with pytest.raises(ValueError, match="went backwards"):
+    sampler.update_params(params, version=2)
+  with pytest.raises(ValueError, match="on_update"):
+    Sampler(engine, params, on_update="drop")
+  with pytest.raises(ValueError, match="eos token ids"):
+    Sampler(engine, params, eos_token_ids=(CFG.vocab_size + 1,))
+  with pytest.raises(ValueError, match="max_slots"):
+    Engine(CFG, engine.mesh, max_slots=0, max_len=8)
+  with pytest.raises(ValueError, match="does not fit"):
+    engine.prefill(sampler._params, np.arange(MAX_LEN))
