@@ -435,6 +435,17 @@ def _window(step_end: np.ndarray, warmup: int) -> tuple[float, float, int]:
   return float(step_end[warmup - 1]), float(step_end[-1]), warmup - 1
 
 
+def _slope(step_end: np.ndarray, w: int) -> float:
+  """Seconds per step: least-squares slope of step end times over the measured steps (and the window start).
+
+  A pipeline can settle into bursts of several steps; a fitted slope is far less sensitive to where the
+  window cuts a burst than (last - first) / count, and equals it when steps are evenly spaced.
+  """
+  y = np.concatenate([[0.0] if w < 0 else [], step_end[max(w, 0):]])
+  x = np.arange(y.size, dtype=np.float64)
+  return float(np.polyfit(x, y, 1)[0])
+
+
 def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
   step_end = np.asarray(sim.step_end)
   lo, hi, w = _window(step_end, sim.spec.warmup)
@@ -447,7 +458,7 @@ def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
   timeline += [("learner", k, s, t) for k, s, t in sim.learner_spans]
   device_busy = (sampler_busy * dpe + learner_busy * sim.learner_devices) / (total_devices * span)
   return SimResult(
-      mode=mode, spec=sim.spec, step_time_s=span / n_steps, step_start_s=np.asarray(sim.step_start),
+      mode=mode, spec=sim.spec, step_time_s=_slope(step_end, w), step_start_s=np.asarray(sim.step_start),
       step_end_s=step_end, samples=sim.s, timeline=timeline, window_s=(lo, hi),
       sampler_idle_frac=1.0 - sampler_busy / (e_count * span), learner_idle_frac=1.0 - learner_busy / span,
       device_busy_frac=device_busy, tokens_per_s=trained_tokens / span,
