@@ -250,9 +250,6 @@ class _Sim:
   """State of one simulated run (kept inside `simulate`; everything outside is pure)."""
 
   def __init__(self, costs: Costs, spec: RunSpec, engines: int, learner_devices: int, k: int, sync_s: float):
-    if engines < 1:
-      raise ValueError(f"{spec.sampler_devices} sampler devices hold no engine of "
-                       f"{costs.devices_per_engine} devices")
     self.costs, self.spec, self.k, self.sync_s = costs, spec, k, sync_s
     self.learner_devices = learner_devices
     self.gb, self.g = spec.groups_per_step, spec.group_size
@@ -467,9 +464,15 @@ def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
       sync_s=sim.sync_s)
 
 
+def _engines(costs: Costs, devices: int) -> int:
+  if devices < costs.devices_per_engine:
+    raise ValueError(f"{devices} sampler devices hold no engine of {costs.devices_per_engine} devices")
+  return devices // costs.devices_per_engine
+
+
 def simulate_pipeline(costs: Costs, spec: RunSpec) -> SimResult:
   """Sampler and learner on disjoint devices, running at the same time with staleness bound k."""
-  engines = spec.sampler_devices // costs.devices_per_engine
+  engines = _engines(costs, spec.sampler_devices)
   sim = _Sim(costs, spec, engines, spec.learner_devices, spec.max_staleness,
              costs.sync_time(spec.learner_devices, engines * costs.devices_per_engine)).run()
   return _result(sim, "pipeline", spec.sampler_devices + spec.learner_devices)
@@ -484,10 +487,10 @@ def simulate_sync(costs: Costs, spec: RunSpec, colocated: bool = True) -> SimRes
   spec0 = spec.replace(max_staleness=0)
   if colocated:
     pool = spec.sampler_devices + spec.learner_devices
-    engines = pool // costs.devices_per_engine
+    engines = _engines(costs, pool)
     sim = _Sim(costs, spec0, engines, pool, 0, costs.sync_time(pool, engines * costs.devices_per_engine)).run()
     return _result(sim, "sync_colocated", pool)
-  engines = spec.sampler_devices // costs.devices_per_engine
+  engines = _engines(costs, spec.sampler_devices)
   sim = _Sim(costs, spec0, engines, spec.learner_devices, 0,
              costs.sync_time(spec.learner_devices, engines * costs.devices_per_engine)).run()
   return _result(sim, "sync", spec.sampler_devices + spec.learner_devices)
