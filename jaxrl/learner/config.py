@@ -1,0 +1,112 @@
+"""LossConfig: every choice the RL objective makes, validated once at construction.
+
+Notation used in the docs below, per completion token t of sample i:
+  pi      current learner policy (the params being differentiated)
+  mu      behavior policy: the params (possibly stale) that sampled the token; log mu comes from the sampler
+  prox    proximal policy of decoupled PPO: the params at the start of the train step (version v0)
+  A_i     the sample's advantage, broadcast over its tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl.rollout import SamplingParams
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce")
+AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
+POLICY_LOSSES = ("pg", "ppo", "gspo")
+PROXIMALS = ("behavior", "recompute", "interpolate")
+IS_LEVELS = ("none", "token", "sequence")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The RL objective. Defaults: GRPO advantages, token-mean PPO-clip with clip-higher against the behavior."""
+
+  # Advantage of sample i from the rewards of its group (samples sharing a group id):
+  #   grpo:      (r_i - mean_g) / (std_g + adv_eps), std over the group with ddof=0
+  #   dr_grpo:   r_i - mean_g (Dr.GRPO: no std division; pair with aggregation="seq_sum_norm")
+  #   rloo:      r_i - mean of the other samples of the group (0 for a group of one)
+  #   reinforce: r_i - mean reward of the batch (groups ignored)
+  advantage: str = "grpo"
+  adv_eps: float = 1e-6
+
+  # How per-token losses become one scalar (per optimizer update, over its whole mini-batch):
+  #   token_mean:   sum over tokens / number of completion tokens
+  #   seq_mean:     mean over samples of (mean over the sample's tokens)
+  #   seq_sum_norm: sum over tokens / (number of samples * norm_length) (Dr.GRPO: no length bias)
+  aggregation: str = "token_mean"
+  norm_length: int = 0  # the constant of seq_sum_norm; 0 uses the batch's padded length L
+
+  # Surrogate per token, with ratio u = pi / anchor (anchor = mu, or prox when proximal != "behavior"):
+  #   pg:   -u * A (no trust region; gradient u * grad log pi * A)
+  #   ppo:  -min(u * A, clip(u, 1 - clip_low, 1 + clip_high) * A) (clip_high > clip_low is DAPO's clip-higher)
+  #   gspo: as ppo with the sequence ratio exp(mean_t log u_t) in place of u (GSPO; use clips of ~3e-4..4e-4)
+  policy_loss: str = "ppo"
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+
+  # The anchor of the ratio u and the source of prox:
+  #   behavior:    anchor = mu (standard PPO/GRPO: the clipped ratio itself corrects for staleness)
+  #   recompute:   anchor = prox, the policy at the start of the step (decoupled PPO, AReaL). With one update
+  #                per step it is the current params (no extra pass); with num_minibatches > 1 an extra
+  #                forward pass over the batch computes it before the first update.
+  #   interpolate: anchor = prox approximated without the extra pass, linearly in log space between the
+  #                token's behavior version v_t and the current version v: log prox = log mu + a (log pi - log
+  #                mu), a = (v0 - v_t) / (v - v_t) (a = 1 when v = v_t). Equals recompute for the first update.
+  proximal: str = "behavior"
+
+  # Off-policy correction by the behavior importance weight w = prox / mu (a constant, no gradient), which
+  # multiplies the surrogate. Needs proximal != "behavior".
+  #   none:     w = 1 (ignores the behavior policy: biased when mu != prox)
+  #   token:    w_t = prox(y_t) / mu(y_t)
+  #   sequence: w_i = prod_t prox(y_t) / mu(y_t), the same for every token of sample i
+  is_level: str = "none"
+  is_cap: float | None = None  # truncated IS (TIS): w <- min(w, is_cap)
+  # Masked IS: tokens (or whole samples, at sequence level) whose w lies outside [is_mask_low, is_mask_high]
+  # are dropped from the loss (they still count in the aggregation denominator).
+  is_mask_low: float | None = None
+  is_mask_high: float | None = None
+
+  kl_coef: float = 0.0  # weight of KL(pi || ref) to frozen reference params (TrainState.ref_params)
+  kl_estimator: str = "k3"  # k1: log pi - log ref; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0)
+  entropy_coef: float = 0.0  # weight of the entropy bonus: loss -= entropy_coef * entropy
+
+  # The distribution the sampler drew from; the learner scores tokens under the same one.
+  sampling: SamplingParams = SamplingParams()
+  # True: logprobs renormalised over the sampler's top-k/top-p support (tokens outside it are dropped and
+  # counted); False: logprobs of the full softmax(logits / temperature).
+  renormalize_support: bool = False
+
+  log_ratio_clamp: float = 20.0  # log-ratios are clamped to +-this before exp, against overflow
+
+  def __post_init__(self):
+    for name, allowed in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS),
+                          ("policy_loss", POLICY_LOSSES), ("proximal", PROXIMALS), ("is_level", IS_LEVELS),
+                          ("kl_estimator", KL_ESTIMATORS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}; allowed: {allowed}")
+    if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+      raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0 (got {self.clip_low}, {self.clip_high})")
+    if self.is_level != "none" and self.proximal == "behavior":
+      raise ValueError(f"is_level={self.is_level!r} weights by prox / mu, which needs proximal != 'behavior'")
+    if self.is_level == "none" and (self.is_cap, self.is_mask_low, self.is_mask_high) != (None, None, None):
+      raise ValueError("is_cap / is_mask_low / is_mask_high need is_level 'token' or 'sequence'")
+    if self.is_cap is not None and not self.is_cap > 0:
+      raise ValueError(f"is_cap must be > 0 (got {self.is_cap})")
+    lo, hi = self.is_mask_low, self.is_mask_high
+    if lo is not None and hi is not None and not lo < hi:
+      raise ValueError(f"need is_mask_low < is_mask_high (got {lo}, {hi})")
+    if self.norm_length < 0:
+      raise ValueError(f"norm_length must be >= 0 (got {self.norm_length})")
+    if self.sampling.greedy:
+      raise ValueError("greedy sampling has no logprobs to correct; train on temperature sampling")
+    if self.kl_coef < 0 or self.entropy_coef < 0:
+      raise ValueError(f"kl_coef and entropy_coef must be >= 0 (got {self.kl_coef}, {self.entropy_coef})")
+    if not self.log_ratio_clamp > 0:
+      raise ValueError(f"log_ratio_clamp must be > 0 (got {self.log_ratio_clamp})")
+
+  def replace(self, **kw) -> LossConfig:
+    return dataclasses.replace(self, **kw)

@@ -1,0 +1,163 @@
+"""Policy-gradient surrogates, off-policy corrections, KL and entropy terms, and loss aggregation.
+
+All functions work on [B, L] arrays aligned with the batch's tokens (see jaxrl/rollout.py) and are pure.
+`policy_objective` combines them as LossConfig says; it returns the scalar loss of one micro-batch and the
+sums its metrics are made from, so that micro-batches and mini-batches add up exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.learner.config import LossConfig
+
+# Stats reduced by max / min across micro-batches; every other stat is a sum.
+MAX_STATS = ("ratio_max",)
+MIN_STATS = ("ratio_min",)
+
+
+def aggregation_weights(loss_mask_BxL, sample_mask_B, aggregation: str, norm_length: int = 0):
+  """Per-token weights w such that sum(w * loss_t) is the aggregated loss of these rows."""
+  mask = loss_mask_BxL.astype(jnp.float32) * sample_mask_B.astype(jnp.float32)[:, None]
+  if aggregation == "token_mean":
+    return mask / jnp.maximum(mask.sum(), 1.0)
+  num_samples = jnp.maximum(sample_mask_B.astype(jnp.float32).sum(), 1.0)
+  if aggregation == "seq_mean":
+    return mask / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0) / num_samples
+  if aggregation == "seq_sum_norm":
+    return mask / (num_samples * (norm_length or mask.shape[1]))
+  raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def pg_surrogate(log_ratio_BxL, adv_BxL):
+  """-u * A with u = exp(log_ratio): the unclipped importance-weighted policy gradient."""
+  return -jnp.exp(log_ratio_BxL) * adv_BxL
+
+
+def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float):
+  """PPO-clip with an asymmetric band [1 - clip_low, 1 + clip_high]; returns (loss, clipped_low, clipped_high).
+
+  clipped_low / clipped_high mark tokens whose gradient the clip removes (A < 0 below the band, A > 0 above).
+  """
+  u = jnp.exp(log_ratio_BxL)
+  loss = -jnp.minimum(u * adv_BxL, jnp.clip(u, 1.0 - clip_low, 1.0 + clip_high) * adv_BxL)
+  return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high)
+
+
+def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float):
+  """GSPO: PPO-clip on the sequence ratio exp(mean over the sample's tokens of log u), broadcast to tokens."""
+  mask = mask_BxL.astype(jnp.float32)
+  seq_log_ratio = (log_ratio_BxL * mask).sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1.0)
+  loss, low, high = ppo_surrogate(seq_log_ratio, adv_BxL[:, :1], clip_low, clip_high)
+  shape = log_ratio_BxL.shape
+  return jnp.broadcast_to(loss, shape), jnp.broadcast_to(low, shape), jnp.broadcast_to(high, shape)
+
+
+def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig):
+  """Importance weights prox / mu at token or sequence level, truncated and masked as cfg says.
+
+  Returns (w_BxL, keep_BxL, truncated_BxL); w carries no gradient.
+  """
+  log_w = jnp.where(mask_BxL, prox_logp_BxL - behavior_logp_BxL, 0.0)
+  if cfg.is_level == "sequence":
+    log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+  w = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_w), -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+  keep = jnp.ones(w.shape, bool)
+  if cfg.is_mask_low is not None:
+    keep &= w >= cfg.is_mask_low
+  if cfg.is_mask_high is not None:
+    keep &= w <= cfg.is_mask_high
+  truncated = jnp.zeros(w.shape, bool)
+  if cfg.is_cap is not None:
+    truncated = w > cfg.is_cap
+    w = jnp.minimum(w, cfg.is_cap)
+  return w, keep, truncated
+
+
+def kl_penalty(logp_BxL, ref_logp_BxL, estimator: str):
+  """Per-token estimate of KL(pi || ref) from tokens sampled (approximately) from pi."""
+  if estimator == "k1":
+    return logp_BxL - ref_logp_BxL
+  d = ref_logp_BxL - logp_BxL
+  return jnp.exp(d) - d - 1.0
+
+
+def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossConfig, *, prox_logp_BxL=None,
+                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None):
+  """(loss, stats) of one micro-batch: sum over tokens of weights * (w * surrogate + KL term - entropy bonus).
+
+  prox_logp_BxL is required unless cfg.proximal == "behavior"; ref_logp_BxL when cfg.kl_coef > 0;
+  entropy_BxL when cfg.entropy_coef > 0. Tokens with weight 0 or outside the sampling support do not count.
+  """
+  clamp = cfg.log_ratio_clamp
+  counted = weights_BxL > 0
+  if in_support_BxL is not None:
+    counted &= in_support_BxL
+  # Off-token entries may hold anything (padding, NaN); zeroing them keeps NaN out of the gradients.
+  behavior_logp_BxL = jnp.where(counted, behavior_logp_BxL, 0.0)
+  logp_BxL = jnp.where(counted, logp_BxL, 0.0)
+  adv_BxL = jnp.broadcast_to(adv_B[:, None], logp_BxL.shape)
+
+  if cfg.proximal == "behavior":
+    anchor = behavior_logp_BxL
+  else:
+    if prox_logp_BxL is None:
+      raise ValueError(f"proximal={cfg.proximal!r} needs prox_logp_BxL")
+    prox_logp_BxL = jax.lax.stop_gradient(jnp.where(counted, prox_logp_BxL, 0.0))
+    anchor = prox_logp_BxL
+  log_ratio = jnp.clip(logp_BxL - anchor, -clamp, clamp)
+
+  no_clip = jnp.zeros(logp_BxL.shape, bool)
+  if cfg.policy_loss == "pg":
+    surrogate, clip_lo, clip_hi = pg_surrogate(log_ratio, adv_BxL), no_clip, no_clip
+  elif cfg.policy_loss == "ppo":
+    surrogate, clip_lo, clip_hi = ppo_surrogate(log_ratio, adv_BxL, cfg.clip_low, cfg.clip_high)
+  else:
+    surrogate, clip_lo, clip_hi = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low, cfg.clip_high)
+
+  if cfg.is_level == "none":
+    w, keep, truncated = jnp.ones(logp_BxL.shape), jnp.ones(logp_BxL.shape, bool), no_clip
+  else:
+    w, keep, truncated = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg)
+  active = counted & keep
+  policy_loss = jnp.sum(weights_BxL * jnp.where(active, w * surrogate, 0.0))
+
+  kl_loss = kl_sum = jnp.float32(0.0)
+  if cfg.kl_coef > 0:
+    if ref_logp_BxL is None:
+      raise ValueError("kl_coef > 0 needs ref_logp_BxL (TrainState.ref_params)")
+    kl = jnp.where(counted, kl_penalty(logp_BxL, jax.lax.stop_gradient(ref_logp_BxL), cfg.kl_estimator), 0.0)
+    kl_loss = cfg.kl_coef * jnp.sum(weights_BxL * kl)
+    kl_sum = jnp.sum(jax.lax.stop_gradient(kl))
+
+  ent_loss = ent_sum = jnp.float32(0.0)
+  if entropy_BxL is not None:
+    ent = jnp.where(counted, entropy_BxL, 0.0)
+    ent_sum = jnp.sum(jax.lax.stop_gradient(ent))
+    if cfg.entropy_coef > 0:
+      ent_loss = -cfg.entropy_coef * jnp.sum(weights_BxL * ent)
+
+  # Drift from the behavior policy at the current params: ratio pi / mu and the k3 estimate of KL(mu || pi).
+  log_r = jnp.clip(jax.lax.stop_gradient(logp_BxL) - behavior_logp_BxL, -clamp, clamp)
+  r = jnp.exp(log_r)
+  f32 = lambda m: jnp.sum(m.astype(jnp.float32))
+  stats = {
+      "loss/policy": jax.lax.stop_gradient(policy_loss),
+      "loss/kl": jax.lax.stop_gradient(kl_loss),
+      "loss/entropy": jax.lax.stop_gradient(ent_loss),
+      "tokens": f32(counted),
+      "out_of_support": f32((weights_BxL > 0) & ~counted),
+      "clip_low": f32(counted & clip_lo),
+      "clip_high": f32(counted & clip_hi),
+      "is_truncated": f32(counted & truncated),
+      "is_masked": f32(counted & ~keep),
+      "ratio_sum": jnp.sum(jnp.where(counted, r, 0.0)),
+      "ratio_sq_sum": jnp.sum(jnp.where(counted, r * r, 0.0)),
+      "ratio_max": jnp.max(jnp.where(counted, r, -jnp.inf)),
+      "ratio_min": jnp.min(jnp.where(counted, r, jnp.inf)),
+      "kl_behavior_sum": jnp.sum(jnp.where(counted, (r - 1.0) - log_r, 0.0)),
+      "kl_ref_sum": kl_sum,
+      "entropy_sum": ent_sum,
+  }
+  return policy_loss + kl_loss + ent_loss, stats

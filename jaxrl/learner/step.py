@@ -1,0 +1,260 @@
+"""make_train_step: the learner's pure (state, batch, rng) -> (state, metrics), jitted once with donation.
+
+One call runs `num_minibatches` optimizer updates (PPO-style mini-batches; 1 for plain pipeline RL), each over
+`num_microbatches` gradient-accumulation chunks scanned in order. Every update either applies in full or is
+skipped (params and optimizer state untouched, version not bumped, skip counted) when its loss or gradient is
+non-finite, a valid sample's reward is non-finite, or it has no completion tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl.learner.advantages import compute_advantages
+from jaxrl.learner.config import LossConfig
+from jaxrl.learner.logprobs import token_logprobs
+from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, policy_objective
+from jaxrl.learner.state import TrainState
+from jaxrl.rollout import Batch
+
+LogitsFn = Callable[[object, jax.Array, jax.Array, jax.Array], jax.Array]
+
+_BxL = ("tokens_BxL", "positions_BxL", "segment_ids_BxL", "loss_mask_BxL", "behavior_logprobs_BxL", "versions_BxL")
+_B = ("rewards_B", "group_ids_B", "sample_mask_B")
+_INTEGER = ("tokens_BxL", "positions_BxL", "segment_ids_BxL", "versions_BxL", "group_ids_B")
+
+
+def as_logits_fn(model: LogitsFn | nnx.GraphDef) -> LogitsFn:
+  """A logits_fn(params, tokens, positions, segment_ids) from itself or from an nnx GraphDef."""
+  if isinstance(model, nnx.GraphDef):
+    return lambda params, tokens, positions, segments: nnx.merge(model, params)(tokens, positions, segments)
+  if callable(model):
+    return model
+  raise TypeError(f"expected a logits_fn or an nnx.GraphDef, got {type(model).__name__}")
+
+
+def check_batch(batch: Batch, batch_size: int, seq_len: int) -> None:
+  """Raises ValueError naming the first field whose shape or dtype kind disagrees with [batch_size, seq_len]."""
+  if not isinstance(batch, Batch):
+    raise TypeError(f"expected a jaxrl.rollout.Batch, got {type(batch).__name__}")
+  for name in _BxL + _B:
+    x = getattr(batch, name)
+    want = (batch_size, seq_len) if name in _BxL else (batch_size,)
+    if tuple(x.shape) != want:
+      raise ValueError(f"Batch.{name} has shape {tuple(x.shape)}; this train step expects {want} "
+                       f"(batch_size={batch_size}, seq_len={seq_len})")
+    kind = jnp.integer if name in _INTEGER else jnp.floating
+    if not jnp.issubdtype(x.dtype, kind):
+      raise ValueError(f"Batch.{name} has dtype {x.dtype}; expected {kind.__name__}")
+
+
+def batch_shardings(sharding_BxL: NamedSharding) -> Batch:
+  """A Batch of shardings: rows split as sharding_BxL says (e.g. jaxrl.sharding.batch_sharding), L whole."""
+  lead = sharding_BxL.spec[0] if len(sharding_BxL.spec) else None
+  rows, rows_cols = NamedSharding(sharding_BxL.mesh, P(lead)), NamedSharding(sharding_BxL.mesh, P(lead, None))
+  return Batch(**{name: rows_cols if name in _BxL else rows for name in _BxL + _B})
+
+
+def _cast_floats(tree, dtype):
+  if dtype is None:
+    return tree
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
+                    *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
+                    compute_dtype=None, state_shardings: TrainState | None = None,
+                    batch_sharding: NamedSharding | None = None, staleness_bins: int = 8):
+  """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
+
+  model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
+  batch_size, seq_len: the only Batch shape accepted (anything else raises ValueError when traced).
+  num_minibatches: optimizer updates per call, over disjoint row subsets drawn by a permutation from `rng`.
+  num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
+  compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
+  state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
+  step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
+  """
+  cfg = loss_config
+  logits_fn = as_logits_fn(model)
+  m, k = num_minibatches, num_microbatches
+  if m < 1 or k < 1:
+    raise ValueError(f"num_minibatches and num_microbatches must be >= 1 (got {m}, {k})")
+  if batch_size < 1 or seq_len < 2:
+    raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {batch_size}, {seq_len})")
+  if batch_size % (m * k):
+    raise ValueError(f"batch_size={batch_size} is not divisible by num_minibatches * num_microbatches = {m * k}")
+  if (state_shardings is None) != (batch_sharding is None):
+    raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
+  rows = batch_size // (m * k)
+  lead = None
+  if batch_sharding is not None:
+    lead = batch_sharding.spec[0] if len(batch_sharding.spec) else None
+    names = (lead,) if isinstance(lead, str) else tuple(lead or ())
+    shards = math.prod(batch_sharding.mesh.shape[a] for a in names)
+    if rows % shards:
+      raise ValueError(f"each micro-batch has {rows} rows, not divisible by the {shards} devices of the batch axes "
+                       f"{names}; change batch_size, num_minibatches or num_microbatches")
+  prox_pass = cfg.proximal == "recompute" and m > 1
+
+  def split(x):
+    """[B, ...] -> [M, K, rows, ...]; row i*M*K + j*K + c goes to mini-batch j, micro-batch c (shard-local)."""
+    x = jnp.moveaxis(x.reshape(rows, m, k, *x.shape[1:]), 0, 2)
+    if lead is not None:
+      x = jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(None, None, lead)))
+    return x
+
+  def logprobs(params, x):
+    logits = logits_fn(_cast_floats(params, compute_dtype), x["tokens"], x["positions"], x["segments"])
+    return token_logprobs(logits, x["tokens"], cfg.sampling, cfg.renormalize_support)
+
+  def micro_loss(params, x, weights_BxL, ref_params, v0, v_now):
+    logp, in_support, entropy = logprobs(params, x)
+    behavior = x["behavior"]
+    prox = None
+    if cfg.proximal == "recompute":
+      prox = x["prox"] if prox_pass else jax.lax.stop_gradient(logp)
+    elif cfg.proximal == "interpolate":
+      v_t = x["versions"]
+      alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1), 1.0).clip(0.0, 1.0)
+      prox = behavior + alpha * (jax.lax.stop_gradient(logp) - behavior)
+    ref = None
+    if cfg.kl_coef > 0:
+      ref = jax.lax.stop_gradient(logprobs(ref_params, x)[0])
+    return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox, ref_logp_BxL=ref,
+                            entropy_BxL=entropy, in_support_BxL=in_support)
+
+  def train_step(state: TrainState, batch: Batch, rng: jax.Array):
+    check_batch(batch, batch_size, seq_len)
+    if cfg.kl_coef > 0 and state.ref_params is None:
+      raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
+    valid_B = batch.sample_mask_B > 0
+    rewards_ok = jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
+    v0 = state.version
+    per_row = {
+        "tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
+        "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
+        "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
+        "sample_mask": batch.sample_mask_B.astype(jnp.float32),
+        "adv": compute_advantages(batch.rewards_B, batch.group_ids_B, batch.sample_mask_B, cfg),
+    }
+    if m > 1:
+      order = jax.random.permutation(rng, batch_size)
+      per_row = jax.tree.map(lambda x: x[order], per_row)
+    parts = jax.tree.map(split, per_row)
+    if prox_pass:
+      flat = jax.tree.map(lambda x: x.reshape(m * k, *x.shape[2:]), parts)
+      prox = jax.lax.map(lambda x: logprobs(state.params, x)[0], flat)
+      parts["prox"] = prox.reshape(m, k, rows, seq_len)
+
+    def update(state: TrainState, mini):
+      weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len),
+                                    mini["sample_mask"].reshape(k * rows), cfg.aggregation, cfg.norm_length)
+      weights = weights.reshape(k, rows, seq_len)
+
+      def accumulate(grads, xs):
+        x, w = xs
+        (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(
+            state.params, x, w, state.ref_params, v0, state.version)
+        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
+
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+      grads, (losses, stats) = jax.lax.scan(accumulate, zeros, (mini, weights))
+      stats = {name: (jnp.max(v) if name in MAX_STATS else jnp.min(v) if name in MIN_STATS else jnp.sum(v))
+               for name, v in stats.items()}
+      loss = losses.sum()
+      grad_norm = optax.tree.norm(grads)
+      has_tokens = stats["tokens"] > 0
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      ok = finite & rewards_ok & has_tokens
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+      state = state.replace(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+                            version=state.version + ok.astype(jnp.int32),
+                            skipped=state.skipped + (~ok).astype(jnp.int32))
+      reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
+                 "skip/nonfinite": rewards_ok & has_tokens & ~finite}
+      return state, {"loss": loss, "grad_norm": grad_norm, "applied": ok, **reasons, **stats}
+
+    state, per_update = jax.lax.scan(update, state, parts)
+    state = state.replace(step=state.step + 1)
+    return state, _summarise(per_update, batch, v0, valid_B, staleness_bins)
+
+  if state_shardings is None:
+    return jax.jit(train_step, donate_argnums=0)
+  replicated = NamedSharding(batch_sharding.mesh, P())
+  return jax.jit(train_step, donate_argnums=0,
+                 in_shardings=(state_shardings, batch_shardings(batch_sharding), replicated),
+                 out_shardings=(state_shardings, replicated))
+
+
+def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> dict[str, jax.Array]:
+  """Step metrics from the per-update stats (stacked over mini-batches) and the batch."""
+  total = lambda name: jnp.sum(per_update[name].astype(jnp.float32))
+  tokens = total("tokens")
+  per_token = lambda name: total(name) / jnp.maximum(tokens, 1.0)
+  ratio_mean = per_token("ratio_sum")
+  ratio_sq = per_token("ratio_sq_sum")
+  trained_BxL = (batch.loss_mask_BxL > 0) & valid_B[:, None]
+  staleness = jnp.where(trained_BxL, v0 - batch.versions_BxL, 0)
+  hist_bin = jnp.clip(staleness, 0, staleness_bins)
+  hist = jnp.sum(jax.nn.one_hot(hist_bin, staleness_bins + 1, dtype=jnp.float32) * trained_BxL[..., None], (0, 1))
+  num_trained = jnp.maximum(trained_BxL.sum(), 1)
+  rewards = jnp.where(valid_B, batch.rewards_B, 0.0)
+  return {
+      "loss": jnp.mean(per_update["loss"]),
+      "loss/policy": jnp.mean(per_update["loss/policy"]),
+      "loss/kl": jnp.mean(per_update["loss/kl"]),
+      "loss/entropy": jnp.mean(per_update["loss/entropy"]),
+      "grad_norm": jnp.mean(per_update["grad_norm"]),
+      "updates_applied": total("applied"),
+      "updates_skipped": total("skip/reward") + total("skip/empty") + total("skip/nonfinite"),
+      "skip/reward": total("skip/reward"),
+      "skip/empty": total("skip/empty"),
+      "skip/nonfinite": total("skip/nonfinite"),
+      "clip_frac_low": per_token("clip_low"),
+      "clip_frac_high": per_token("clip_high"),
+      "is_truncated_frac": per_token("is_truncated"),
+      "is_masked_frac": per_token("is_masked"),
+      "out_of_support_frac": total("out_of_support") / jnp.maximum(tokens + total("out_of_support"), 1.0),
+      "ratio_mean": ratio_mean,
+      "ratio_std": jnp.sqrt(jnp.maximum(ratio_sq - ratio_mean**2, 0.0)),
+      "ratio_max": jnp.max(per_update["ratio_max"]),
+      "ratio_min": jnp.min(per_update["ratio_min"]),
+      # Kish effective sample size of the pi/mu weights, as a fraction of the tokens: (sum w)^2 / (n sum w^2).
+      "ess_frac": ratio_mean**2 / jnp.maximum(ratio_sq, 1e-30),
+      "kl_behavior": per_token("kl_behavior_sum"),
+      "kl_ref": per_token("kl_ref_sum"),
+      "entropy": per_token("entropy_sum"),
+      "num_tokens": tokens,
+      "num_samples": jnp.sum(valid_B.astype(jnp.float32)),
+      "num_input_tokens": jnp.sum((batch.segment_ids_BxL > 0).astype(jnp.float32)),
+      "reward_mean": jnp.sum(rewards) / jnp.maximum(valid_B.sum(), 1),
+      "staleness_hist": hist,
+      "staleness_mean": jnp.sum(staleness) / num_trained,
+      "staleness_max": jnp.max(jnp.where(trained_BxL, staleness, jnp.iinfo(jnp.int32).min)),
+      "staleness_min": jnp.min(jnp.where(trained_BxL, staleness, jnp.iinfo(jnp.int32).max)),
+  }
+
+
+def timed_step(step, state: TrainState, batch: Batch, rng: jax.Array):
+  """Runs `step`, waits for it, and adds host-side step_time_s, tokens_per_s and input_tokens_per_s."""
+  start = time.perf_counter()
+  state, metrics = step(state, batch, rng)
+  metrics = jax.device_get(metrics)
+  seconds = time.perf_counter() - start
+  metrics["step_time_s"] = seconds
+  metrics["tokens_per_s"] = float(metrics["num_tokens"]) / seconds
+  metrics["input_tokens_per_s"] = float(metrics["num_input_tokens"]) / seconds
+  return state, metrics
