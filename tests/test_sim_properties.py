@@ -26,7 +26,7 @@ def runs(draw):
   lengths = L.LogNormal(logu(0.5, 2.5), draw(st.floats(0, 1.5)), draw(st.integers(1, 400)))
   spec = RunSpec(sampler_devices=dpe * draw(st.integers(1, 3)), learner_devices=draw(st.integers(1, 4)),
                  batch_size=group * draw(st.integers(1, 6)), group_size=group, max_staleness=k, lengths=lengths,
-                 prompt_len=draw(st.integers(1, 64)), steps=8, warmup_steps=k + 1, seed=draw(st.integers(0, 99)))
+                 prompt_len=draw(st.integers(1, 64)), steps=30, warmup_steps=k + 1, seed=draw(st.integers(0, 99)))
   return costs, spec
 
 

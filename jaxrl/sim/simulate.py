@@ -446,7 +446,7 @@ def _slope(step_end: np.ndarray, w: int) -> float:
 def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
   step_end = np.asarray(sim.step_end)
   lo, hi, w = _window(step_end, sim.spec.warmup)
-  span, n_steps = hi - lo, step_end.size - 1 - w
+  span = hi - lo
   sampler_busy = sum(_busy_in(e.busy, lo, hi) for e in sim.engines)
   learner_busy = _busy_in(sim.learner_spans, lo, hi, ("train",))
   e_count, dpe = len(sim.engines), sim.costs.devices_per_engine
