@@ -49,21 +49,27 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute
 _OUTPUT = flags.DEFINE_string("output", None, "Write JSON lines here instead of stdout.")
 
 
-def _load_model():
+def _model_dir() -> Path | None:
   if _TINY.value == (_MODEL_DIR.value is not None):
     raise app.UsageError("give exactly one of --model_dir and --tiny")
-  dtype = dict(dtype=_DTYPE.value, param_dtype=_DTYPE.value)
-  if _TINY.value:
-    cfg = ModelConfig.tiny(**dtype)
-    return cfg, nnx.split(Decoder(cfg, nnx.Rngs(_SEED.value)))[1], None
-  path = Path(_MODEL_DIR.value).expanduser()
-  cfg, _, params = load_params(path, cfg=load_config(path).replace(**dtype))
-  tokenizer = None
-  if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-    import transformers  # only the CLI needs it
+  return None if _TINY.value else Path(_MODEL_DIR.value).expanduser()
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-  return cfg, params, tokenizer
+
+def _tokenizer(path: Path | None):
+  if path is None or not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+    return None
+  import transformers  # only the CLI needs it
+
+  return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def _load_model(path: Path | None) -> tuple[ModelConfig, object]:
+  dtype = dict(dtype=_DTYPE.value, param_dtype=_DTYPE.value)
+  if path is None:
+    cfg = ModelConfig.tiny(**dtype)
+    return cfg, nnx.split(Decoder(cfg, nnx.Rngs(_SEED.value)))[1]
+  cfg, _, params = load_params(path, cfg=load_config(path).replace(**dtype))
+  return cfg, params
 
 
 def _prompts(tokenizer) -> list[tuple[str | None, list[int]]]:
@@ -116,8 +122,10 @@ def generate(sampler: Sampler, requests: Sequence[Request], out, progress=sys.st
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  cfg, params, tokenizer = _load_model()
+  path = _model_dir()
+  tokenizer = _tokenizer(path)
   prompts = _prompts(tokenizer)
+  cfg, params = _load_model(path)
   sampling = SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
                             greedy=_GREEDY.value)
   eos = set(cfg.eos_token_ids)

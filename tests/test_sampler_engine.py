@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models import Decoder, ModelConfig, forward
+from jaxrl.models import ModelConfig, forward
+from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Request, Sampler, sampling_logprobs
 from jaxrl.sharding import make_mesh
@@ -18,14 +18,21 @@ MAX_LEN = 48
 CFG = ModelConfig.tiny(eos_token_ids=(1,))
 
 
-def _perturb(params, seed):
-  return jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(seed + x.size), x.shape), params)
+def _random_params(abstract, seed):
+  """Random weights drawn by numpy (eager jax.random would compile once per shape); norm scales near 1."""
+  rng = np.random.default_rng(seed)
+
+  def leaf(path, x):
+    base = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0
+    return jnp.asarray(base + 0.25 * rng.standard_normal(x.shape), x.dtype)
+
+  return jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
 @pytest.fixture(scope="module")
 def model():
-  graphdef, params = nnx.split(Decoder(CFG, nnx.Rngs(0)))
-  return graphdef, _perturb(params, 0), _perturb(params, 1000)  # versions 0 and 1
+  graphdef, abstract = abstract_params(CFG)
+  return graphdef, _random_params(abstract, 0), _random_params(abstract, 1)  # versions 0 and 1
 
 
 @pytest.fixture(scope="module")
