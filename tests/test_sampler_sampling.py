@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.learner.logprobs import token_logprobs
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import filtered_logprobs, sample, sampling_logprobs
 
@@ -101,3 +102,16 @@ def test_sampling_logprobs_any_leading_shape():
   np.testing.assert_allclose(got.reshape(-1), flat[np.arange(6), tokens.reshape(-1)], atol=1e-6)
   with pytest.raises(ValueError, match="do not match"):
     sampling_logprobs(logits, tokens[:, :2], sp)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.7), SamplingParams(top_k=6),
+                                SamplingParams(temperature=1.3, top_k=9, top_p=0.75), SamplingParams(top_p=0.5)])
+def test_learner_recomputes_the_same_logprobs(sp):
+  """The learner's renormalised token logprobs use the support the sampler drew from."""
+  logits = _rows(2 * 7, 30, seed=5).reshape(2, 7, 30)
+  tokens = jax.random.randint(jax.random.key(6), (2, 7), 0, 30)
+  ours = jax.jit(sampling_logprobs, static_argnums=2)(logits[:, :-1], tokens[:, 1:], sp)
+  learner, in_support, _ = jax.jit(token_logprobs, static_argnums=(2, 3))(logits, tokens, sp, True)
+  inside = np.asarray(in_support[:, 1:])
+  np.testing.assert_array_equal(inside, np.isfinite(ours))
+  np.testing.assert_allclose(np.asarray(learner[:, 1:])[inside], np.asarray(ours)[inside], atol=1e-5)
