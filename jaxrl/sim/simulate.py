@@ -149,6 +149,7 @@ class _Engine:
         d.knee_sharpness
     self.prefill_s = costs.prefill_s_per_token * prompt_len
     self.clock, self.version = 0.0, 0
+    self.update_due: tuple[float, int] | None = None  # (publish time, version) waiting for a step boundary
     self.counter = 0  # decode steps run so far
     self.live: list[tuple[int, int, int]] = []  # heap of (finish counter, sample id, start counter)
     self.start_sum = 0  # sum of the live samples' start counters
@@ -296,11 +297,23 @@ class _Sim:
     for sid in e.start_pending():
       self.s["start_s"][sid], self.s["start_version"][sid] = e.clock, e.version
 
-  def _sync_engine(self, e: _Engine, t: float):
-    """Brings an engine's clock to its first decode-step boundary at or after t (or to t)."""
-    if e.live:  # stop short of a finish: that is the engine's own event, handled in time order
-      e.decode(min(e.steps_to_reach(t), e.steps_to_finish() - 1))
-    e.clock = max(e.clock, t)
+  def _sync_engine(self, e: _Engine, t: float) -> bool:
+    """Runs an engine to its first decode-step boundary at or after t; False if that boundary is a sample
+    finishing (the engine's own event, handled in time order: whatever waits for t happens there)."""
+    if not e.live:
+      e.clock = max(e.clock, t)
+      return True
+    n = e.steps_to_reach(t)
+    if n >= e.steps_to_finish():
+      return False
+    e.decode(n)
+    return True
+
+  def _apply_update(self, e: _Engine):
+    """A weight publish that reached the engine between boundaries lands at its next boundary."""
+    t, version = e.update_due
+    e.stall(t, self.sync_s)
+    e.version, e.update_due = version, None
 
   # -- controller -----------------------------------------------------------------------------------------
   def _admit(self, t: float):
@@ -315,7 +328,7 @@ class _Sim:
       if not free:
         return
       e = min(free, key=lambda x: (x.load, x.index))
-      self._sync_engine(e, t)
+      at_boundary = self._sync_engine(e, t)
       g = self.started
       self.started += 1
       self.deadline[g] = self.version + self.k
@@ -326,7 +339,8 @@ class _Sim:
         sid = g * self.g + i
         self.s["length"][sid], self.s["group"][sid], self.s["engine"][sid] = n, g, e.index
         e.pending.append((sid, int(n)))
-      self._fill(e)
+      if at_boundary:
+        self._fill(e)
       self._refresh(e)
 
   def _group_lengths(self, g: int) -> np.ndarray:
@@ -392,9 +406,9 @@ class _Sim:
     self.step_end.append(t)
     self.version += 1
     for e in self.engines:
-      self._sync_engine(e, t)
-      e.stall(t, self.sync_s)
-      e.version = self.version
+      e.update_due = (t, self.version)
+      if self._sync_engine(e, t):
+        self._apply_update(e)
       self._refresh(e)
     self.learner_spans.append(["sync", t, t + self.sync_s])
     self.learner_phase, self.learner_until = "sync", t + self.sync_s
@@ -419,6 +433,8 @@ class _Sim:
       else:
         e = self.engines[i_eng]
         self._finished(e, e.decode(e.steps_to_finish()))
+        if e.update_due:
+          self._apply_update(e)
         self._fill(e)
         self._refresh(e)
       self._admit(t)
