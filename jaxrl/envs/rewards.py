@@ -1,0 +1,111 @@
+"""Reward fns: plain callables `(prompt, completion, meta) -> float`, registered by name.
+
+`meta` is the example's `reward_meta` (its answer and task fields) plus "completion_ids", the completion's token
+ids. Fns registered with inline=True are fast and trusted: the RewardRunner calls them in the calling thread.
+Any other fn (a user's) runs in a worker process with a timeout. A name of the form "package.module:function"
+imports that function (registering it if the module uses the decorator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxrl.envs import answers, countdown
+
+RewardFn = Callable[[str, str, Mapping[str, Any]], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+  name: str
+  fn: RewardFn
+  inline: bool  # trusted and fast: called in the caller's thread, without a timeout
+
+
+_REGISTRY: dict[str, RewardSpec] = {}
+
+
+def _qualname(fn) -> str:
+  return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def register_reward(name: str, *, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
+  """Decorator: registers a reward fn under `name` (registering the same function again is allowed)."""
+
+  def register(fn: RewardFn) -> RewardFn:
+    old = _REGISTRY.get(name)
+    if old is not None and _qualname(old.fn) != _qualname(fn):
+      raise ValueError(f"reward {name!r} is already registered to {_qualname(old.fn)}")
+    _REGISTRY[name] = RewardSpec(name, fn, inline)
+    return fn
+
+  return register
+
+
+def reward_names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def reward_spec(name: str) -> RewardSpec:
+  """The registered spec of `name`, or of a "module:function" path (imported; never inline)."""
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  if ":" in name:
+    module, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"reward {name!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+      raise ValueError(f"reward {name!r} is not callable")
+    return registered_spec(fn) or RewardSpec(name, fn, inline=False)
+  raise ValueError(f"unknown reward {name!r}; known: {', '.join(reward_names())} (or 'package.module:function')")
+
+
+def registered_spec(fn: RewardFn) -> RewardSpec | None:
+  """The spec a function object was registered with, if any."""
+  return next((s for s in _REGISTRY.values() if s.fn is fn), None)
+
+
+def get_reward(name: str) -> RewardFn:
+  return reward_spec(name).fn
+
+
+def _need(meta: Mapping[str, Any], key: str, reward: str, what: str):
+  if key not in meta:
+    raise KeyError(f"reward {reward!r} needs meta[{key!r}] ({what}); meta has {sorted(meta)}")
+  return meta[key]
+
+
+@register_reward("exact_answer", inline=True)
+def exact_answer(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
+  """1 if the completion's final answer (explicit form, else its last number) equals meta["answer"]."""
+  reference = _need(meta, "answer", "exact_answer", "the reference answer")
+  return float(answers.answers_match(answers.extract_answer(completion), str(reference)))
+
+
+@register_reward("format", inline=True)
+def answer_format(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
+  """1 if the completion states a final answer explicitly (<answer>, \\boxed{}, "####", "answer: x")."""
+  return float(answers.explicit_answer(completion) is not None)
+
+
+@register_reward("countdown", inline=True)
+def countdown_reward(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
+  """1 if the proposed expression uses the given numbers at most once each and equals the target."""
+  numbers = _need(meta, "numbers", "countdown", "the given numbers")
+  target = _need(meta, "target", "countdown", "the target")
+  expression = countdown.extract_expression(completion)
+  return float(expression is not None and countdown.check_solution(expression, numbers, target) is None)
+
+
+@register_reward("target_token", inline=True)
+def target_token(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
+  """Fraction of completion token ids in meta["target_ids"] (0 for an empty completion)."""
+  ids = _need(meta, "completion_ids", "target_token", "the completion's token ids")
+  targets = set(int(t) for t in _need(meta, "target_ids", "target_token", "the rewarded token ids"))
+  ids = [int(t) for t in ids]
+  return sum(t in targets for t in ids) / len(ids) if ids else 0.0

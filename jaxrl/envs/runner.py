@@ -1,0 +1,266 @@
+"""RewardRunner: scores completions so that a reward fn that raises, hangs or crashes never stops the run.
+
+A failure is a result (value NaN, ok False, a reason), counted in `stats`. Untrusted fns run in worker processes
+(fresh interpreters, one item at a time per worker); a worker past its deadline is killed and replaced, which a
+thread could not be. Trusted builtin fns (registered inline=True) skip the pipes and run in the calling thread, where
+exceptions are still caught but a hang cannot be stopped.
+
+Each item waits at most `timeout_s` once a worker holds it, so a batch of n items takes at most about
+ceil(n / workers) * timeout_s, plus worker restarts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import multiprocessing
+import numbers
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import wait
+from typing import Any
+
+from jaxrl.envs.rewards import RewardFn, registered_spec, reward_spec
+
+REASONS = ("error", "bad_value", "timeout", "crash", "unsendable")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+  value: float  # NaN when not ok
+  ok: bool
+  error: str | None = None  # what went wrong, for logs
+  reason: str = ""  # one of REASONS when not ok
+
+
+def _failed(reason: str, error: str) -> RewardResult:
+  return RewardResult(math.nan, False, error, reason)
+
+
+def call_reward(fn: Callable, prompt: str, completion: str, meta: Mapping[str, Any]) -> RewardResult:
+  """Calls fn and turns an exception or a value that is not a finite number into a failed result."""
+  try:
+    v = fn(prompt, completion, meta)
+  except Exception as e:
+    return _failed("error", f"{type(e).__name__}: {e}")
+  if not isinstance(v, numbers.Real):
+    return _failed("bad_value", f"returned {type(v).__name__}, not a number")
+  v = float(v)
+  return RewardResult(v, True) if math.isfinite(v) else _failed("bad_value", f"returned {v}")
+
+
+# The worker is a fresh interpreter started with subprocess (spawn semantics, but the parent's __main__ is not
+# re-run, so scripts without a main guard and notebooks work). It takes sys.path, then the pickled fn, over the pipe.
+_BOOT = ("import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
+         "sys.path[:] = c.recv(); from jaxrl.envs.runner import _serve; _serve(c)")
+
+
+def _exit_with_parent(parent: int) -> None:
+  """A worker stuck in a user's fn still exits once the parent is gone (even killed with SIGKILL)."""
+  while os.getppid() == parent:
+    time.sleep(1.0)
+  os._exit(1)
+
+
+def _serve(conn) -> None:
+  """Worker process: loads the fn, then answers (prompt, completion, meta) items until told to stop."""
+  threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+  try:
+    fn = conn.recv()
+  except BaseException as e:  # whatever importing a user's module does is reported, not raised
+    conn.send(("init_error", f"{type(e).__name__}: {e}"))
+    return
+  conn.send(("ready", None))
+  while True:
+    try:
+      item = conn.recv()
+    except EOFError:  # the parent went away
+      return
+    if item is None:
+      return
+    try:
+      conn.send(("done", call_reward(fn, *item)))
+    except BaseException as e:  # SystemExit and the like from user code
+      conn.send(("done", _failed("error", f"{type(e).__name__}: {e}")))
+
+
+class _Worker:
+  def __init__(self, fn_bytes: bytes):
+    self.conn, child = multiprocessing.Pipe()
+    fd = child.fileno()
+    self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(fd)], pass_fds=(fd,))
+    child.close()
+    self.conn.send(list(sys.path))
+    self.conn.send_bytes(fn_bytes)
+    self.started, self.ready = time.monotonic(), False
+    self.job: tuple[int, float] | None = None  # (item index, deadline)
+
+  @property
+  def exitcode(self) -> int | None:
+    try:  # called once its pipe is closed: the process is exiting
+      return self.proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+      return None
+
+  def kill(self) -> None:
+    self.proc.kill()
+    self.proc.wait()
+    self.conn.close()
+
+
+@dataclasses.dataclass
+class RewardStats:
+  calls: int = 0
+  failures: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+  worker_starts: int = 0
+  seconds: float = 0.0  # wall time spent in score()
+
+  @property
+  def failed(self) -> int:
+    return sum(self.failures.values())
+
+  def to_json(self) -> dict:
+    return {"calls": self.calls, "failed": self.failed, "failures": dict(self.failures),
+            "worker_starts": self.worker_starts, "seconds": self.seconds}
+
+
+class RewardRunner:
+  """Scores batches of (prompt, completion, meta) with one reward fn (a registered name or a callable).
+
+  isolation: "auto" (inline for fns registered inline=True, else "process"), "inline" or "process".
+  """
+
+  def __init__(self, reward: str | RewardFn, *, timeout_s: float = 5.0, workers: int = 2,
+               isolation: str = "auto", startup_timeout_s: float = 120.0):
+    if isolation not in ("auto", "inline", "process"):
+      raise ValueError(f"isolation must be 'auto', 'inline' or 'process' (got {isolation!r})")
+    if not timeout_s > 0 or workers < 1:
+      raise ValueError(f"need timeout_s > 0 and workers >= 1 (got {timeout_s}, {workers})")
+    spec = reward_spec(reward) if isinstance(reward, str) else registered_spec(reward)
+    self.fn = spec.fn if spec else reward
+    self.name = spec.name if spec else getattr(reward, "__name__", repr(reward))
+    if isolation == "auto":
+      isolation = "inline" if spec is not None and spec.inline else "process"
+    self.isolation, self.timeout_s, self.startup_timeout_s = isolation, timeout_s, startup_timeout_s
+    self.stats = RewardStats()
+    self._lock = threading.Lock()  # one batch at a time: workers hold one item each
+    self._workers: list[_Worker] = []
+    if isolation == "process":
+      if getattr(self.fn, "__module__", None) == "__main__":
+        raise ValueError(f"reward {self.name!r} is defined in __main__, which a worker process cannot import; move "
+                         "it to a module, or use isolation='inline'")
+      try:
+        self._fn_bytes = pickle.dumps(self.fn)
+      except Exception as e:
+        raise ValueError(f"reward {self.name!r} cannot be sent to a worker process ({type(e).__name__}: {e}); "
+                         "define it at module level of an importable module, or use isolation='inline'") from None
+      self._workers = [self._start() for _ in range(workers)]
+      try:
+        self._wait_ready()
+      except BaseException:
+        self.close()
+        raise
+
+  def _start(self) -> _Worker:
+    self.stats.worker_starts += 1
+    return _Worker(self._fn_bytes)
+
+  def _on_message(self, w: _Worker, results: list) -> None:
+    kind, payload = w.conn.recv()
+    if kind == "init_error":
+      raise RuntimeError(f"reward {self.name!r} cannot be loaded in a worker process: {payload}")
+    if kind == "ready":
+      w.ready = True
+    else:
+      results[w.job[0]], w.job = payload, None
+
+  def _wait_ready(self) -> None:
+    while not all(w.ready for w in self._workers):
+      pending = [w for w in self._workers if not w.ready]
+      left = self.startup_timeout_s - (time.monotonic() - min(w.started for w in pending))
+      if left <= 0:
+        raise RuntimeError(f"reward workers did not start within {self.startup_timeout_s}s")
+      for conn in wait([w.conn for w in pending], timeout=left):
+        w = next(w for w in pending if w.conn is conn)
+        try:
+          self._on_message(w, [])
+        except EOFError:
+          raise RuntimeError(f"reward worker exited while starting (exit code {w.exitcode})") from None
+
+  def score(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[RewardResult]:
+    """One result per item, in order; never raises for a failing fn."""
+    with self._lock:
+      t0 = time.perf_counter()
+      if self.isolation == "inline":
+        results = [call_reward(self.fn, *item) for item in items]
+      else:
+        results = self._score_in_workers(list(items))
+      self.stats.calls += len(results)
+      for r in results:
+        if not r.ok:
+          self.stats.failures[r.reason] += 1
+      self.stats.seconds += time.perf_counter() - t0
+      return results
+
+  def _replace(self, i: int) -> None:
+    self._workers[i].kill()
+    self._workers[i] = self._start()
+
+  def _score_in_workers(self, items: list) -> list[RewardResult]:
+    results: list[RewardResult | None] = [None] * len(items)
+    todo = collections.deque(range(len(items)))
+    while todo or any(w.job for w in self._workers):
+      for w in self._workers:
+        while w.ready and w.job is None and todo:
+          i = todo.popleft()
+          try:
+            w.conn.send(items[i])  # pickles before writing: a failure leaves the pipe clean
+          except Exception as e:
+            results[i] = _failed("unsendable", f"item cannot be sent to a worker: {type(e).__name__}: {e}")
+            continue
+          w.job = (i, time.monotonic() + self.timeout_s)
+      deadlines = [w.job[1] if w.job else w.started + self.startup_timeout_s for w in self._workers
+                   if w.job or not w.ready]
+      ready = wait([w.conn for w in self._workers if w.job or not w.ready],
+                   timeout=max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0)
+      now = time.monotonic()
+      for k, w in enumerate(self._workers):
+        if w.conn in ready:
+          try:
+            self._on_message(w, results)
+          except (EOFError, OSError):
+            if w.job:
+              results[w.job[0]] = _failed("crash", f"reward worker died (exit code {w.exitcode})")
+            self._replace(k)
+        elif w.job and now >= w.job[1]:
+          results[w.job[0]] = _failed("timeout", f"reward fn took longer than {self.timeout_s}s; worker killed")
+          self._replace(k)
+        elif not w.ready and now >= w.started + self.startup_timeout_s:
+          raise RuntimeError(f"a replacement reward worker did not start within {self.startup_timeout_s}s")
+    return results
+
+  def close(self) -> None:
+    for w in self._workers:
+      try:
+        w.conn.send(None)
+      except OSError:
+        pass
+    for w in self._workers:
+      try:
+        w.proc.wait(timeout=1.0)
+      except subprocess.TimeoutExpired:
+        w.kill()
+      w.conn.close()
+    self._workers = []
+
+  def __enter__(self) -> RewardRunner:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
