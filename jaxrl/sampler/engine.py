@@ -53,7 +53,7 @@ class Prefix:
   """A prefilled prompt: its keys/values over a length bucket, ready to be inserted into any number of slots."""
 
   cache: KVCache  # [L, 1, bucket, K, D]
-  tokens_B: jax.Array  # int32 [bucket], the prompt right-padded with 0
+  tokens_P: jax.Array  # int32 [bucket], the prompt right-padded with 0
   length: jax.Array  # int32 scalar, the true prompt length
   version: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -69,18 +69,18 @@ class ResultTokens:
   version: jax.Array  # int32 scalar: the policy version of the params of this call
 
 
-def _prefill(graphdef, cfg, cache_dtype, params, tokens_B, length):
-  bucket = tokens_B.shape[0]
+def _prefill(graphdef, cfg, cache_dtype, params, tokens_P, length):
+  bucket = tokens_P.shape[0]
   cache = init_cache(cfg, 1, bucket, cache_dtype)
-  _, cache = forward_cached(graphdef, params, tokens_B[None], jnp.arange(bucket)[None], cache)
-  return Prefix(cache, tokens_B, length)
+  _, cache = forward_cached(graphdef, params, tokens_P[None], jnp.arange(bucket)[None], cache)
+  return Prefix(cache, tokens_P, length)
 
 
 def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings) -> DecodeState:
   at = (0, slot, 0, 0, 0)
   cache = KVCache(jax.lax.dynamic_update_slice(state.cache.k_LxBxSxKxD, prefix.cache.k_LxBxSxKxD, at),
                   jax.lax.dynamic_update_slice(state.cache.v_LxBxSxKxD, prefix.cache.v_LxBxSxKxD, at))
-  tokens = jax.lax.dynamic_update_slice(state.tokens_SxT, prefix.tokens_B[None], (slot, 0))
+  tokens = jax.lax.dynamic_update_slice(state.tokens_SxT, prefix.tokens_P[None], (slot, 0))
   put = lambda rows, value: rows.at[slot].set(value)
   return DecodeState(
       cache=cache,
