@@ -127,6 +127,8 @@ def test_close_stops_workers():
   assert r.score([("p", "ab", {})])[0].value == 2.0
   r.close()
   assert proc.poll() == 0
+  with pytest.raises(RuntimeError, match="is closed"):
+    r.score([("p", "ab", {})])
 
 
 @pytest.mark.slow

@@ -126,8 +126,8 @@ class JsonlTask(Task):
       if not 0 < eval_fraction < 1:
         raise ValueError(f"gsm8k: eval_fraction must be in (0, 1) (got {eval_fraction})")
       self.eval_path = self.path
-      unique = sorted({_key(r.question) for r in records}, key=key_hash)
-      keys = set(unique[: max(1, round(eval_fraction * len(unique)))])
+      questions = sorted({_key(r.question) for r in records}, key=key_hash)
+      keys = set(questions[: max(1, round(eval_fraction * len(questions)))])
       heldout = [r for r in records if _key(r.question) in keys]
     self.train = [r for r in records if _key(r.question) not in keys]
     unique = {}  # one eval example per question: duplicates would weigh a problem twice

@@ -213,6 +213,8 @@ class RewardRunner:
     self._workers[i] = self._start()
 
   def _score_in_workers(self, items: list) -> list[RewardResult]:
+    if not self._workers:
+      raise RuntimeError(f"reward runner for {self.name!r} is closed")
     results: list[RewardResult | None] = [None] * len(items)
     todo = collections.deque(range(len(items)))
     while todo or any(w.job for w in self._workers):
