@@ -8,3 +8,5 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+pytest_plugins = ["conftest_assets"]  # the session fixture smollm2_dir (real model, fetched once)

@@ -1,0 +1,92 @@
+"""Tasks as the controller sees them: prompt tokens by group id (= data position), rewards for finished groups,
+and greedy held-out evaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxrl.controller.loops import SkipPrompt
+from jaxrl.envs import PromptRenderer, RewardRunner, SkipExample, make_task
+from jaxrl.rollout import Rollout, SamplingParams
+from jaxrl.sampler import Sampler
+
+ACCURACY_REWARDS = ("exact_answer", "countdown")  # rewards that are 1 exactly when the answer is right
+
+
+def make_prompt_source(c, tokenizer, model_cfg):
+  """(task, prompts) where prompts(group_id) -> (prompt tokens, meta) for the group's data position."""
+  kwargs = c.task.kwargs.to_dict()
+  if c.task.name == "target_token":
+    kwargs.setdefault("vocab_size", model_cfg.vocab_size)
+  task = make_task(c.task.name, seed=c.seed, **kwargs)
+  renderer = PromptRenderer(tokenizer, c.task.max_prompt_tokens, chat_template=c.task.chat_template,
+                            text_prompts=task.text_prompts, vocab_size=model_cfg.vocab_size)
+
+  def prompts(group_id: int) -> tuple[np.ndarray, dict[str, Any]]:
+    example = task.prompt(group_id)
+    try:
+      prompt = renderer(example)
+    except SkipExample as e:
+      raise SkipPrompt(str(e)) from e
+    return prompt.tokens, {"prompt_text": prompt.text, "reward_meta": example.reward_meta}
+
+  task.renderer = renderer
+  return task, prompts
+
+
+class Scorer:
+  """Fills `reward` of every rollout of a group through an isolating RewardRunner."""
+
+  def __init__(self, c, task, tokenizer):
+    self.reward_name = c.task.reward or task.reward
+    self.runner = RewardRunner(self.reward_name, timeout_s=c.task.reward_timeout_s)
+    self.tokenizer = tokenizer
+
+  def _text(self, ids: np.ndarray) -> str:
+    return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) if self.tokenizer is not None else ""
+
+  def __call__(self, group: list[Rollout]) -> None:
+    items = [(r.meta["prompt_text"], self._text(r.completion_tokens),
+              {**r.meta["reward_meta"], "completion_ids": r.completion_tokens.tolist()}) for r in group]
+    for r, res in zip(group, self.runner.score(items), strict=True):
+      r.reward = res.value
+      if not res.ok:
+        r.meta["reward_error"] = f"{res.reason}: {res.error}"
+      elif self.reward_name in ACCURACY_REWARDS:
+        r.meta["correct"] = res.value >= 1.0
+
+  def close(self) -> None:
+    self.runner.close()
+
+
+def make_scorer(c, task, tokenizer) -> Scorer:
+  return Scorer(c, task, tokenizer)
+
+
+def evaluate(run, params, version: int) -> dict[str, float]:
+  """Greedy completions of the first c.eval.num_examples held-out examples: mean reward and accuracy."""
+  c = run.config
+  sampler = Sampler(run.engine, params, version, seed=c.seed)
+  greedy = SamplingParams(greedy=True)
+  n = 0
+  for i, example in enumerate(run.task.eval_examples(c.eval.num_examples)):
+    try:
+      prompt = run.task.renderer(example)
+    except SkipExample:
+      continue
+    sampler.submit(prompt.tokens, i, 1, meta={"prompt_text": prompt.text, "reward_meta": example.reward_meta},
+                   sampling=greedy, max_tokens=c.eval.max_new_tokens)
+    n += 1
+  rollouts = []
+  while sampler.num_active or sampler.num_waiting:
+    rollouts += sampler.step()
+  run.controller.score(rollouts)
+  rewards = np.array([r.reward for r in rollouts], np.float64)
+  out = {"num_examples": n, "version": version, "reward_mean": float(np.nanmean(rewards)) if n else float("nan")}
+  correct = [r.meta["correct"] for r in rollouts if "correct" in r.meta]
+  if correct:
+    out["accuracy"] = float(np.mean(correct))
+    out["num_correct"] = int(np.sum(correct))
+  return out

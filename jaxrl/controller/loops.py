@@ -1,0 +1,316 @@
+"""The two controllers. Both drive the same pieces (sampler, train step, publisher, queue, ledger, checkpoints);
+only the loop differs, so that a speed comparison between them is fair.
+
+Sync: submit a batch of groups, generate all of it, train, publish, repeat.
+Pipeline: a sampler thread and a learner thread run at once on their two submeshes, joined by the bounded
+rollout queue (samples forward) and the weight publisher (params back, taken between decode steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, StalenessPolicy, Stopped, WeightPublisher
+from jaxrl.rollout import Rollout, make_batch
+
+
+class SkipPrompt(Exception):
+  """A prompt that cannot be used (too long, malformed): skipped and counted, the run goes on."""
+
+
+@dataclasses.dataclass
+class RunRecord:
+  """Host-side run position, saved with every checkpoint and restored on resume."""
+
+  next_group_id: int = 0  # data position: the next prompt index to admit
+  pending_group_ids: list[int] = dataclasses.field(default_factory=list)  # admitted, not yet trained or dropped
+  ledger: Ledger = dataclasses.field(default_factory=Ledger)
+
+  def to_json(self) -> dict:
+    return {"next_group_id": self.next_group_id, "pending_group_ids": sorted(self.pending_group_ids),
+            "ledger": self.ledger.to_json()}
+
+  @classmethod
+  def from_json(cls, d: dict) -> RunRecord:
+    return cls(d["next_group_id"], list(d["pending_group_ids"]), Ledger.from_json(d["ledger"]))
+
+
+@dataclasses.dataclass
+class RunSpec:
+  """Sizes of one run, shared by both loops."""
+
+  num_steps: int
+  group_size: int
+  groups_per_step: int
+  seq_len: int
+  max_staleness: int = 1
+  queue_groups: int = 8
+  max_new_tokens: int | None = None
+  sampling: Any = None  # jaxrl.rollout.SamplingParams
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  @property
+  def batch_size(self) -> int:
+    return self.group_size * self.groups_per_step
+
+
+class Controller:
+  """Shared pieces of both loops; `run_sync` and `run_pipeline` are the two loops."""
+
+  def __init__(self, spec: RunSpec, *, sampler, train_step: Callable, state, publisher: WeightPublisher,
+               prompts: Callable[[int], tuple[np.ndarray, dict]], score: Callable[[list[Rollout]], None],
+               record: RunRecord | None = None, checkpointer=None, metrics=None,
+               on_step: Callable[[int, dict], None] | None = None):
+    self.spec = spec
+    self.sampler, self.train_step, self.state, self.publisher = sampler, train_step, state, publisher
+    self.prompts, self.score = prompts, score
+    self.record = record or RunRecord()
+    self.checkpointer, self.metrics, self.on_step = checkpointer, metrics, on_step
+    self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step)
+    self.assembler = GroupAssembler()
+    self._resubmit = list(self.record.pending_group_ids)  # in flight at the checkpoint: generate again
+    self._live: set[int] = set()
+    self._lock = threading.Lock()  # data position and live groups change together (sampler vs checkpoint)
+    self.ledger.samples_regenerated += len(self._resubmit) * spec.group_size
+    self.stop = threading.Event()
+    self.errors: list[tuple[str, BaseException, str]] = []
+    self.trained_staleness: list[int] = []  # per trained sample, for tests and histograms
+    self.busy = {"sampler": 0.0, "learner": 0.0}
+    self.step_times: list[float] = []
+    self._batch_groups: list[list[Rollout]] = []  # accepted by the learner, not yet trained
+    self._leftover: list[list[Rollout]] = []  # complete groups still queued when the run stopped
+    self._outbox: list[list[Rollout]] = []  # complete groups the sampler thread has not queued yet
+    self._base_key = jax.random.key(spec.seed)
+
+  @property
+  def ledger(self) -> Ledger:
+    return self.record.ledger
+
+  @property
+  def version(self) -> int:
+    return int(jax.device_get(self.state.version))
+
+  # ---- shared pieces -------------------------------------------------------------------------------------------
+
+  def _admit_one(self) -> bool:
+    """Submits the next group (a regenerated one first); False if the prompt was skipped."""
+    with self._lock:
+      if self._resubmit:
+        gid = self._resubmit.pop(0)
+      else:
+        gid = self.record.next_group_id
+        self.record.next_group_id += 1
+      try:
+        prompt, meta = self.prompts(gid)
+      except SkipPrompt as e:
+        self.ledger.skipped_prompts += 1
+        print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
+        return False
+      self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
+                          max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
+      self.assembler.expect(gid, self.spec.group_size)
+      self._live.add(gid)
+      self.ledger.groups_admitted += 1
+      return True
+
+  def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+    """Counts finished samples, releases complete groups with their rewards computed."""
+    groups = []
+    for r in rollouts:
+      self.ledger.samples_generated += 1
+      group = self.assembler.add(r)
+      if group is not None:
+        self.score(group)
+        groups.append(group)
+    return groups
+
+  def _accept(self, group: list[Rollout]) -> bool:
+    """Batch-assembly filter: drops (and counts) stale groups and groups whose reward failed."""
+    step = self.version
+    reason = None
+    if not self.policy.is_fresh(group, step):
+      reason = "stale"
+    elif any(not np.isfinite(r.reward) for r in group):
+      reason = "reward_failed"
+      self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
+    elif any(r.num_tokens > self.spec.seq_len for r in group):
+      reason = "too_long"
+    if reason is None:
+      return True
+    with self._lock:
+      self.ledger.drop(group, reason)
+      self._live.discard(group[0].group_id)
+    return False
+
+  def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
+    samples = [r for g in groups for r in g]
+    step = self.version
+    self.trained_staleness += [step - r.min_version for r in samples]
+    batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
+    key = jax.random.fold_in(self._base_key, int(jax.device_get(self.state.step)))
+    self.state, metrics = self.train_step(self.state, batch, key)
+    metrics = jax.device_get(metrics)
+    with self._lock:
+      self.ledger.samples_trained += len(samples)
+      for g in groups:
+        self._live.discard(g[0].group_id)
+    rewards = np.array([r.reward for r in samples])
+    metrics = dict(metrics)
+    metrics.update(reward_mean=float(rewards.mean()), completion_len=float(np.mean([len(r.completion_tokens)
+                                                                                    for r in samples])),
+                   staleness_mean=float(np.mean([step - r.min_version for r in samples])),
+                   staleness_max=float(max(step - r.min_version for r in samples)))
+    accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
+    if accuracy:
+      metrics["accuracy"] = float(np.mean(accuracy))
+    return metrics
+
+  def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
+    version = self.version
+    self.publisher.publish(self.state.params, version)
+    self.step_times.append(step_time)
+    metrics.update(step_time_s=step_time, version=version, samples_generated=self.ledger.samples_generated,
+                   samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped)
+    if self.metrics is not None:
+      self.metrics.write(version, metrics)
+    if self.on_step is not None:
+      self.on_step(version, metrics)
+    if self.checkpointer is not None and self.checkpointer.should_save(version):
+      self.save_checkpoint()
+
+  def save_checkpoint(self, force: bool = False) -> None:
+    """Saves the state and the run record at the current version, unless that version is already saved."""
+    if self.checkpointer.latest_step() == self.version:
+      return
+    with self._lock:
+      self.record.pending_group_ids = sorted(self._live | set(self._resubmit))
+      record = self.record.to_json()
+    self.checkpointer.save(self.version, self.state, record, force=force)
+
+  def samples_in_flight(self) -> int:
+    """Finished samples neither trained nor dropped: in open groups, in the queue, or in a batch being built."""
+    partial = sum(len(v) for v in self.assembler._open.values())
+    queued = self._leftover + self._outbox + self._batch_groups
+    return partial + sum(len(g) for g in queued)
+
+  def _done(self) -> bool:
+    return self.version >= self.spec.num_steps
+
+  # ---- sync ----------------------------------------------------------------------------------------------------
+
+  def run_sync(self) -> None:
+    while not self._done():
+      t0 = time.perf_counter()
+      newer = self.publisher.take_newer(self.sampler.version)
+      if newer is not None:
+        self.sampler.update_params(newer.params, newer.version)
+      groups = self._batch_groups = []
+      admitted = 0
+      while admitted < self.spec.groups_per_step:
+        admitted += self._admit_one()
+      while len(groups) < self.spec.groups_per_step:
+        if not (self.sampler.num_active or self.sampler.num_waiting):
+          admitted = self._admit_one()  # a group was dropped: generate a replacement
+          continue
+        for g in self._complete_groups(self.sampler.step()):
+          if self._accept(g):
+            groups.append(g)
+      t1 = time.perf_counter()
+      metrics = self._train(groups)
+      self._batch_groups = []
+      t2 = time.perf_counter()
+      self.busy["sampler"] += t1 - t0
+      self.busy["learner"] += t2 - t1
+      self._after_step(metrics, time.perf_counter() - t0)
+
+  # ---- pipeline ------------------------------------------------------------------------------------------------
+
+  def run_pipeline(self, poll_s: float = 0.05, join_timeout_s: float = 60.0) -> None:
+    rollout_queue = RolloutQueue(self.spec.queue_groups, self.stop, poll_s)
+    self.queue = rollout_queue
+    self._wake = threading.Event()
+    threads = [threading.Thread(target=self._guarded, args=("sampler", self._sampler_loop, rollout_queue, poll_s),
+                                name="jaxrl-sampler", daemon=True),
+               threading.Thread(target=self._guarded, args=("learner", self._learner_loop, rollout_queue),
+                                name="jaxrl-learner", daemon=True)]
+    for t in threads:
+      t.start()
+    try:
+      while any(t.is_alive() for t in threads) and not self.stop.is_set():
+        self.stop.wait(poll_s)
+    finally:
+      self.stop.set()
+      for t in threads:
+        t.join(join_timeout_s)
+      self._leftover = rollout_queue.drain()
+      hung = [t.name for t in threads if t.is_alive()]
+      if hung:
+        self.errors.append(("controller", TimeoutError(f"threads did not stop within {join_timeout_s}s: {hung}"), ""))
+    self.raise_errors()
+
+  def raise_errors(self) -> None:
+    if self.errors:
+      where, err, tb = self.errors[0]
+      msg = f"jaxrl {where} failed: {type(err).__name__}: {err}\n--- original traceback ---\n{tb}"
+      raise RuntimeError(msg) from err
+
+  def _guarded(self, name: str, loop: Callable, *args) -> None:
+    try:
+      loop(*args)
+    except Stopped:
+      pass
+    except BaseException as e:  # noqa: BLE001 - any failure stops the whole run, with its traceback kept
+      self.errors.append((name, e, traceback.format_exc()))
+    finally:
+      self.stop.set()
+
+  def _sampler_loop(self, rollout_queue: RolloutQueue, poll_s: float) -> None:
+    while not self.stop.is_set():
+      t0 = time.perf_counter()
+      newer = self.publisher.take_newer(self.sampler.version)
+      if newer is not None:
+        self.sampler.update_params(newer.params, newer.version)
+      # Admit while the staleness bound allows; keep the waiting list short so new versions are used soon.
+      while (self.sampler.num_waiting < self.sampler.engine.max_slots
+             and self.policy.may_admit(self.ledger.groups_admitted - self.ledger.dropped_groups,
+                                       self.sampler.version)):
+        self._admit_one()
+      if not (self.sampler.num_active or self.sampler.num_waiting):
+        self._wake.wait(poll_s)  # blocked by the staleness bound: wait for the next version, no spinning
+        self._wake.clear()
+        continue
+      self._outbox = self._complete_groups(self.sampler.step())
+      self.busy["sampler"] += time.perf_counter() - t0
+      while self._outbox:
+        rollout_queue.put(self._outbox[0])  # blocks when the learner is behind (back-pressure)
+        self._outbox.pop(0)
+
+  def _learner_loop(self, rollout_queue: RolloutQueue) -> None:
+    last = time.perf_counter()
+    while not self._done():
+      groups = self._batch_groups = []
+      while len(groups) < self.spec.groups_per_step:
+        g = rollout_queue.get()
+        if self._accept(g):
+          groups.append(g)
+        else:
+          self._wake.set()  # a dropped group frees admission room
+      t0 = time.perf_counter()
+      metrics = self._train(groups)
+      self._batch_groups = []
+      self.busy["learner"] += time.perf_counter() - t0
+      metrics["queue_depth"] = rollout_queue.qsize()
+      now = time.perf_counter()
+      self._after_step(metrics, now - last)
+      last = now
+      self._wake.set()

@@ -1,0 +1,179 @@
+"""jaxrl-train: builds a run from a config and drives it with the sync or pipeline controller.
+
+  jaxrl-train --config=configs/tiny.py --workdir=/tmp/jaxrl-tiny
+  jaxrl-train --config=configs/default.py --config.mode=sync --workdir=runs/smollm2-sync
+
+From a notebook: `from jaxrl.train import train; train(get_config(), workdir)`. A workdir holding a checkpoint
+resumes from it (same step, version, data position and rng).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxrl import config as config_lib
+from jaxrl import sharding
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.controller.data import evaluate, make_prompt_source, make_scorer
+from jaxrl.controller.loops import Controller, RunRecord, RunSpec
+from jaxrl.controller.queue import WeightPublisher
+from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+from jaxrl.metrics import MetricsWriter
+from jaxrl.models import Decoder, ModelConfig, hf
+from jaxrl.rollout import SamplingParams
+from jaxrl.sampler import Engine, Sampler
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a run is made of; `controller` drives it."""
+
+  config: Any
+  workdir: Path
+  meshes: sharding.SplitMeshes
+  model_config: ModelConfig
+  graphdef: Any
+  tokenizer: Any
+  engine: Engine
+  controller: Controller
+  checkpointer: Checkpointer
+  metrics: MetricsWriter
+  task: Any
+  resumed_from: int | None
+
+
+def _load_model(c, learner_param_shardings_fn):
+  """(model_config, graphdef, params on the learner mesh, tokenizer)."""
+  overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
+  if c.model.source == "tiny":
+    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
+    graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(c.seed)))
+    return cfg, graphdef, jax.device_put(params, learner_param_shardings_fn(params)), None
+  if c.model.source == "smollm2":
+    from jaxrl.assets import smollm2_path
+
+    path = smollm2_path()
+  else:
+    path = Path(c.model.source)
+  import transformers
+
+  cfg = hf.load_config(path, **overrides)
+  abstract = hf.abstract_params(cfg)[1]
+  cfg, graphdef, params = hf.load_params(path, cfg, shardings=learner_param_shardings_fn(abstract))
+  return cfg, graphdef, params, transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def build(c, workdir: str | Path) -> Run:
+  workdir = Path(workdir)
+  config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
+  meshes = sharding.split_mesh(c.mesh.sampler_devices, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(),
+                               devices)
+  psh = lambda params: sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES)
+  model_cfg, graphdef, params, tokenizer = _load_model(c, psh)
+
+  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=sampling)
+  optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+  state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner)
+  batch_size = c.rl.group_size * c.rl.groups_per_step
+  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=batch_size, seq_len=c.rl.seq_len,
+                               state_shardings=state_sh,
+                               batch_sharding=sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES))
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+
+  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
+                              every_steps=c.checkpoint.every_steps)
+  record, resumed_from = RunRecord(), checkpointer.latest_step()
+  if resumed_from is not None:
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+    state, saved = checkpointer.restore(abstract)
+    record = RunRecord.from_json(saved)
+    # Samples finished but not trained at the checkpoint are forgotten; their groups are generated again.
+    led = record.ledger
+    led.samples_generated = led.samples_trained + led.samples_dropped
+
+  engine = Engine(model_cfg, meshes.sampler, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
+                  steps_per_call=c.sampler.steps_per_call)
+  version = int(jax.device_get(state.version))
+  detok = tokenizer.decode if tokenizer is not None else None
+  sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
+  publisher = WeightPublisher(engine.param_shardings)
+  task, prompts = make_prompt_source(c, tokenizer, model_cfg)
+  score = make_scorer(c, task, tokenizer)
+  spec = RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
+                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
+                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
+                 seed=c.seed)
+  metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps)
+  controller = Controller(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
+                          prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics)
+  return Run(c, workdir, meshes, model_cfg, graphdef, tokenizer, engine, controller, checkpointer, metrics, task,
+             resumed_from)
+
+
+def train(c, workdir: str | Path) -> dict[str, Any]:
+  """Runs a config to c.num_steps (resuming from workdir's checkpoint) and returns a summary."""
+  run = build(c, workdir)
+  ctl = run.controller
+  summary: dict[str, Any] = {"mode": c.mode, "resumed_from": run.resumed_from}
+  if c.eval.num_examples and run.resumed_from is None:
+    summary["eval_before"] = evaluate(run, ctl.state.params, int(jax.device_get(ctl.state.version)))
+  t0 = time.perf_counter()
+  try:
+    if c.mode == "sync":
+      ctl.run_sync()
+    else:
+      ctl.run_pipeline()
+  finally:
+    # Whatever happened, the last good state is saved (an interrupted step never reaches the state).
+    ctl.save_checkpoint(force=True)
+    run.checkpointer.close()
+    run.metrics.close()
+    if not c.eval.num_examples:
+      ctl.score.close()
+  summary.update(train_seconds=time.perf_counter() - t0, steps=ctl.version, version=ctl.version,
+                 ledger=ctl.ledger.to_json(), samples_in_flight=ctl.samples_in_flight(),
+                 staleness_max=max(ctl.trained_staleness, default=0),
+                 staleness_mean=float(np.mean(ctl.trained_staleness)) if ctl.trained_staleness else 0.0,
+                 busy=dict(ctl.busy))
+  if c.eval.num_examples:
+    summary["eval_after"] = evaluate(run, ctl.state.params, ctl.version)
+    ctl.score.close()
+  (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  return summary
+
+
+def main(argv=None):
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  flags_def = flags.FLAGS
+  config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py[:arg]", lock_config=True)
+  flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics; an existing checkpoint resumes")
+  flags.mark_flags_as_required(["config", "workdir"])
+
+  def _main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+      summary = train(flags_def.config, flags_def.workdir)
+    except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+      print(f"jaxrl-train: {e}", file=sys.stderr)
+      sys.exit(2)
+    print(json.dumps(summary, indent=2, default=str))
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()
