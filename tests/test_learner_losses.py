@@ -246,3 +246,19 @@ def test_policy_objective_uncorrected_and_masked_is():
 def test_loss_config_rejects_bad_combinations(bad):
   with pytest.raises(ValueError):
     LossConfig(**bad)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (5, 1.0), (6, 0.5), (1, 0.9)])
+def test_renormalised_logprobs_match_the_sampler(top_k, top_p):
+  """The learner scores tokens under exactly the support and distribution the sampler draws from (ties too)."""
+  from jaxrl.sampler import sampling_logprobs
+
+  rng = np.random.default_rng(2)
+  logits = np.round(rng.normal(size=(3, 7, 12)) * 2).astype(np.float32)  # integer logits: many ties
+  tokens = rng.integers(0, 12, size=(3, 7)).astype(np.int32)
+  params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p)
+  ours, in_support, _ = token_logprobs(logits, tokens, params, renormalize=True)
+  theirs = np.asarray(sampling_logprobs(logits[:, :-1], tokens[:, 1:], params))
+  np.testing.assert_array_equal(in_support[:, 1:], np.isfinite(theirs))
+  np.testing.assert_allclose(np.where(in_support[:, 1:], ours[:, 1:], 0.0), np.where(np.isfinite(theirs), theirs, 0.0),
+                             rtol=1e-5, atol=1e-6)
