@@ -51,7 +51,7 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.max_len = 48  # KV cache length per slot: prompt + completion
   c.sampler.steps_per_call = 8  # decode steps per host round trip
   c.sampler.max_new_tokens = 16  # completion budget per sample
-  c.sampler.temperature = 1.0
+  c.sampler.temperature = 1.0  # sampling temperature (the learner scores tokens at the same one)
   c.sampler.top_k = 0  # 0: off
   c.sampler.top_p = 1.0  # 1.0: off
   c.sampler.on_update = "recompute"  # in-flight update: "recompute" the KV cache with new params, or "finish"
@@ -72,15 +72,15 @@ def base() -> ml_collections.ConfigDict:
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 5  # save every N learner steps (and at the end)
-  c.checkpoint.max_to_keep = 2
+  c.checkpoint.max_to_keep = 2  # older checkpoints are deleted
 
   c.eval = ml_collections.ConfigDict()
   c.eval.num_examples = 0  # held-out examples scored greedily before and after training (0: none)
-  c.eval.max_new_tokens = 16
+  c.eval.max_new_tokens = 16  # completion budget of each greedy eval answer
 
   c.log = ml_collections.ConfigDict()
-  c.log.tensorboard = True
-  c.log.progress = True
+  c.log.tensorboard = True  # TensorBoard event files in workdir/tb (metrics.jsonl is always written)
+  c.log.progress = True  # one progress line per learner step on stderr
   return c
 
 

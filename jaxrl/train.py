@@ -9,6 +9,12 @@ resumes from it (same step, version, data position and rng).
 
 from __future__ import annotations
 
+import os
+
+# On a CPU-only host, expose 8 virtual devices so the sampler and learner submeshes exist (no effect on GPU/TPU,
+# and none once jax is initialised; an explicit setting wins).
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
 import dataclasses
 import json
 import sys
@@ -154,25 +160,34 @@ def train(c, workdir: str | Path) -> dict[str, Any]:
 
 
 def main(argv=None):
-  from absl import app, flags
+  from absl import flags
   from ml_collections import config_flags
 
   flags_def = flags.FLAGS
   config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py[:arg]", lock_config=True)
   flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics; an existing checkpoint resumes")
   flags.mark_flags_as_required(["config", "workdir"])
+  from absl import logging as absl_logging
 
-  def _main(argv):
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    try:
-      summary = train(flags_def.config, flags_def.workdir)
-    except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
-      print(f"jaxrl-train: {e}", file=sys.stderr)
-      sys.exit(2)
-    print(json.dumps(summary, indent=2, default=str))
-
-  app.run(_main, argv=argv)
+  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
+  argv = sys.argv if argv is None else argv
+  try:  # bad flags (unknown config key, wrong type) end here with one line, before any work
+    rest = flags_def(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: a --config.<key> the config does not have
+    print(f"jaxrl-train: unknown config key {str(e).strip(chr(34))}", file=sys.stderr)
+    sys.exit(2)
+  except (flags.Error, TypeError, ValueError) as e:
+    print(f"jaxrl-train: bad flag: {e}", file=sys.stderr)
+    sys.exit(2)
+  if len(rest) > 1:
+    print(f"jaxrl-train: unexpected arguments: {rest[1:]}", file=sys.stderr)
+    sys.exit(2)
+  try:
+    summary = train(flags_def.config, flags_def.workdir)
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+    print(f"jaxrl-train: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(summary, indent=2, default=str))
 
 
 if __name__ == "__main__":
