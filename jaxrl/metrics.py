@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
-                 ("ess_fraction", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
+                 ("ess_frac", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
                  ("learner_busy", "lrn"), ("step_time_s", "s/step"))
 
 
@@ -43,7 +43,14 @@ class MetricsWriter:
     self._t0 = time.monotonic()
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
-    scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+    """Scalars as they are; 1-D arrays (e.g. the staleness histogram) as one scalar per entry, name/i."""
+    scalars = {}
+    for k, v in metrics.items():
+      arr = np.asarray(v) if not isinstance(v, (str, bytes)) else None
+      if arr is not None and arr.ndim == 1 and arr.dtype.kind in "biuf":
+        scalars.update({f"{k}/{i}": float(x) for i, x in enumerate(arr)})
+      elif (s := _scalar(v)) is not None:
+        scalars[k] = s
     record = {"step": step, "time": time.time(), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
     self._jsonl.write(json.dumps(record) + "\n")
     if self._tb is not None:
