@@ -1,0 +1,116 @@
+"""Local launcher: N CPU processes of one jax.distributed job on loopback, for tests and demos.
+
+  python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
+
+Every process runs `python -m jaxrl.distributed.train` (or --module) with the arguments after `--`, with
+JAX_NUM_CPU_DEVICES=--devices_per_process, its own cross-host transfer port, and its output prefixed by [pN].
+When a process fails, the others get --grace_s to stop on their own (their watchdog does it within its heartbeat
+timeout), then are killed; the launcher exits with the first failure's status (128 + signal if it was killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_ports(n: int) -> list[int]:
+  """n distinct ports that were free a moment ago on 127.0.0.1."""
+  socks = [socket.socket() for _ in range(n)]
+  try:
+    for s in socks:
+      s.bind(("127.0.0.1", 0))
+    return [s.getsockname()[1] for s in socks]
+  finally:
+    for s in socks:
+      s.close()
+
+
+def _describe(code: int) -> str:
+  return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+def _pump(proc: subprocess.Popen, prefix: str) -> None:
+  for line in proc.stdout:
+    sys.stdout.write(f"{prefix}{line}")
+    sys.stdout.flush()
+
+
+def launch(num_processes: int, args: list[str], *, devices_per_process: int = 1,
+           module: str = "jaxrl.distributed.train", grace_s: float = 30.0, timeout_s: float = 0.0) -> int:
+  """Runs the job; returns 0 if every process succeeded, else the first failure's status."""
+  if num_processes < 2:
+    raise ValueError(f"a multi-process job needs at least 2 processes (got {num_processes})")
+  coordinator, *transfer = free_ports(num_processes + 1)
+  procs = []
+  for i in range(num_processes):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}", "JAXRL_NUM_PROCESSES": str(num_processes),
+           "JAXRL_PROCESS_ID": str(i), "JAXRL_TRANSFER_ADDRESS": f"127.0.0.1:{transfer[i]}",
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    print(f"jaxrl.launch: process {i} pid {proc.pid}", flush=True)
+    threading.Thread(target=_pump, args=(proc, f"[p{i}] "), daemon=True).start()
+    procs.append(proc)
+
+  start, failed, failed_at = time.monotonic(), None, None
+  try:
+    while any(p.poll() is None for p in procs):
+      now = time.monotonic()
+      for i, p in enumerate(procs):
+        if failed is None and p.returncode not in (None, 0):
+          failed, failed_at = i, now
+          print(f"jaxrl.launch: process {i} failed ({_describe(p.returncode)}); waiting up to {grace_s:.0f}s "
+                f"for the others to stop", flush=True)
+      if timeout_s and now - start > timeout_s and failed is None:
+        print(f"jaxrl.launch: the job ran past {timeout_s:.0f}s; killing it", flush=True)
+        failed, failed_at = -1, now - grace_s
+      if failed is not None and now - failed_at > grace_s:
+        for i, p in enumerate(procs):
+          if p.poll() is None:
+            print(f"jaxrl.launch: killing process {i}, still running {grace_s:.0f}s after the failure", flush=True)
+            p.kill()
+      time.sleep(0.1)
+  except KeyboardInterrupt:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    raise
+  codes = [p.wait() for p in procs]
+  if failed is None:
+    failed = next((i for i, c in enumerate(codes) if c != 0), None)
+  if failed is None:
+    print(f"jaxrl.launch: all {num_processes} processes finished", flush=True)
+    return 0
+  print("jaxrl.launch: " + ", ".join(f"process {i}: {_describe(c)}" for i, c in enumerate(codes)), flush=True)
+  code = codes[failed] if failed >= 0 else 124
+  return 128 - code if code < 0 else code
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if "--" not in argv:
+    print("usage: python -m jaxrl.distributed.launch --num_processes=N [options] -- <jaxrl.distributed.train args>",
+          file=sys.stderr)
+    return 2
+  split = argv.index("--")
+  parser = argparse.ArgumentParser(prog="jaxrl.distributed.launch")
+  parser.add_argument("--num_processes", type=int, required=True)
+  parser.add_argument("--devices_per_process", type=int, default=1, help="CPU devices of each process")
+  parser.add_argument("--module", default="jaxrl.distributed.train", help="what every process runs (python -m)")
+  parser.add_argument("--grace_s", type=float, default=30.0, help="after a failure, time for the others to stop")
+  parser.add_argument("--timeout_s", type=float, default=0.0, help="kill the job after this long (0: never)")
+  opts = parser.parse_args(argv[:split])
+  return launch(opts.num_processes, argv[split + 1 :], devices_per_process=opts.devices_per_process,
+                module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,63 @@
+"""Finished rollout groups as one int32 array (a packet), so that they can cross hosts as a JAX array, bit for bit.
+
+Row layout, one row per sample, T = the sampler's max_len:
+  [prompt_len, completion_len, group_id, sample_index, finish_reason, correct, reward (float64 as 2 int32),
+   tokens[T] (prompt then completion), logprobs[T] (float32 bits, on completion positions), versions[T]]
+Only what the learner reads crosses: the prompt text and reward metadata stay on the sampler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxrl.rollout import Rollout
+
+FINISH_REASONS = ("eos", "stop", "length")
+_HEAD = 8  # columns before tokens
+
+
+def packet_width(max_len: int) -> int:
+  return _HEAD + 3 * max_len
+
+
+def encode(groups: list[list[Rollout]], max_len: int) -> np.ndarray:
+  """int32 [samples, packet_width(max_len)]; raises ValueError for a sample longer than max_len."""
+  rows = [r for g in groups for r in g]
+  out = np.zeros((len(rows), packet_width(max_len)), np.int32)
+  tok, lp, ver = _HEAD, _HEAD + max_len, _HEAD + 2 * max_len  # first column of each per-token block
+  for i, r in enumerate(rows):
+    p, c = len(r.prompt_tokens), len(r.completion_tokens)
+    if p + c > max_len:
+      raise ValueError(f"group {r.group_id} sample {r.sample_index} has {p + c} tokens, more than max_len={max_len}")
+    correct = -1 if "correct" not in r.meta else int(bool(r.meta["correct"]))
+    out[i, :6] = (p, c, r.group_id, r.sample_index, FINISH_REASONS.index(r.finish_reason), correct)
+    out[i, 6:8] = np.array([r.reward], np.float64).view(np.int32)
+    out[i, tok : tok + p] = r.prompt_tokens
+    out[i, tok + p : tok + p + c] = r.completion_tokens
+    out[i, lp + p : lp + p + c] = np.asarray(r.logprobs, np.float32).view(np.int32)
+    out[i, ver + p : ver + p + c] = r.versions
+  return out
+
+
+def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
+  """The groups of a packet, in order (consecutive rows of one group id form a group)."""
+  packet = np.asarray(packet, np.int32)
+  if packet.ndim != 2 or packet.shape[1] != packet_width(max_len):
+    raise ValueError(f"packet of shape {packet.shape} does not match max_len={max_len} "
+                     f"(expected [rows, {packet_width(max_len)}])")
+  groups: list[list[Rollout]] = []
+  for row in packet:
+    p, c, gid, index, reason, correct = (int(v) for v in row[:6])
+    tokens = row[_HEAD : _HEAD + max_len]
+    logprobs = row[_HEAD + max_len : _HEAD + 2 * max_len].view(np.float32)
+    versions = row[_HEAD + 2 * max_len :]
+    meta = {} if correct < 0 else {"correct": bool(correct)}
+    r = Rollout(prompt_tokens=tokens[:p].copy(), completion_tokens=tokens[p : p + c].copy(),
+                logprobs=logprobs[p : p + c].copy(), versions=versions[p : p + c].copy(),
+                finish_reason=FINISH_REASONS[reason], group_id=gid, sample_index=index,
+                reward=float(row[6:8].copy().view(np.float64)[0]), meta=meta)
+    if groups and groups[-1][0].group_id == gid:
+      groups[-1].append(r)
+    else:
+      groups.append([r])
+  return groups

@@ -1,0 +1,314 @@
+"""The single-host Controller, one role per process: learner processes run its learner loop (SPMD over the learner
+mesh, in lock step), every sampler process runs its sampler loop on its own devices. The queue, staleness policy,
+batch assembly, train step and versions are the Controller's own code; what changes is the wiring:
+
+  sampler loop --Outbox--> transfer log --(cross-host copy of a packet)--> Inbox --> learner loop
+  learner loop --LearnerPublisher--> transfer log --(cross-host copy of the params)--> ReceivedWeights --> sampler
+
+One Ferry thread per process follows the transfer log and issues every copy in order. Counters that cross
+(groups taken by the learner, groups dropped per sampler, sampler versions) go through the store.
+Sync mode is this same pipeline with max_staleness 0: a sampler admits a step's groups only once it holds the
+params of that step, which is the single-host sync schedule.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.controller.loops import Controller
+from jaxrl.controller.queue import StalenessPolicy, Stopped
+from jaxrl.distributed import packets
+from jaxrl.distributed.transfer import TransferLog, WeightRoute, copy_packet, save_local_shards
+from jaxrl.rollout import Rollout
+from jaxrl.sharding import Versioned
+
+
+class Inbox:
+  """The learner's end of the rollout queue: complete groups in transfer-log order, which is the same on every
+  learner process. The lead counts the groups it takes; that count frees room for the samplers (see Outbox)."""
+
+  def __init__(self, stop: threading.Event, store=None, poll_s: float = 0.05):
+    self._q: queue.Queue[list[Rollout]] = queue.Queue()
+    self._stop, self._store, self._poll_s = stop, store, poll_s
+
+  def put(self, group: list[Rollout]) -> None:
+    self._q.put(group)
+
+  def get(self) -> list[Rollout]:
+    while True:
+      if self._stop.is_set():
+        raise Stopped
+      try:
+        group = self._q.get(timeout=self._poll_s)
+      except queue.Empty:
+        continue
+      if self._store is not None:
+        self._store.incr("consumed")
+      return group
+
+  def qsize(self) -> int:
+    return self._q.qsize()
+
+  def drain(self) -> list[list[Rollout]]:
+    out = []
+    while not self._q.empty():
+      out.append(self._q.get_nowait())
+    return out
+
+
+class Outbox:
+  """The sampler's end of the rollout queue. put() waits while `capacity` groups, over all samplers, are sent and
+  not yet taken by the learner (the single-host queue's bound), then puts the group's packet on this process's
+  first device and appends it to the transfer log; the Ferry sends it when the log reaches it."""
+
+  def __init__(self, store, log: TransferLog, rank: int, capacity: int, max_len: int, device,
+               stop: threading.Event, poll_s: float = 0.05):
+    self.store, self.log, self.rank, self.capacity, self.max_len = store, log, rank, capacity, max_len
+    self.device, self._stop, self._poll_s = device, stop, poll_s
+    self._lock = threading.Lock()
+    self._pending: dict[int, tuple[jax.Array, int]] = {}  # seq -> (packet, samples), appended and not yet sent
+    self._seq = 0
+
+  def put(self, group: list[Rollout]) -> None:
+    ticket = self.store.incr("sent")
+    while ticket - self.store.count("consumed") > self.capacity:  # back-pressure: the learner is behind
+      if self._stop.wait(self._poll_s):
+        raise Stopped
+    packet = packets.encode([group], self.max_len)
+    with self._lock:
+      seq, self._seq = self._seq, self._seq + 1
+      self._pending[seq] = (jax.device_put(packet, self.device), len(group))
+    self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet)})
+
+  def take(self, seq: int) -> jax.Array:
+    with self._lock:
+      return self._pending.pop(seq)[0]
+
+  def samples_pending(self) -> int:
+    with self._lock:
+      return sum(n for _, n in self._pending.values())
+
+
+class LearnerPublisher:
+  """The learner's side of the weight publisher: each version is replicated over the learner mesh, cut into every
+  replica's layout and held for the Ferry; the lead appends it to the transfer log."""
+
+  def __init__(self, routes: list[WeightRoute], replicated_sharding, log: TransferLog | None,
+               dump_dir: Path | None = None):
+    self.routes, self.log, self.dump_dir = routes, log, dump_dir
+    self._replicate = jax.jit(lambda params: params, out_shardings=replicated_sharding)
+    self._staged: dict[int, list[list[jax.Array]]] = {}
+    self._cond = threading.Condition()
+    self.published = 0
+
+  def publish(self, params, version: int) -> None:
+    if self.dump_dir is not None:  # the learner's own shards, before any copy: what the samplers must end up with
+      save_local_shards(params, self.dump_dir / f"v{version}_process{jax.process_index()}.npz")
+    replicated = self._replicate(params)
+    staged = [route.stage(replicated) for route in self.routes]
+    with self._cond:
+      self._staged[version] = staged
+      self._cond.notify_all()
+    self.published += 1
+    if self.log is not None:
+      self.log.append({"kind": "weights", "version": version})
+
+  def take(self, version: int, stop: threading.Event) -> list[list[jax.Array]]:
+    """The staged sources of `version` (waits for this process's learner loop to publish it)."""
+    with self._cond:
+      while version not in self._staged:
+        if stop.is_set():
+          raise Stopped
+        self._cond.wait(0.05)
+      return self._staged.pop(version)
+
+
+class ReceivedWeights:
+  """The sampler's side of the weight publisher: the newest params the Ferry received."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._latest: Versioned | None = None
+    self._arrived = threading.Event()
+
+  def deliver(self, versioned: Versioned) -> None:
+    with self._lock:
+      self._latest = versioned
+    self._arrived.set()
+
+  def take_newer(self, version: int) -> Versioned | None:
+    with self._lock:
+      latest = self._latest
+    return latest if latest is not None and latest.version > version else None
+
+  def wait_first(self, stop: threading.Event, poll_s: float = 0.05) -> Versioned:
+    while not self._arrived.wait(poll_s):
+      if stop.is_set():
+        raise Stopped
+    return self._latest
+
+
+class DistributedController(Controller):
+  """A Controller for one process of a multi-process job (see the module docstring)."""
+
+  def __init__(self, spec, *, topology, store, log: TransferLog, routes: list[WeightRoute], max_len: int,
+               make_sampler: Callable[[Versioned], Any] | None = None, dump_dir: Path | None = None,
+               poll_s: float = 0.05, **kwargs):
+    super().__init__(spec, **kwargs)
+    self.topology, self.store, self.log, self.routes = topology, store, log, routes
+    self.max_len, self.make_sampler, self.dump_dir, self.poll_s = max_len, make_sampler, dump_dir, poll_s
+    self.is_learner = topology.role == "learner"
+    self.is_lead = topology.process_id == topology.lead
+    self._wake = threading.Event()
+    self._abort = threading.Event()  # a thread of this process failed (self.stop is also set by a normal end)
+    self._learner_inputs = [next(d for d in topology.learner_devices if d.process_index == p)
+                            for p in topology.learner_processes]
+    if self.is_learner:
+      self.inbox = Inbox(self.stop, store if self.is_lead else None, poll_s)
+    else:
+      rank, num = topology.sampler_rank, len(topology.sampler_processes)
+      if spec.groups_per_step % num:
+        raise ValueError(f"rl.groups_per_step={spec.groups_per_step} does not split evenly over {num} samplers")
+      if self._resubmit:
+        raise ValueError("multi-process runs do not resume from a checkpoint")
+      # Each sampler admits its share of every step's groups, so the single-host admission bound holds overall.
+      self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step // num)
+      self.record.next_group_id = rank  # data positions rank, rank + num, ...: disjoint, and no coordination
+      self.outbox = Outbox(store, log, rank, spec.queue_groups, max_len, topology.sampler_devices[rank][0],
+                           self.stop, poll_s)
+      self.received = ReceivedWeights()
+      self.publisher = self.received
+    self.ferry = threading.Thread(target=self._guarded, args=("transfer", self._follow_log), name="jaxrl-ferry",
+                                  daemon=True)
+
+  # ---- the Controller's pieces, extended -------------------------------------------------------------------------
+
+  def _admit_one(self) -> bool:
+    admitted = super()._admit_one()
+    self.record.next_group_id += len(self.topology.sampler_processes) - 1
+    return admitted
+
+  def _guarded(self, name: str, loop: Callable, *args) -> None:
+    super()._guarded(name, loop, *args)
+    if self.errors:
+      self._abort.set()
+
+  def _sampler_of(self, group: list[Rollout]) -> int:
+    return group[0].group_id % len(self.topology.sampler_processes)
+
+  def _accept(self, group: list[Rollout]) -> bool:
+    accepted = super()._accept(group)
+    if not accepted and self.is_lead:
+      self.store.incr(f"dropped/{self._sampler_of(group)}")  # frees admission room on that sampler
+    return accepted
+
+  def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
+    metrics = super()._train(groups)
+    if not metrics["applied"] and self.is_lead:
+      for g in groups:
+        self.store.incr(f"dropped/{self._sampler_of(g)}")
+    return metrics
+
+  # ---- the transfer log --------------------------------------------------------------------------------------------
+
+  def _follow_log(self) -> None:
+    for entry in self.log.follow(self._abort):
+      if entry is None:
+        self._tick()
+      elif entry["kind"] == "weights":
+        self._copy_weights(entry["version"])
+      elif entry["kind"] == "rollouts":
+        self._copy_rollouts(entry)
+      elif entry["kind"] == "done":
+        self.stop.set()
+        return
+      else:
+        raise ValueError(f"unknown transfer log entry {entry}")
+
+  def _tick(self) -> None:
+    if not self.is_learner:
+      dropped = self.store.count(f"dropped/{self.topology.sampler_rank}")
+      if dropped != self.ledger.dropped_groups:
+        self.ledger.dropped_groups = dropped
+        self._wake.set()
+
+  def _copy_weights(self, version: int) -> None:
+    sources = self.publisher.take(version, self._abort) if self.is_learner else None
+    for rank, route in enumerate(self.routes):
+      params = route.copy(sources[rank] if sources else route.placeholders())
+      if not self.is_learner and rank == self.topology.sampler_rank:
+        jax.block_until_ready(params)
+        if self.dump_dir is not None:
+          save_local_shards(params, self.dump_dir / f"v{version}_process{self.topology.process_id}.npz")
+        self.received.deliver(Versioned(params, version))
+        self.store.set(f"sampler_version/{rank}", version)
+        self._tick()
+        self._wake.set()
+
+  def _copy_rollouts(self, entry: dict) -> None:
+    rank = entry["sampler"]
+    mine = not self.is_learner and rank == self.topology.sampler_rank
+    shape = (entry["rows"], packets.packet_width(self.max_len))
+    copies = copy_packet(self.outbox.take(entry["seq"]) if mine else None, shape,
+                         self.topology.sampler_devices[rank][0], self._learner_inputs)
+    if self.is_learner:
+      received = copies[self.topology.learner_processes.index(self.topology.process_id)]
+      for group in packets.decode(np.asarray(received), self.max_len):
+        self.inbox.put(group)
+
+  # ---- the two roles -----------------------------------------------------------------------------------------------
+
+  def run(self) -> None:
+    """Runs this process's role until the lead's learner reaches num_steps (then every Ferry sees "done")."""
+    self.ferry.start()
+    try:
+      if self.is_learner:
+        self._run_learner()
+      else:
+        self._run_sampler()
+    finally:
+      self.stop.set()
+    self.raise_errors()
+
+  def _run_learner(self) -> None:
+    self._log_start("distributed")
+    self.publisher.publish(self.state.params, self.version)
+    self._guarded("learner", self._learner_loop, self.inbox)
+    if self.is_lead and not self.errors:
+      self.log.append({"kind": "done"})
+    self.ferry.join()  # every copy up to "done" is issued: the samplers' last pulls can complete
+    self._leftover = self.inbox.drain()
+
+  def _run_sampler(self) -> None:
+    try:
+      first = self.received.wait_first(self.stop)
+    except Stopped:
+      return  # the transfer thread failed; run() raises its error
+    self.sampler = self.make_sampler(first)
+    self._guarded("sampler", self._sampler_loop, self.outbox, self.poll_s)
+    self.ferry.join()
+
+  def samples_in_flight(self) -> int:
+    """This process's share: open groups and unsent packets (sampler), received and untrained groups (learner)."""
+    pending = 0 if self.is_learner else self.outbox.samples_pending()
+    return super().samples_in_flight() + pending
+
+  def process_summary(self) -> dict[str, Any]:
+    out = {"process": self.topology.process_id, "role": self.topology.name(self.topology.process_id),
+           "ledger": self.ledger.to_json(), "samples_in_flight": self.samples_in_flight(), "busy": dict(self.busy)}
+    if self.is_learner:
+      out.update(version=self.version, trained_staleness=self.trained_staleness)
+    else:
+      stats = self.sampler.stats if self.sampler is not None else None
+      out.update(sampler_version=self.sampler.version if self.sampler is not None else None,
+                 generated_tokens=stats.generated_tokens if stats else 0, time=time.time())
+    return out
+

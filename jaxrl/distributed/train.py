@@ -1,0 +1,203 @@
+"""jaxrl-train on a multi-process JAX job: every process runs this same command, with the same config.
+
+  python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
+  (TPU VMs and Slurm: see launch/README.md)
+
+The learner mesh spans the first processes (mesh.sampler_devices, counted from the end, must cover whole
+processes); every later process is one sampler replica on its own devices, with mesh.sampler_axes and
+sampler.max_slots per replica. The lead learner (the first learner process) writes workdir/metrics.jsonl and
+workdir/summary.json. Checkpointing and resume are single-host only for now.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl import config as config_lib
+from jaxrl import sharding
+from jaxrl.controller.data import make_prompt_source, make_scorer
+from jaxrl.controller.loops import RunSpec
+from jaxrl.distributed import runtime
+from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher
+from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
+from jaxrl.distributed.watchdog import Watchdog, hard_exit
+from jaxrl.learner import (
+  LossConfig,
+  batch_shardings,
+  init_train_state,
+  make_optimizer,
+  make_train_step,
+  train_state_shardings,
+)
+from jaxrl.metrics import MetricsWriter
+from jaxrl.models import hf
+from jaxrl.rollout import SamplingParams
+from jaxrl.sampler import Engine, Sampler
+from jaxrl.train import _load_params, _model_source
+
+EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
+
+
+def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
+          dump_dir: Path | None = None) -> DistributedController:
+  """This process's controller: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
+  workdir = Path(workdir)
+  lead = topology.process_id == topology.lead
+  config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
+  if c.mesh.num_devices not in (-1, len(jax.devices())):
+    raise config_lib.ConfigError(f"config: mesh.num_devices={c.mesh.num_devices}: a multi-process run uses every "
+                                 f"device of the job ({len(jax.devices())}); set it to -1")
+  model_cfg, tokenizer, path = _model_source(c)
+  abstract = hf.abstract_params(model_cfg)[1]
+  replicas = []
+  for devices in topology.sampler_devices:
+    try:
+      replicas.append(sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices))
+    except ValueError as e:
+      raise config_lib.ConfigError(f"config: mesh.sampler_axes on a sampler replica of {len(devices)} device(s) "
+                                   f"(one process): {e}") from None
+  routes = [WeightRoute(abstract, sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES),
+                        source_devices(topology.learner_devices, mesh.size, rank))
+            for rank, mesh in enumerate(replicas)]
+  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  spec = RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
+                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
+                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
+                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
+  log = TransferLog(store)
+  common = dict(topology=topology, store=store, log=log, routes=routes, max_len=c.sampler.max_len, dump_dir=dump_dir)
+
+  if topology.role == "sampler":
+    task, prompts = make_prompt_source(c, tokenizer, model_cfg)
+    score = make_scorer(c, task, tokenizer)
+    engine = Engine(model_cfg, replicas[topology.sampler_rank], max_slots=c.sampler.max_slots,
+                    max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call)
+    detok = tokenizer.decode if tokenizer is not None else None
+    make_sampler = lambda first: Sampler(engine, first.params, first.version, seed=c.seed,  # noqa: E731
+                                         on_update=c.sampler.on_update, detokenize=detok)
+    return DistributedController(spec, sampler=None, train_step=None, state=None, publisher=None, prompts=prompts,
+                                 score=score, make_sampler=make_sampler, **common)
+
+  learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
+  psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)  # noqa: E731
+  model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
+  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=sampling)
+  optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+  state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh)
+  rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
+  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                               state_shardings=state_sh, batch_sharding=rows)
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  batch_sh = batch_shardings(rows)
+
+  def step(state, batch, key):
+    # Every learner process holds the whole (identical) numpy batch; device_put keeps each one's rows.
+    return train_step(state, jax.device_put(batch, batch_sh), key)
+
+  publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir)
+  metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
+                          total_steps=c.num_steps) if lead else None
+  return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
+                               score=None, metrics=metrics, **common)
+
+
+def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
+  """The job's summary from every process's own: the lead learner's ledger plus the samplers' counts."""
+  learner = parts[topology.lead]
+  samplers = [parts[p] for p in topology.sampler_processes]
+  ledger = dict(learner["ledger"])
+  for key in ("groups_admitted", "samples_generated", "skipped_prompts"):
+    ledger[key] = sum(s["ledger"][key] for s in samplers)
+  staleness = learner["trained_staleness"]
+  return {"mode": c.mode, "num_processes": len(parts), "learner_processes": list(topology.learner_processes),
+          "sampler_processes": list(topology.sampler_processes), "steps": learner["version"],
+          "version": learner["version"], "ledger": ledger,
+          "samples_in_flight": learner["samples_in_flight"] + sum(s["samples_in_flight"] for s in samplers),
+          "staleness_max": max(staleness, default=0),
+          "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+          "sampler_versions": [s["sampler_version"] for s in samplers],
+          "busy": {"learner": learner["busy"]["learner"], "samplers": [s["busy"]["sampler"] for s in samplers]}}
+
+
+def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
+          summary_timeout_s: float = 120.0) -> dict[str, Any]:
+  """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own."""
+  workdir = Path(workdir)
+  ctl = build(c, workdir, topology, store, dump_dir=dump_dir)
+  t0 = time.perf_counter()
+  try:
+    ctl.run()
+  finally:
+    if ctl.metrics is not None:
+      ctl.metrics.close()
+    if ctl.score is not None:
+      ctl.score.close()
+  own = ctl.process_summary()
+  own["train_seconds"] = time.perf_counter() - t0
+  store.set(f"summary/{topology.process_id}", own)
+  if topology.process_id != topology.lead:
+    return own
+  parts = {p: store.get(f"summary/{p}", summary_timeout_s) for p in range(jax.process_count())}
+  summary = summarize(c, parts, topology)
+  summary["train_seconds"] = own["train_seconds"]
+  (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  return summary
+
+
+def main(argv=None):
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  flags_def = flags.FLAGS
+  config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py[:arg]", lock_config=True)
+  flags.DEFINE_string("workdir", None, "run folder (shared by all processes, or the lead's): metrics, summary")
+  flags.DEFINE_float("heartbeat_timeout_s", 10.0, "a process silent this long stops the job, on every process")
+  flags.DEFINE_bool("dump_weights", False, "save every version's params, as sent by the learner and as received "
+                    "by each sampler, to workdir/weights (for bitwise checks)")
+  flags.mark_flags_as_required(["config", "workdir"])
+
+  def _main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # JAX's own heartbeat abort is the backstop, well after the watchdog's.
+    runtime.initialize(heartbeat_timeout_s=int(3 * flags_def.heartbeat_timeout_s) + 10)
+    store = runtime.Store()
+    c = flags_def.config
+    me = jax.process_index()
+    try:
+      topology = runtime.Topology.split(c.mesh.sampler_devices, jax.devices(), me)
+    except ValueError as e:
+      print(f"jaxrl: process {me}: config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}", file=sys.stderr)
+      hard_exit(2)
+    watchdog = Watchdog(store, me, topology.name, jax.process_count(),
+                        timeout_s=flags_def.heartbeat_timeout_s).start()
+    workdir = Path(flags_def.workdir)
+    try:
+      summary = train(c, workdir, topology, store, dump_dir=workdir / "weights" if flags_def.dump_weights else None)
+    except BaseException as e:  # noqa: BLE001 - any failure stops the whole job, on every process
+      traceback.print_exc()
+      first_line = (str(e).splitlines() or [""])[0]
+      reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
+      watchdog.stop_job(reason)
+      print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
+      watchdog.leave(2 if isinstance(e, config_lib.ConfigError) else EXIT_FAILED)
+    watchdog.close()
+    jax.distributed.shutdown()
+    if me == topology.lead:
+      print(json.dumps(summary, indent=2, default=str))
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()
