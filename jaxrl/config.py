@@ -6,12 +6,14 @@ command line overrides further (ml_collections rejects unknown keys and wrong ty
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import ml_collections
 
 MODES = ("pipeline", "sync")
+DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
   c.rl.max_staleness = 1  # k: no sample is trained with staleness above k (pipeline mode)
   c.rl.queue_groups = 8  # rollout queue capacity, in groups (back-pressure beyond)
+  # Skipped prompts + dropped groups + skipped updates in a row (no applied update between) before the run stops
+  c.rl.max_failures_in_a_row = 100  # with an error: broken data or rewards fail loudly instead of looping forever
 
   c.loss = ml_collections.ConfigDict(dict(
       advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_low=0.2, clip_high=0.28,
@@ -81,7 +85,31 @@ def base() -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True  # TensorBoard event files in workdir/tb (metrics.jsonl is always written)
   c.log.progress = True  # one progress line per learner step on stderr
+  c.log.trace = False  # workdir/trace.jsonl: which samples each step trained, drops, skips, checkpoints (debugging)
   return c
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# (field, smallest allowed value) of every integer field.
+_INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_step", 1), ("rl.seq_len", 2),
+         ("rl.queue_groups", 1), ("rl.max_staleness", 0), ("rl.max_failures_in_a_row", 1), ("sampler.max_slots", 1),
+         ("sampler.max_len", 2), ("sampler.steps_per_call", 1), ("sampler.max_new_tokens", 1), ("sampler.top_k", 0),
+         ("task.max_prompt_tokens", 1), ("checkpoint.every_steps", 1), ("checkpoint.max_to_keep", 1),
+         ("eval.num_examples", 0), ("eval.max_new_tokens", 1), ("optimizer.warmup_steps", 0))
+# (field, check, what it must be) of every real-valued field.
+_REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperature", lambda v: v > 0, "> 0"),
+          ("sampler.top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("optimizer.learning_rate", lambda v: v > 0, "> 0"),
+          ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
+_BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace")
+_CHOICES = (("mode", MODES), ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
+            ("sampler.on_update", ("recompute", "finish")))
 
 
 def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None, num_devices: int | None = None):
@@ -91,36 +119,101 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
     if not cond:
       raise ConfigError(f"config: {msg}")
 
-  need(c.mode in MODES, f"mode={c.mode!r}; allowed: {MODES}")
-  need(isinstance(c.num_steps, int) and c.num_steps >= 1, f"num_steps must be an int >= 1 (got {c.num_steps!r})")
-  for name in ("group_size", "groups_per_step", "seq_len", "queue_groups"):
-    v = c.rl[name]
-    need(isinstance(v, int) and v >= 1, f"rl.{name} must be an int >= 1 (got {v!r})")
-  need(isinstance(c.rl.max_staleness, int) and c.rl.max_staleness >= 0,
-       f"rl.max_staleness must be an int >= 0 (got {c.rl.max_staleness!r})")
-  for name in ("max_slots", "max_len", "steps_per_call", "max_new_tokens"):
-    v = c.sampler[name]
-    need(isinstance(v, int) and v >= 1, f"sampler.{name} must be an int >= 1 (got {v!r})")
+  def get(path):
+    node = c
+    for part in path.split("."):
+      try:
+        node = node[part]
+      except (KeyError, TypeError, AttributeError):
+        raise ConfigError(f"config: missing field {path}") from None
+    return node
+
+  for path, choices in _CHOICES:
+    v = get(path)
+    need(isinstance(v, str) and v in choices, f"{path}={v!r}; allowed: {choices}")
+  for path, lo in _INTS:
+    v = get(path)
+    need(_is_int(v) and v >= lo, f"{path} must be an int >= {lo} (got {v!r})")
+  for path, ok, what in _REALS:
+    v = get(path)
+    need(_is_real(v) and ok(v), f"{path} must be a number {what} (got {v!r})")
+  for path in _BOOLS:
+    v = get(path)
+    need(isinstance(v, bool), f"{path} must be True or False (got {v!r})")
+  v = get("optimizer.max_grad_norm")
+  need(v is None or (_is_real(v) and v > 0), f"optimizer.max_grad_norm must be a number > 0 or None (got {v!r})")
   need(c.sampler.max_new_tokens < c.sampler.max_len,
        f"sampler.max_new_tokens={c.sampler.max_new_tokens} leaves no room for a prompt in max_len={c.sampler.max_len}")
   need(c.sampler.max_len <= c.rl.seq_len,
        f"sampler.max_len={c.sampler.max_len} exceeds rl.seq_len={c.rl.seq_len}: samples would not fit the batch")
-  need(c.sampler.on_update in ("recompute", "finish"), f"sampler.on_update={c.sampler.on_update!r}")
-  need(c.checkpoint.every_steps >= 1, f"checkpoint.every_steps must be >= 1 (got {c.checkpoint.every_steps})")
-  need(c.task.reward_timeout_s > 0, f"task.reward_timeout_s must be > 0 (got {c.task.reward_timeout_s})")
-  need(c.eval.num_examples >= 0, f"eval.num_examples must be >= 0 (got {c.eval.num_examples})")
-  s = c.mesh.sampler_devices
-  need(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0,
-       f"mesh.sampler_devices must be a positive count or a fraction in (0, 1) (got {s!r})")
-  if num_devices is not None:
-    pool = num_devices if c.mesh.num_devices == -1 else c.mesh.num_devices
-    need(1 <= pool <= num_devices, f"mesh.num_devices={c.mesh.num_devices} but {num_devices} devices exist")
-    if isinstance(s, int):
-      need(s < pool, f"mesh.sampler_devices={s} leaves no learner device in a pool of {pool}")
-  if c.model.source not in ("tiny", "smollm2"):
-    need(Path(c.model.source).is_dir(), f"model.source={c.model.source!r} is neither 'tiny', 'smollm2' nor a folder")
+  _validate_objective(c)
+  _validate_model_and_task(c, need, get)
+  _validate_mesh(c, need, get, num_devices)
   if workdir is not None:
     _check_writable(Path(workdir))
+
+
+def _validate_objective(c) -> None:
+  """The loss and sampling settings, checked by the classes that will hold them."""
+  from jaxrl.learner.config import LossConfig
+  from jaxrl.rollout import SamplingParams
+
+  try:
+    sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+    LossConfig(**c.loss.to_dict(), sampling=sampling)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config: loss: {e}") from None
+
+
+def _validate_model_and_task(c, need, get) -> None:
+  from jaxrl.envs import TASKS
+  from jaxrl.models import ModelConfig
+
+  source = get("model.source")
+  need(isinstance(source, str) and source, f"model.source must be 'tiny', 'smollm2' or a folder (got {source!r})")
+  if source == "tiny":
+    for k, v in get("model.tiny").items():
+      need(_is_int(v) and v >= 1, f"model.tiny.{k} must be an int >= 1 (got {v!r})")
+    try:
+      ModelConfig.tiny(**c.model.tiny.to_dict())
+    except (AttributeError, TypeError, ValueError) as e:
+      raise ConfigError(f"config: model.tiny: {e}") from None
+  elif source != "smollm2":
+    need(Path(source).is_dir(), f"model.source={source!r} is neither 'tiny', 'smollm2' nor a folder")
+  name = get("task.name")
+  need(isinstance(name, str) and name in TASKS, f"task.name={name!r}; known: {sorted(TASKS)}")
+  need(not (source == "tiny" and TASKS[name].text_prompts),
+       f"task {name!r} has text prompts and the 'tiny' model has no tokenizer; use model.source='smollm2' or a "
+       "HF folder, or a token-level task (target_token)")
+  need(isinstance(get("task.kwargs"), ml_collections.ConfigDict), "task.kwargs must be a ConfigDict")
+  need(isinstance(get("task.reward"), str), f"task.reward must be a reward name (got {c.task.reward!r})")
+
+
+def _validate_mesh(c, need, get, num_devices: int | None) -> None:
+  from jaxrl.sharding import resolve_axis_sizes
+
+  n, s = get("mesh.num_devices"), get("mesh.sampler_devices")
+  need(_is_int(n) and (n == -1 or n >= 2), f"mesh.num_devices must be -1 (all) or an int >= 2 (got {n!r})")
+  need(_is_int(s) and s >= 1 or isinstance(s, float) and 0 < s < 1,
+       f"mesh.sampler_devices must be a positive count or a fraction in (0, 1) (got {s!r})")
+  if num_devices is None:
+    return
+  pool = num_devices if n == -1 else n
+  need(pool <= num_devices, f"mesh.num_devices={n} but {num_devices} devices exist")
+  need(pool >= 2, f"a pool of {pool} device(s) cannot hold a sampler and a learner")
+  sampler = s if _is_int(s) else max(1, round(s * pool))
+  need(sampler < pool, f"mesh.sampler_devices={s} leaves no learner device in a pool of {pool}")
+  sizes = {}
+  for role, count in (("learner", pool - sampler), ("sampler", sampler)):
+    axes = get(f"mesh.{role}_axes")
+    try:
+      sizes[role] = resolve_axis_sizes(axes.to_dict() if hasattr(axes, "to_dict") else axes, count)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config: mesh.{role}_axes on {count} {role} device(s): {e}") from None
+  shards = sizes["learner"].get("data", 1) * sizes["learner"].get("fsdp", 1)
+  batch = c.rl.group_size * c.rl.groups_per_step
+  need(batch % shards == 0, f"the batch of rl.group_size * rl.groups_per_step = {batch} rows is not divisible by "
+                            f"the {shards} learner devices it is split over (mesh.learner_axes)")
 
 
 def _check_writable(workdir: Path) -> None:

@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 import dataclasses
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,32 @@ class Run:
   metrics: MetricsWriter
   task: Any
   resumed_from: int | None
+  trace: TraceWriter | None = None
 
 
-def _load_model(c, learner_param_shardings_fn):
-  """(model_config, graphdef, params on the learner mesh, tokenizer)."""
+class TraceWriter:
+  """Appends one JSON line per controller event to workdir/trace.jsonl (one write per line: a kill loses at most
+  the line being written)."""
+
+  def __init__(self, path: Path):
+    self._f = open(path, "a", buffering=1)
+    self._lock = threading.Lock()
+
+  def __call__(self, record: dict) -> None:
+    line = json.dumps(record) + "\n"
+    with self._lock:
+      self._f.write(line)
+
+  def close(self) -> None:
+    self._f.close()
+
+
+def _model_source(c):
+  """(model_config, tokenizer, HF folder or None): cheap, read before any params are loaded."""
   overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
   if c.model.source == "tiny":
     cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
-    graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(c.seed)))
-    return cfg, graphdef, jax.device_put(params, learner_param_shardings_fn(params)), None
+    return cfg, None, None
   if c.model.source == "smollm2":
     from jaxrl.assets import smollm2_path
 
@@ -72,20 +90,33 @@ def _load_model(c, learner_param_shardings_fn):
     path = Path(c.model.source)
   import transformers
 
-  cfg = hf.load_config(path, **overrides)
+  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+
+
+def _load_params(c, cfg, path, learner_param_shardings_fn):
+  """(model_config, graphdef, params on the learner mesh)."""
+  if path is None:
+    graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(c.seed)))
+    return cfg, graphdef, jax.device_put(params, learner_param_shardings_fn(params))
   abstract = hf.abstract_params(cfg)[1]
-  cfg, graphdef, params = hf.load_params(path, cfg, shardings=learner_param_shardings_fn(abstract))
-  return cfg, graphdef, params, transformers.AutoTokenizer.from_pretrained(str(path))
+  return hf.load_params(path, cfg, shardings=learner_param_shardings_fn(abstract))
 
 
 def build(c, workdir: str | Path) -> Run:
   workdir = Path(workdir)
   config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  model_cfg, tokenizer, path = _model_source(c)
+  # Task data, prompt rendering and reward fns are checked before any params are loaded or compiled.
+  try:
+    task, prompts = make_prompt_source(c, tokenizer, model_cfg)
+    score = make_scorer(c, task, tokenizer)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad data file, no chat template, unknown reward
+    raise config_lib.ConfigError(f"task {c.task.name!r}: {e}") from e
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
   meshes = sharding.split_mesh(c.mesh.sampler_devices, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(),
                                devices)
   psh = lambda params: sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES)
-  model_cfg, graphdef, params, tokenizer = _load_model(c, psh)
+  model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
 
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=sampling)
@@ -114,17 +145,17 @@ def build(c, workdir: str | Path) -> Run:
   detok = tokenizer.decode if tokenizer is not None else None
   sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
   publisher = WeightPublisher(engine.param_shardings)
-  task, prompts = make_prompt_source(c, tokenizer, model_cfg)
-  score = make_scorer(c, task, tokenizer)
   spec = RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
                  seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
-                 seed=c.seed)
+                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
   metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps)
+  trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   controller = Controller(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
-                          prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics)
+                          prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
+                          trace=trace)
   return Run(c, workdir, meshes, model_cfg, graphdef, tokenizer, engine, controller, checkpointer, metrics, task,
-             resumed_from)
+             resumed_from, trace)
 
 
 def train(c, workdir: str | Path) -> dict[str, Any]:
@@ -141,10 +172,11 @@ def train(c, workdir: str | Path) -> dict[str, Any]:
     else:
       ctl.run_pipeline()
   finally:
-    # Whatever happened, the last good state is saved (an interrupted step never reaches the state).
-    ctl.save_checkpoint(force=True)
+    ctl.finish()
     run.checkpointer.close()
     run.metrics.close()
+    if run.trace is not None:
+      run.trace.close()
     if not c.eval.num_examples:
       ctl.score.close()
   summary.update(train_seconds=time.perf_counter() - t0, steps=ctl.version, version=ctl.version,

@@ -8,6 +8,7 @@ rollout queue (samples forward) and the weight publisher (params back, taken bet
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import threading
@@ -58,6 +59,7 @@ class RunSpec:
   sampling: Any = None  # jaxrl.rollout.SamplingParams
   stop_token_ids: tuple[int, ...] = ()
   seed: int = 0
+  max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
 
   @property
   def batch_size(self) -> int:
@@ -70,18 +72,22 @@ class Controller:
   def __init__(self, spec: RunSpec, *, sampler, train_step: Callable, state, publisher: WeightPublisher,
                prompts: Callable[[int], tuple[np.ndarray, dict]], score: Callable[[list[Rollout]], None],
                record: RunRecord | None = None, checkpointer=None, metrics=None,
-               on_step: Callable[[int, dict], None] | None = None):
+               on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None):
     self.spec = spec
     self.sampler, self.train_step, self.state, self.publisher = sampler, train_step, state, publisher
     self.prompts, self.score = prompts, score
     self.record = record or RunRecord()
-    self.checkpointer, self.metrics, self.on_step = checkpointer, metrics, on_step
+    self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
     self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step)
     self.assembler = GroupAssembler()
     self._resubmit = list(self.record.pending_group_ids)  # in flight at the checkpoint: generate again
     self._live: set[int] = set()
     self._lock = threading.Lock()  # data position and live groups change together (sampler vs checkpoint)
     self.ledger.samples_regenerated += len(self._resubmit) * spec.group_size
+    # They were counted when first admitted and are admitted again; counting them twice would make the staleness
+    # policy see more live groups than the learner will consume, and stop admitting for good (a resume hang).
+    self.ledger.groups_admitted -= len(self._resubmit)
+    self._failures: collections.Counter[str] = collections.Counter()  # since the last applied update
     self.stop = threading.Event()
     self.errors: list[tuple[str, BaseException, str]] = []
     self.trained_staleness: list[int] = []  # per trained sample, for tests and histograms
@@ -102,6 +108,17 @@ class Controller:
 
   # ---- shared pieces -------------------------------------------------------------------------------------------
 
+  def _log(self, event: str, **fields) -> None:
+    if self.trace is not None:
+      self.trace({"event": event, **fields})
+
+  def _failed(self, reason: str, n: int = 1) -> None:
+    """Counts a failure (call under the lock); too many without an applied update in between stop the run."""
+    self._failures[reason] += n
+    if sum(self._failures.values()) >= self.spec.max_failures_in_a_row:
+      raise RuntimeError(f"no progress: {sum(self._failures.values())} failures in a row without an applied update "
+                         f"({dict(self._failures)}); the data, the rewards or the model are broken")
+
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
     with self._lock:
@@ -112,9 +129,14 @@ class Controller:
         self.record.next_group_id += 1
       try:
         prompt, meta = self.prompts(gid)
+        room = self.sampler.engine.max_len
+        if len(prompt) >= room:
+          raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
       except SkipPrompt as e:
         self.ledger.skipped_prompts += 1
         print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
+        self._log("skip_prompt", group=gid, reason=str(e))
+        self._failed("skipped_prompt")
         return False
       self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
                           max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
@@ -150,22 +172,42 @@ class Controller:
     with self._lock:
       self.ledger.drop(group, reason)
       self._live.discard(group[0].group_id)
+      self._log("drop", version=step, group=group[0].group_id, reason=reason)
+      self._failed(reason)
     return False
 
   def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
+    """One train step on the groups; an update the learner skipped (non-finite) drops them, counted."""
     samples = [r for g in groups for r in g]
     step = self.version
-    self.trained_staleness += [step - r.min_version for r in samples]
     batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
-    key = jax.random.fold_in(self._base_key, int(jax.device_get(self.state.step)))
-    self.state, metrics = self.train_step(self.state, batch, key)
-    metrics = jax.device_get(metrics)
+    train_step = int(jax.device_get(self.state.step))
+    key = jax.random.fold_in(self._base_key, train_step)
+    state, metrics = self.train_step(self.state, batch, key)
+    applied = int(jax.device_get(state.version)) > step
+    # The new state and the fate of its groups change together: a checkpoint never sees one without the other.
     with self._lock:
-      self.ledger.samples_trained += len(samples)
+      self.state = state
       for g in groups:
         self._live.discard(g[0].group_id)
+        if not applied:
+          self.ledger.drop(g, "update_skipped")
+      if applied:
+        self.ledger.samples_trained += len(samples)
+        self._failures.clear()
+      else:
+        self.ledger.skipped_updates += 1
+      self._log("train", step=train_step, version=step, applied=applied,
+                samples=[[r.group_id, r.sample_index, r.min_version, int(r.versions.max(initial=-1))]
+                         for r in samples])
+      if not applied:
+        self._failed("update_skipped")
+    if applied:
+      self.trained_staleness += [step - r.min_version for r in samples]
+    self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
+    metrics = dict(jax.device_get(metrics))
+    metrics["applied"] = applied
     rewards = np.array([r.reward for r in samples])
-    metrics = dict(metrics)
     metrics.update(reward_mean=float(rewards.mean()), completion_len=float(np.mean([len(r.completion_tokens)
                                                                                     for r in samples])),
                    staleness_mean=float(np.mean([step - r.min_version for r in samples])),
@@ -176,11 +218,19 @@ class Controller:
     return metrics
 
   def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
+    if not metrics.pop("applied"):
+      # Same version, same params: nothing to publish, log under this version, or checkpoint.
+      reasons = [k for k in ("skip/reward", "skip/empty", "skip/nonfinite") if metrics.get(k)]
+      print(f"jaxrl: update skipped at version {self.version} ({', '.join(reasons)}); its groups are dropped",
+            file=sys.stderr)
+      return
     version = self.version
     self.publisher.publish(self.state.params, version)
     self.step_times.append(step_time)
     metrics.update(step_time_s=step_time, version=version, samples_generated=self.ledger.samples_generated,
-                   samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped)
+                   samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped,
+                   updates_skipped_total=self.ledger.skipped_updates,
+                   zero_advantage_groups=self.ledger.zero_advantage_groups)
     if self.metrics is not None:
       self.metrics.write(version, metrics)
     if self.on_step is not None:
@@ -195,7 +245,16 @@ class Controller:
     with self._lock:
       self.record.pending_group_ids = sorted(self._live | set(self._resubmit))
       record = self.record.to_json()
+      self._log("checkpoint", version=self.version, next_group_id=record["next_group_id"],
+                pending=record["pending_group_ids"], ledger=record["ledger"])
     self.checkpointer.save(self.version, self.state, record, force=force)
+
+  def finish(self) -> None:
+    """Saves the last good state, whatever stopped the run (an interrupted step never reaches the state)."""
+    self.save_checkpoint(force=True)
+    with self._lock:
+      self._log("end", version=self.version, next_group_id=self.record.next_group_id,
+                pending=sorted(self._live | set(self._resubmit)), ledger=self.ledger.to_json())
 
   def samples_in_flight(self) -> int:
     """Finished samples neither trained nor dropped: in open groups, in the queue, or in a batch being built."""
@@ -208,7 +267,12 @@ class Controller:
 
   # ---- sync ----------------------------------------------------------------------------------------------------
 
+  def _log_start(self, mode: str) -> None:
+    self._log("start", mode=mode, version=self.version, next_group_id=self.record.next_group_id,
+              regenerate=list(self._resubmit))
+
   def run_sync(self) -> None:
+    self._log_start("sync")
     while not self._done():
       t0 = time.perf_counter()
       newer = self.publisher.take_newer(self.sampler.version)
@@ -236,6 +300,7 @@ class Controller:
   # ---- pipeline ------------------------------------------------------------------------------------------------
 
   def run_pipeline(self, poll_s: float = 0.05, join_timeout_s: float = 60.0) -> None:
+    self._log_start("pipeline")
     rollout_queue = RolloutQueue(self.spec.queue_groups, self.stop, poll_s)
     self.queue = rollout_queue
     self._wake = threading.Event()

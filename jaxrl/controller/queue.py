@@ -161,7 +161,8 @@ class Ledger:
   dropped_groups: int = 0
   reward_failures: int = 0
   skipped_prompts: int = 0
-  skipped_updates: int = 0
+  skipped_updates: int = 0  # non-finite updates the learner skipped; their samples are dropped as "update_skipped"
+  zero_advantage_groups: int = 0  # trained or skipped groups whose rewards were all equal (no learning signal)
 
   def drop(self, group: list[Rollout], reason: str) -> None:
     self.dropped[reason] += len(group)

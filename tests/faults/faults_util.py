@@ -1,0 +1,195 @@
+"""Shared pieces of the fault tests: the tiny run they all use, child processes running the real CLI, fault
+injection into a built Run, and the replay of a run's trace.jsonl across kills and resumes."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_STEPS = 6  # every run but the long load run: the optimizer schedule (and so the compiled step) depends on it
+# The tiny config as every fault test runs it: one CPU device per role (the machine has two cores), a trace.
+BASE = {"num_steps": NUM_STEPS, "mesh.num_devices": 2, "mesh.sampler_devices": 1, "checkpoint.every_steps": 2,
+        "log.tensorboard": False, "log.progress": False, "log.trace": True}
+# Child processes compile the same programs as the parent (same devices, same matmul precision) and share its
+# persistent compilation cache (conftest.py fills in the folder).
+CHILD_ENV = {"JAX_NUM_CPU_DEVICES": "8", "JAX_DEFAULT_MATMUL_PRECISION": "highest", "TF_CPP_MIN_LOG_LEVEL": "3",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+TALLY: collections.Counter[str] = collections.Counter()  # printed at the end of the session
+
+
+def _tiny_module():
+  spec = importlib.util.spec_from_file_location("tiny_config", REPO / "configs" / "tiny.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def set_field(c, key: str, value) -> None:
+  node = c
+  *path, last = key.split(".")
+  for p in path:
+    node = node[p]
+  node[last] = value
+
+
+def tiny_config(mode: str = "pipeline", **overrides):
+  """configs/tiny.py with BASE and `overrides` (dotted keys, `__` standing for `.`) applied."""
+  c = _tiny_module().get_config(mode)
+  for k, v in {**BASE, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
+    set_field(c, k, v)
+  return c
+
+
+def cli(workdir: Path, mode: str = "pipeline", **overrides) -> list[str]:
+  """The `python -m jaxrl.train` command line of tiny_config(mode, **overrides)."""
+  flags = {**BASE, **{k.replace("__", "."): v for k, v in overrides.items()}}
+  return [sys.executable, "-m", "jaxrl.train", f"--config=configs/tiny.py:{mode}", f"--workdir={workdir}",
+          *(f"--config.{k}={v}" for k, v in flags.items())]
+
+
+def child_env() -> dict[str, str]:
+  return {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+
+
+def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+  return subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start_child(args: list[str], log: Path, **env) -> subprocess.Popen:
+  """Starts a child with its stderr in `log` (a pipe nobody reads could fill up and block it)."""
+  with open(log, "ab") as f:
+    proc = subprocess.Popen(args, cwd=REPO, env={**child_env(), **env}, stdout=subprocess.DEVNULL, stderr=f)
+  proc.log = log
+  return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  TALLY["processes SIGKILLed"] += 1
+
+
+def wait_for(cond, proc: subprocess.Popen | None = None, timeout: float = 180, what: str = "condition") -> None:
+  deadline = time.monotonic() + timeout
+  while not cond():
+    if proc is not None and proc.poll() is not None:
+      raise AssertionError(f"child exited ({proc.returncode}) before {what}: {proc.log.read_text()[-3000:]}")
+    if time.monotonic() > deadline:
+      raise AssertionError(f"no {what} within {timeout} s")
+    time.sleep(0.01)
+
+
+def count_lines(path: Path) -> int:
+  try:
+    with open(path, "rb") as f:
+      return f.read().count(b"\n")
+  except FileNotFoundError:
+    return 0
+
+
+def committed_steps(workdir: Path) -> list[int]:
+  d = Path(workdir) / "checkpoints"
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def params_finite(params) -> bool:
+  return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(params))
+
+
+def params_digest(params) -> list[bytes]:
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(params)]
+
+
+# ---- trace replay -----------------------------------------------------------------------------------------------
+
+
+def read_trace(path: Path) -> list[dict]:
+  """Events of workdir/trace.jsonl; a line cut by SIGKILL (the last one) is ignored."""
+  events = []
+  with open(path) as f:
+    for line in f:
+      if line.endswith("\n"):
+        events.append(json.loads(line))
+  return events
+
+
+def replay(events: list[dict]) -> tuple[list[dict], list[tuple[dict, dict]]]:
+  """(kept, rolled_back): the events that make up the run's history, and (train event, next start) pairs a kill
+  undid. Each attempt starts with a "start" event; an attempt's events count up to the checkpoint the next
+  attempt resumed from (all of them for the last attempt)."""
+  attempts = []
+  for e in events:
+    if e["event"] == "start":
+      attempts.append([])
+    attempts[-1].append(e)
+  kept, rolled_back = [], []
+  for cur, nxt in zip(attempts, [*attempts[1:], None], strict=True):
+    if nxt is None:
+      kept += cur
+      break
+    start = nxt[0]
+    resumed = {"version": start["version"], "next_group_id": start["next_group_id"],
+               "pending": sorted(start["regenerate"])}
+    cuts = [i for i, e in enumerate(cur) if e["event"] == "checkpoint"
+            and {k: e[k] for k in ("version", "next_group_id", "pending")} == resumed]
+    if cuts:
+      cut = cuts[-1] + 1
+    else:  # nothing saved by this attempt: the next one resumed from where this one had
+      first = cur[0]
+      assert (first["version"], first["next_group_id"], sorted(first["regenerate"])) == tuple(resumed.values()), (
+          f"attempt resumed from {resumed}, which no earlier checkpoint or start matches")
+      cut = 0
+    kept += cur[:cut]
+    rolled_back += [(e, start) for e in cur[cut:] if e["event"] == "train"]
+  return kept, rolled_back
+
+
+def check_history(events: list[dict], summary: dict, group_size: int) -> dict[str, int]:
+  """Asserts that a run's history (across kills) trained no sample twice and accounts for every group: trained,
+  dropped with a reason, skipped, or pending (in flight) at the final checkpoint. Returns its counts."""
+  kept, rolled_back = replay(events)
+  trained = [tuple(s[:2]) for e in kept if e["event"] == "train" and e["applied"] for s in e["samples"]]
+  assert len(trained) == len(set(trained)), "a sample was trained twice"
+  trained_groups = collections.Counter(g for g, _ in trained)
+  assert all(n == group_size for n in trained_groups.values()), "a group was trained in part"
+  dropped = collections.Counter()
+  dropped_groups = {}
+  for e in kept:
+    if e["event"] == "drop":
+      dropped[e["reason"]] += group_size
+      dropped_groups[e["group"]] = e["reason"]
+    elif e["event"] == "train" and not e["applied"]:
+      for g in {s[0] for s in e["samples"]}:
+        dropped["update_skipped"] += group_size
+        dropped_groups[g] = "update_skipped"
+  skipped = {e["group"] for e in kept if e["event"] == "skip_prompt"}
+  final = kept[-1]
+  assert final["event"] == "end", "the last attempt did not end cleanly"
+  pending = set(final["pending"])
+  outcomes = [set(trained_groups), set(dropped_groups), skipped, pending]
+  assert sum(map(len, outcomes)) == len(set().union(*outcomes)), "a group has two outcomes"
+  assert set().union(*outcomes) == set(range(final["next_group_id"])), "a group was lost"
+  for e, start in rolled_back:  # a kill undid this step: its groups are generated and trained again
+    for g in {s[0] for s in e["samples"]}:
+      assert g in start["regenerate"] or g >= start["next_group_id"], f"group {g} was trained, then forgotten"
+  led = summary["ledger"]
+  assert led["samples_trained"] == len(trained)
+  assert {k: v for k, v in led["dropped"].items() if v} == dict(dropped)
+  assert led["skipped_prompts"] == len(skipped)
+  regenerated = sum(len(e["regenerate"]) for e in kept if e["event"] == "start")
+  assert led["samples_regenerated"] == regenerated * group_size
+  assert led["groups_admitted"] == len(trained_groups) + len(dropped_groups) + len(pending)
+  assert led["samples_generated"] == led["samples_trained"] + sum(dropped.values()) + summary["samples_in_flight"]
+  return {"attempts": sum(e["event"] == "start" for e in events), "trained": len(trained),
+          "rolled_back_steps": len(rolled_back), "regenerated_groups": regenerated}

@@ -1,0 +1,136 @@
+"""Component failure: an exception in the sampler thread, the learner thread, the weight publisher or the reward
+workers stops the run within a bounded time with the original traceback and a saved checkpoint (which resumes);
+a reward fn that raises is isolated (NaN reward, group dropped as "reward_failed", counted) and the run goes on."""
+
+import itertools
+import threading
+import time
+
+import faults_rewards  # noqa: F401 - imported here first, so that breaking its import later hits only workers
+import pytest
+from faults_util import NUM_STEPS, TALLY, check_history, committed_steps, read_trace, tiny_config
+
+from jaxrl import train as train_lib
+from jaxrl.config import ConfigError
+
+BOUND_S = 30.0  # from the fault to train() raising, including the final checkpoint save
+
+
+class Injected(Exception):
+  """The fault the tests inject."""
+
+
+def _inject(monkeypatch, inject):
+  """train() builds its Run through this: `inject(run)` wraps pieces of it before the loop starts."""
+  real = train_lib.build
+  built = {}
+
+  def build(c, workdir):
+    built["run"] = run = real(c, workdir)
+    inject(run)
+    return run
+
+  monkeypatch.setattr(train_lib, "build", build)
+  return built
+
+
+def _fail_on_call(fn, n: int, fired: dict):
+  """fn, except that its n-th call raises Injected (and records when)."""
+  calls = itertools.count(1)
+
+  def injected_fault(*args, **kwargs):
+    if next(calls) == n:
+      fired["at"] = time.monotonic()
+      raise Injected(f"injected on call {n}")
+    return fn(*args, **kwargs)
+
+  return injected_fault
+
+
+TARGETS = {  # component -> (attribute path on the controller, failing call)
+    "sampler": ("sampler.step", 6),
+    "learner": ("train_step", 3),
+    "publisher": ("publisher.publish", 2),
+}
+
+
+@pytest.mark.parametrize("mode, component", [("pipeline", "sampler"), ("pipeline", "learner"),
+                                             ("pipeline", "publisher"), ("sync", "sampler")])
+def test_component_exception_stops_the_run_with_its_traceback_and_a_checkpoint(mode, component, tmp_path,
+                                                                                monkeypatch):
+  path, n = TARGETS[component]
+  fired = {}
+
+  def inject(run):
+    owner_path, _, attr = f"controller.{path}".rpartition(".")
+    owner = run
+    for part in owner_path.split("."):
+      owner = getattr(owner, part)
+    setattr(owner, attr, _fail_on_call(getattr(owner, attr), n, fired))
+
+  built = _inject(monkeypatch, inject)
+  with pytest.raises(Exception) as info:
+    train_lib.train(tiny_config(mode), tmp_path)
+  elapsed = time.monotonic() - fired["at"]
+  TALLY["component exceptions injected"] += 1
+  err = info.value
+  original = err if isinstance(err, Injected) else err.__cause__
+  assert isinstance(original, Injected), f"the original exception is lost: {err!r}"
+  if mode == "pipeline":  # raised again in the main thread, naming the thread and carrying its traceback
+    assert isinstance(err, RuntimeError) and "failed: Injected: injected on call" in str(err)
+    assert "--- original traceback ---" in str(err) and "in injected_fault" in str(err)
+  assert elapsed < BOUND_S, f"the run took {elapsed:.1f} s to stop"
+  assert not [t.name for t in threading.enumerate() if t.name.startswith("jaxrl-")], "a loop thread outlived the run"
+  ctl = built["run"].controller
+  assert committed_steps(tmp_path)[-1] == ctl.version  # the last good state was saved
+  monkeypatch.undo()
+  summary = train_lib.train(tiny_config(mode), tmp_path)  # and it resumes to the end
+  TALLY["runs resumed after a component failure"] += 1
+  assert summary["resumed_from"] == ctl.version and summary["steps"] == NUM_STEPS
+  check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=4)
+
+
+def test_a_raising_reward_fn_drops_its_group_and_the_run_goes_on(tmp_path, monkeypatch):
+  built = _inject(monkeypatch, lambda run: None)
+  summary = train_lib.train(tiny_config("pipeline", task__reward="faults_rewards:flaky"), tmp_path)
+  runner = built["run"].controller.score.runner
+  assert runner.isolation == "process"
+  led = summary["ledger"]
+  failed_groups = led["dropped"]["reward_failed"] // 4
+  TALLY["reward fn exceptions injected"] += runner.stats.failures["error"]
+  assert summary["steps"] == NUM_STEPS and led["samples_trained"] == NUM_STEPS * 16
+  assert failed_groups >= 1 and runner.stats.failures["error"] >= failed_groups
+  assert led["reward_failures"] >= failed_groups  # each dropped group had at least one failed sample
+  check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=4)
+
+
+def test_a_reward_fn_that_always_raises_stops_the_run_instead_of_looping(tmp_path):
+  c = tiny_config("pipeline", task__reward="faults_rewards:always_raises", rl__max_failures_in_a_row=8)
+  t0 = time.monotonic()
+  with pytest.raises(RuntimeError, match=r"no progress: 8 failures in a row .*'reward_failed': 8"):
+    train_lib.train(c, tmp_path)
+  assert time.monotonic() - t0 < 120
+  assert committed_steps(tmp_path) == [0]
+
+
+def test_reward_workers_that_cannot_start_fail_the_build_before_any_work(tmp_path, monkeypatch):
+  marker = tmp_path / "break-import"
+  marker.touch()
+  monkeypatch.setenv("JAXRL_FAULTS_BREAK_IMPORT", str(marker))
+  with pytest.raises(ConfigError, match="cannot be loaded in a worker process: ImportError: faults_rewards"):
+    train_lib.build(tiny_config("pipeline", task__reward="faults_rewards:flaky"), tmp_path / "run")
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_reward_worker_that_dies_and_cannot_restart_stops_the_run(tmp_path, monkeypatch):
+  """The first call kills its worker; the replacement cannot import the fn. The other worker scores meanwhile, so
+  the run may train a step or two before the replacement's failure reaches the sampler thread."""
+  monkeypatch.setenv("JAXRL_FAULTS_BREAK_IMPORT", str(tmp_path / "break-import"))
+  built = _inject(monkeypatch, lambda run: None)
+  c = tiny_config("pipeline", task__reward="faults_rewards:dies_and_breaks_restarts")
+  t0 = time.monotonic()
+  with pytest.raises(RuntimeError, match="jaxrl sampler failed: RuntimeError: reward .* cannot be loaded in a worker"):
+    train_lib.train(c, tmp_path / "run")
+  TALLY["reward worker crashes injected"] += 1
+  assert time.monotonic() - t0 < 120
+  assert committed_steps(tmp_path / "run")[-1] == built["run"].controller.version
