@@ -9,6 +9,7 @@ JSON format (`Calibration.save` / `Calibration.load`), format tag "jaxrl.sim.cal
   {"format": ..., "devices_per_engine": int, "max_batch": int,
    "decode": {"overhead_s", "weights_s", "kv_s_per_token", "compute_s_per_seq", "knee_sharpness" (null: inf)},
    "prefill_s_per_token", "train_tokens_per_s_per_device", "weight_bytes", "link_bandwidth",
+   "decode_contention", "train_contention" (1.0 when absent), "update_s" (0.0 when absent),
    "fit": {"n", "rms_rel_error", "max_rel_error", "batch_range", "context_range"},
    "measurements": {"decode": [[batch, context, seconds], ...], "train_tokens_per_s_per_device": ...}}
 """
@@ -40,6 +41,13 @@ class Measurements:
   devices_per_engine: int = 1
   prefill_s_per_token: float = 0.0
   knee_sharpness: float = math.inf  # smoothing of the fitted knee (inf: hard roofline)
+  # Slowdown of a decode step (a train step) while the learner (the sampler) runs at the same time: > 1 where both
+  # share cores or host threads (CPU devices), ~1 on separate chips. Only the pipeline runs both at once.
+  decode_contention: float = 1.0
+  train_contention: float = 1.0
+  # Sampler pause for an in-flight weight update beyond the transfer (jaxrl's on_update="recompute" recomputes the
+  # live slots' KV cache). Only the pipeline updates weights under live samples.
+  update_s: float = 0.0
 
   def __post_init__(self):
     rows = tuple(tuple(r) for r in self.decode)
@@ -53,11 +61,12 @@ class Measurements:
       if not (b >= 1 and s >= 0 and t > 0):
         raise ValueError(f"bad decode measurement {r}: need batch >= 1, context >= 0, seconds > 0")
     for name in ("train_tokens_per_s_per_device", "max_batch", "weight_bytes", "link_bandwidth",
-                 "devices_per_engine", "knee_sharpness"):
+                 "devices_per_engine", "knee_sharpness", "decode_contention", "train_contention"):
       if not getattr(self, name) > 0:
         raise ValueError(f"Measurements.{name} must be > 0 (got {getattr(self, name)})")
-    if not self.prefill_s_per_token >= 0:
-      raise ValueError(f"Measurements.prefill_s_per_token must be >= 0 (got {self.prefill_s_per_token})")
+    for name in ("prefill_s_per_token", "update_s"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"Measurements.{name} must be >= 0 (got {getattr(self, name)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +82,9 @@ class Calibration:
   link_bandwidth: float
   fit: dict
   measurements: Measurements | None = None
+  decode_contention: float = 1.0  # see Measurements
+  train_contention: float = 1.0
+  update_s: float = 0.0
 
   def costs(self, **overrides) -> Costs:
     kw = dict(decode=self.decode, devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
@@ -88,7 +100,8 @@ class Calibration:
     out = dict(format=FORMAT, devices_per_engine=self.devices_per_engine, max_batch=self.max_batch, decode=d,
                prefill_s_per_token=self.prefill_s_per_token,
                train_tokens_per_s_per_device=self.train_tokens_per_s_per_device, weight_bytes=self.weight_bytes,
-               link_bandwidth=self.link_bandwidth, fit=self.fit)
+               link_bandwidth=self.link_bandwidth, decode_contention=self.decode_contention,
+               train_contention=self.train_contention, update_s=self.update_s, fit=self.fit)
     if self.measurements is not None:
       m = dataclasses.asdict(self.measurements)
       m["decode"] = [list(r) for r in self.measurements.decode]
@@ -110,7 +123,9 @@ class Calibration:
     return cls(decode=DecodeCurve(**dec), devices_per_engine=d["devices_per_engine"], max_batch=d["max_batch"],
                prefill_s_per_token=d["prefill_s_per_token"],
                train_tokens_per_s_per_device=d["train_tokens_per_s_per_device"], weight_bytes=d["weight_bytes"],
-               link_bandwidth=d["link_bandwidth"], fit=d["fit"], measurements=m)
+               link_bandwidth=d["link_bandwidth"], fit=d["fit"], measurements=m,
+               decode_contention=d.get("decode_contention", 1.0), train_contention=d.get("train_contention", 1.0),
+               update_s=d.get("update_s", 0.0))
 
   def save(self, path: str):
     with open(path, "w") as f:
@@ -179,4 +194,5 @@ def fit_calibration(measurements: Measurements) -> Calibration:
   return Calibration(decode=curve, devices_per_engine=m.devices_per_engine, max_batch=m.max_batch,
                      prefill_s_per_token=m.prefill_s_per_token,
                      train_tokens_per_s_per_device=m.train_tokens_per_s_per_device, weight_bytes=m.weight_bytes,
-                     link_bandwidth=m.link_bandwidth, fit=stats, measurements=m)
+                     link_bandwidth=m.link_bandwidth, fit=stats, measurements=m,
+                     decode_contention=m.decode_contention, train_contention=m.train_contention, update_s=m.update_s)

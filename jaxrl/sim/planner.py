@@ -149,6 +149,13 @@ class RunDescription:
   prompt_len: int = 256
   steps: int = 8
   seed: int = 0
+  queue_groups: int = 0  # finished groups the rollout queue holds (0: bounded by admission only)
+  # jaxrl's learner trains fixed-shape batches of batch_size x seq_len tokens (rows right-padded), so a step costs
+  # the same whatever the lengths; 0 charges the real prompt + completion tokens instead.
+  seq_len: int = 0
+  # jaxrl's engine runs this many decode steps per call, and samples leave and join slots only between calls: a
+  # sample holds its slot for a whole number of calls (with seq_len=0 the train charge counts those rounded lengths).
+  steps_per_call: int = 1
 
 
 @dataclasses.dataclass
@@ -160,18 +167,102 @@ class Prediction:
   sync: SimResult
   sync_colocated: SimResult
   pipeline: SimResult
+  decode_slowdown: float = 1.0  # contention charged to the pipeline's decode steps (1: none)
+  train_slowdown: float = 1.0  # ... and to its train steps
+
+
+class _WholeCalls(LengthDist):
+  """A length distribution rounded up to whole engine calls (the slot time a sample holds)."""
+
+  def __init__(self, base: LengthDist, steps_per_call: int):
+    self.base, self.k = base, steps_per_call
+    self.max_len = -(-base.max_len // steps_per_call) * steps_per_call
+
+  def sample(self, rng, n, step=0):
+    return -(-self.base.sample(rng, n, step) // self.k) * self.k
+
+
+def _slowed(costs: Costs, decode_x: float, train_x: float) -> Costs:
+  d = costs.decode
+  decode = dataclasses.replace(d, weights_s=d.weights_s * decode_x, kv_s_per_token=d.kv_s_per_token * decode_x,
+                               compute_s_per_seq=d.compute_s_per_seq * decode_x, overhead_s=d.overhead_s * decode_x)
+  return costs.replace(decode=decode, prefill_s_per_token=costs.prefill_s_per_token * decode_x,
+                       train_tokens_per_s_per_device=costs.train_tokens_per_s_per_device / train_x,
+                       train_overhead_s=costs.train_overhead_s * train_x)
+
+
+def _slowdown(contention: float, other_busy: float) -> float:
+  """Time stretch of work that runs at rate 1 / contention while the other side is busy, else at rate 1."""
+  return 1 / ((1 - other_busy) + other_busy / contention)
+
+
+def _contended_pipeline(costs: Costs, spec: RunSpec, decode_c: float, train_c: float,
+                        rounds: int = 12) -> tuple[SimResult, float, float]:
+  """The pipeline at the fixed point of the mean-field slowdowns: (result, decode stretch, train stretch).
+
+  A slower sampler makes the learner idle more, which slows the sampler less: the decode stretch that reproduces
+  itself is found by bisection (plain iteration oscillates); the mild train stretch by iteration inside.
+  """
+
+  def run(decode_x):
+    train_x = 1.0
+    for _ in range(3 if train_c != 1.0 else 1):
+      pipe = simulate_pipeline(_slowed(costs, decode_x, train_x), spec)
+      train_x_next = _slowdown(train_c, 1 - pipe.sampler_idle_frac)
+      if train_x_next == train_x:
+        break
+      train_x = train_x_next
+    return pipe, train_x
+
+  lo, hi = 1.0, decode_c
+  for _ in range(rounds if decode_c != 1.0 else 0):
+    mid = math.sqrt(lo * hi)
+    pipe, _ = run(mid)
+    if _slowdown(decode_c, 1 - pipe.learner_idle_frac) > mid:
+      lo = mid
+    else:
+      hi = mid
+  decode_x = math.sqrt(lo * hi)
+  pipe, train_x = run(decode_x)
+  return pipe, decode_x, train_x
 
 
 def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction:
-  """Predicted sync and pipeline step times of a run from a calibration (or any Costs)."""
+  """Predicted sync and pipeline step times of a run from a calibration (or any Costs).
+
+  A calibration's update_s (the sampler's KV recompute after an in-flight update) lengthens the pipeline's weight
+  syncs. Its contention factors slow the pipeline (the only mode that samples and trains at once) in mean
+  field: the sampler runs at rate 1 while the learner idles and 1 / decode_contention while it trains, so over a
+  step its decode steps take 1 / ((1 - f) + f / decode_contention) longer, f being the learner's busy fraction;
+  likewise train steps with the sampler's busy fraction. Iterated from the uncontended run to a fixed point.
+  """
   costs = calibration.costs() if isinstance(calibration, Calibration) else calibration
+  contention, update_s = (1.0, 1.0), 0.0
+  if isinstance(calibration, Calibration):
+    contention, update_s = (calibration.decode_contention, calibration.train_contention), calibration.update_s
+  if run.steps_per_call < 1 or run.seq_len < 0:
+    raise ValueError(f"RunDescription: steps_per_call must be >= 1 and seq_len >= 0 (got {run.steps_per_call}, "
+                     f"{run.seq_len})")
   lengths = run.lengths if isinstance(run.lengths, LengthDist) else Empirical(np.asarray(run.lengths))
+  if run.steps_per_call > 1:
+    lengths = _WholeCalls(lengths, run.steps_per_call)
+  def padded(costs: Costs, learner_devices: int) -> Costs:
+    if not run.seq_len:
+      return costs
+    step_s = costs.train_time(run.batch_size * run.seq_len, learner_devices)
+    return costs.replace(train_overhead_s=step_s, train_tokens_per_s_per_device=math.inf)
+
   spec = RunSpec(sampler_devices=run.sampler_devices, learner_devices=run.learner_devices,
                  batch_size=run.batch_size, group_size=run.group_size, max_staleness=run.max_staleness,
-                 lengths=lengths, prompt_len=run.prompt_len, steps=run.steps, seed=run.seed)
+                 lengths=lengths, prompt_len=run.prompt_len, steps=run.steps, seed=run.seed,
+                 queue_groups=run.queue_groups)
+  pool = run.sampler_devices + run.learner_devices
+  colocated = simulate_sync(padded(costs, pool), spec, colocated=True)
+  costs = padded(costs, run.learner_devices)
   sync = simulate_sync(costs, spec, colocated=False)
-  colocated = simulate_sync(costs, spec, colocated=True)
-  pipe = simulate_pipeline(costs, spec)
+  # Only the pipeline updates weights under live samples (sync updates between steps, with empty slots).
+  pipe_costs = costs.replace(sync_overhead_s=costs.sync_overhead_s + update_s)
+  pipe, decode_x, train_x = _contended_pipeline(pipe_costs, spec, *contention)
   return Prediction(sync_step_s=sync.step_time_s, sync_colocated_step_s=colocated.step_time_s,
                     pipeline_step_s=pipe.step_time_s, speedup=sync.step_time_s / pipe.step_time_s, sync=sync,
-                    sync_colocated=colocated, pipeline=pipe)
+                    sync_colocated=colocated, pipeline=pipe, decode_slowdown=decode_x, train_slowdown=train_x)
