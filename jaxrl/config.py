@@ -6,6 +6,8 @@ command line overrides further (ml_collections rejects unknown keys and wrong ty
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import os
 from pathlib import Path
@@ -154,10 +156,25 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
 
 
 def _validate_objective(c) -> None:
-  """The loss and sampling settings, checked by the classes that will hold them."""
+  """The loss, optimizer and sampling settings: types here, values by the classes that will hold them."""
   from jaxrl.learner.config import LossConfig
+  from jaxrl.learner.optim import make_optimizer
   from jaxrl.rollout import SamplingParams
 
+  options = set(inspect.signature(make_optimizer).parameters) - {"decay_steps"}  # decay_steps follows num_steps
+  unknown = sorted(set(c.optimizer) - options)
+  if unknown:
+    raise ConfigError(f"config: optimizer.{unknown[0]} is not an option (options: {sorted(options)})")
+  defaults = {f.name: f.default for f in dataclasses.fields(LossConfig) if f.name != "sampling"}
+  for k, v in c.loss.items():
+    if k not in defaults:
+      raise ConfigError(f"config: loss.{k} is not a LossConfig option (options: {sorted(defaults)})")
+    want = defaults[k]
+    ok = {str: isinstance(v, str), bool: isinstance(v, bool), int: _is_int(v), float: _is_real(v),
+          type(None): v is None or _is_real(v)}[type(want)]
+    if not ok:
+      kind = "a number or None" if want is None else f"a {type(want).__name__}"
+      raise ConfigError(f"config: loss.{k} must be {kind} (got {v!r})")
   try:
     sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
     LossConfig(**c.loss.to_dict(), sampling=sampling)

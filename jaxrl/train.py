@@ -61,10 +61,14 @@ class Run:
 
 class TraceWriter:
   """Appends one JSON line per controller event to workdir/trace.jsonl (one write per line: a kill loses at most
-  the line being written)."""
+  the line being written, and a resumed run first ends such a torn line so that its own lines stay whole)."""
 
   def __init__(self, path: Path):
-    self._f = open(path, "a", buffering=1)
+    self._f = open(path, "a+", buffering=1)
+    if self._f.tell():
+      self._f.seek(self._f.tell() - 1)
+      if self._f.read(1) != "\n":
+        self._f.write("\n")
     self._lock = threading.Lock()
 
   def __call__(self, record: dict) -> None:

@@ -115,12 +115,16 @@ def params_digest(params) -> list[bytes]:
 
 
 def read_trace(path: Path) -> list[dict]:
-  """Events of workdir/trace.jsonl; a line cut by SIGKILL (the last one) is ignored."""
+  """Events of workdir/trace.jsonl. A line a SIGKILL cut short (ended by the next attempt) is left out; it can only
+  be the last line before a "start" event, or the last line of the file."""
+  lines = Path(path).read_text().split("\n")
   events = []
-  with open(path) as f:
-    for line in f:
-      if line.endswith("\n"):
-        events.append(json.loads(line))
+  for i, line in enumerate(lines):
+    try:
+      events.append(json.loads(line))
+    except json.JSONDecodeError:
+      later = next((x for x in lines[i + 1 :] if x), None)
+      assert later is None or json.loads(later)["event"] == "start", f"trace line {i + 1} is corrupt: {line!r}"
   return events
 
 

@@ -26,20 +26,31 @@ from jaxrl.train import train
 
 HERE = Path(__file__).resolve().parent
 BATCH = 16  # tiny: group_size 4 x groups_per_step 4
-EVENTS = 8  # an attempt from scratch writes about 11 trace events (start, 6 steps, 3 checkpoints, end)
 
 
 def _kill_points(seed: int) -> list[tuple[str, float]]:
-  """One or two kills: each after a random number of trace events (then a random fraction of a second), or at a
-  random moment of start-up."""
+  """One or two kills, each at a random moment of start-up (seconds after the child starts) or at a random point
+  of training (a fraction of the steps the attempt has left, counted in trace events, plus up to 0.2 s)."""
   rng = random.Random(seed)
-  return [("startup", rng.uniform(0.5, 6.0)) if rng.random() < 0.25 else ("events", rng.randint(1, EVENTS))
+  return [("startup", rng.uniform(0.5, 6.0)) if rng.random() < 0.25 else ("training", rng.random())
           for _ in range(rng.randint(1, 2))]
+
+
+def _run_until(proc, cond, timeout: float = 180) -> bool:
+  """Waits for cond(); False if the child finished cleanly first (a failed child fails the test)."""
+  deadline = time.monotonic() + timeout
+  while not cond():
+    if proc.poll() is not None:
+      assert proc.returncode == 0, f"child failed ({proc.returncode}): {proc.log.read_text()[-3000:]}"
+      return False
+    assert time.monotonic() < deadline, f"the child made no progress in {timeout} s"
+    time.sleep(0.01)
+  return True
 
 
 @pytest.fixture(scope="module", params=[0, 1, 2])
 def killed_run(request, tmp_path_factory):
-  """A pipeline run SIGKILLed twice at random points (each attempt resuming the last), then finished here."""
+  """A pipeline run SIGKILLed once or twice at random points (each attempt resuming the last), finished here."""
   seed = request.param
   rng = random.Random(1000 + seed)
   workdir = tmp_path_factory.mktemp(f"killed{seed}")
@@ -47,16 +58,18 @@ def killed_run(request, tmp_path_factory):
   kills = []
   for kind, at in _kill_points(seed):
     before = count_lines(trace)
+    left = NUM_STEPS - (committed_steps(workdir) or [0])[-1]  # each step writes at least its "train" event
     proc = start_child(cli(workdir), workdir / "child.log")
     if kind == "startup":
-      time.sleep(at)
+      deadline = time.monotonic() + at
+      alive = _run_until(proc, lambda d=deadline: time.monotonic() > d)
     else:
-      target = before + int(at)
-      wait_for(lambda t=target: count_lines(trace) >= t, proc, what=f"trace event {target}")
+      target = before + 1 + int(at * left)  # the start event, then some of the steps
+      alive = _run_until(proc, lambda t=target: count_lines(trace) >= t)
       time.sleep(rng.uniform(0.0, 0.2))
-    assert proc.poll() is None, "the child finished before it could be killed"
-    kill(proc)
-    kills.append((kind, at, committed_steps(workdir)))
+    if alive and proc.poll() is None:
+      kill(proc)
+    kills.append((kind, round(at, 2), "killed" if alive else "finished first", committed_steps(workdir)))
   latest = committed_steps(workdir)
   summary = train(tiny_config(), workdir)
   TALLY["runs resumed after SIGKILL"] += 1
@@ -74,6 +87,7 @@ def test_every_killed_run_resumes_and_finishes(killed_run):
 def test_no_sample_trained_twice_and_every_group_accounted_for(killed_run):
   counts = check_history(killed_run["events"], killed_run["summary"], group_size=4)
   assert counts["trained"] == NUM_STEPS * BATCH
+  assert any(k[2] == "killed" for k in killed_run["kills"])
   print(f"seed {killed_run['seed']}: kills {killed_run['kills']}, {counts}")
 
 

@@ -1,0 +1,154 @@
+"""Load: a learner slower than the sampler fills the bounded queue, which blocks the sampler (back-pressure), so the
+samples held in memory and the process RSS stay bounded over a long run; a learner faster than the sampler waits
+without spinning the CPU."""
+
+import os
+import threading
+import time
+import weakref
+
+import pytest
+from faults_util import NUM_STEPS, TALLY, tiny_config
+
+from jaxrl import train as train_lib
+from jaxrl.controller import queue as queue_lib
+
+LONG_STEPS = 24
+QUEUE_GROUPS = 2
+RSS_GROWTH_LIMIT_MIB = 64  # from the end of step 4 (everything compiled, buffers allocated) to the end of the run
+IDLE_CPU_LIMIT = 0.10  # process CPU seconds per wall second while every loop thread waits
+
+
+def _rss_mib() -> float:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _wrap_build(monkeypatch, inject):
+  real = train_lib.build
+
+  def build(c, workdir):
+    run = real(c, workdir)
+    inject(run)
+    return run
+
+  monkeypatch.setattr(train_lib, "build", build)
+
+
+@pytest.fixture(scope="module")
+def slow_learner_run(tmp_path_factory):
+  """24 steps with a learner slowed to ~0.25 s per step; the staleness bound is set loose (50) so that only the
+  queue (2 groups) holds the sampler back."""
+  alive, lock, stats = [0], threading.Lock(), {"peak_alive": 0, "rss": [], "blocked_s": 0.0}
+  done = threading.Event()
+
+  def forget():
+    with lock:
+      alive[0] -= 1
+
+  def inject(run):
+    ctl = run.controller
+    real_step, real_rollout = ctl.train_step, ctl.sampler._rollout
+
+    def slow_step(state, batch, key):
+      time.sleep(0.25)
+      return real_step(state, batch, key)
+
+    def counted_rollout(sample, reason):
+      r = real_rollout(sample, reason)
+      with lock:
+        alive[0] += 1
+        stats["peak_alive"] = max(stats["peak_alive"], alive[0])
+      weakref.finalize(r, forget)
+      return r
+
+    ctl.train_step, ctl.sampler._rollout = slow_step, counted_rollout
+    stats["ctl"] = ctl
+
+  def watch():
+    while not done.wait(0.02):
+      ctl = stats.get("ctl")  # steps done, from a host list (the learner owns the device state)
+      stats["rss"].append((len(ctl.step_times) if ctl is not None else 0, _rss_mib()))
+
+  real_put = queue_lib.RolloutQueue.put
+
+  def timed_put(self, group):
+    t0 = time.monotonic()
+    try:
+      real_put(self, group)
+    finally:
+      stats["blocked_s"] += time.monotonic() - t0
+
+  watcher = threading.Thread(target=watch, daemon=True)
+  watcher.start()
+  with pytest.MonkeyPatch.context() as mp:
+    _wrap_build(mp, inject)
+    mp.setattr(queue_lib.RolloutQueue, "put", timed_put)
+    c = tiny_config("pipeline", num_steps=LONG_STEPS, rl__queue_groups=QUEUE_GROUPS, rl__max_staleness=50,
+                    checkpoint__every_steps=8)
+    t0 = time.monotonic()
+    summary = train_lib.train(c, tmp_path_factory.mktemp("slow-learner"))
+    stats["wall_s"] = time.monotonic() - t0
+  done.set()
+  watcher.join()
+  TALLY["long runs under load"] += 1
+  return summary, stats
+
+
+def test_a_full_queue_blocks_the_sampler(slow_learner_run):
+  summary, stats = slow_learner_run
+  assert summary["steps"] == LONG_STEPS
+  assert stats["ctl"].queue.max_depth == QUEUE_GROUPS  # filled, never past its bound
+  # The sampler spent most of the run waiting for room in the queue.
+  assert stats["blocked_s"] > 0.3 * summary["train_seconds"], stats["blocked_s"]
+
+
+def test_samples_in_memory_and_rss_stay_bounded(slow_learner_run):
+  summary, stats = slow_learner_run
+  c = tiny_config()
+  # Finished samples alive at once: the queue, the learner's batch, the sampler's outbox and open groups.
+  bound = (QUEUE_GROUPS + c.rl.groups_per_step) * c.rl.group_size + 2 * c.sampler.max_slots
+  assert stats["peak_alive"] <= bound
+  assert summary["ledger"]["samples_generated"] >= LONG_STEPS * 16  # many times what was ever held at once
+  after_warmup = [rss for steps, rss in stats["rss"] if steps >= 4]
+  growth = max(after_warmup) - after_warmup[0]
+  print(f"peak samples alive {stats['peak_alive']} (bound {bound}); RSS growth {growth:.1f} MiB over "
+        f"{LONG_STEPS - 4} steps ({after_warmup[0]:.0f} -> {max(after_warmup):.0f} MiB)")
+  assert growth < RSS_GROWTH_LIMIT_MIB
+
+
+def test_a_learner_faster_than_the_sampler_waits_without_spinning(tmp_path, monkeypatch):
+  """The sampler sleeps 0.5 s before each decode call; over the sleeps during which the learner did no work (no
+  train step, no publishing), the whole process (main thread, learner waiting on the queue, sampler) uses under
+  IDLE_CPU_LIMIT of a core."""
+  training, windows = [], []
+
+  def inject(run):
+    ctl = run.controller
+    real_step, real_after_step, real_sampler_step = ctl.train_step, ctl._after_step, ctl.sampler.step
+
+    def timed_train_step(state, batch, key):
+      training.append([time.monotonic(), float("inf")])
+      return real_step(state, batch, key)
+
+    def timed_after_step(*args):  # publishing, metrics: the learner's work ends here
+      real_after_step(*args)
+      training[-1][1] = time.monotonic()
+
+    def slow_sampler_step():
+      w0, c0 = time.monotonic(), time.process_time()
+      time.sleep(0.5)
+      windows.append((w0, time.monotonic(), time.process_time() - c0))
+      return real_sampler_step()
+
+    ctl.train_step, ctl._after_step, ctl.sampler.step = timed_train_step, timed_after_step, slow_sampler_step
+
+  _wrap_build(monkeypatch, inject)
+  summary = train_lib.train(tiny_config("pipeline", checkpoint__every_steps=100), tmp_path)  # no saves mid-run
+  assert summary["steps"] == NUM_STEPS
+  idle = [(end - start, cpu) for start, end, cpu in windows
+          if not any(t0 < end and start < t1 for t0, t1 in training)]
+  wall, cpu = sum(w for w, _ in idle), sum(c for _, c in idle)
+  print(f"{len(idle)} idle windows, {wall:.1f} s wall, {cpu:.3f} s CPU ({cpu / wall:.1%})")
+  assert len(idle) >= 4
+  assert cpu / wall < IDLE_CPU_LIMIT
