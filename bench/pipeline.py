@@ -213,20 +213,16 @@ def shared_step_s(sampler_s: float, learner_s: float, decode_c: float, train_c: 
   return both + (sampler_s - both / decode_c) + (learner_s - both / train_c)
 
 
-def _durations(step_end, warmup: int) -> np.ndarray:
-  """Durations of the measured steps (after the warm-up steps)."""
-  return np.diff(np.asarray(step_end, np.float64)[warmup - 1:])
-
-
 def _median(xs):
   return float(np.median(np.asarray(xs, np.float64)))
 
 
 def run_benchmark(c, workdir) -> dict[str, Any]:
-  """Warm-up, then `repeats` rounds of sync and pipeline, each timed run between two profiles; the report.
+  """Warm-up, then `repeats` rounds of a sync and a pipeline run, with a profile before every run and after the last.
 
-  The machine is shared and its load drifts within a minute, so each run is predicted from the calibration of
-  the profiles just before and just after it (pooled), and the report gives every round and the medians.
+  The machine is shared and its load comes in bursts, so the simulator is calibrated on all the session's profiles
+  pooled (medians) and compared with the median over rounds of each mode's measured step time. Each run also
+  records how far its prediction moved between the profiles just before and just after it (the machine's drift).
   """
   phases: dict[str, float] = {}
   mark = time.perf_counter()
@@ -249,9 +245,6 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
     phase("profile")
     return m, details
 
-  def mean_details(ds):
-    return {key: sum(d[key] for d in ds) / len(ds) for key in ds[0]}
-
   rounds = []
   try:
     warm_up(bench)
@@ -266,47 +259,29 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
         runs[mode] = timed(bench, mode, steps)
         phase(mode)
         profiles.append(measure())
-        before, after = (fit_calibration(m) for m, _ in profiles[-2:])
-        cal = fit_calibration(pooled([m for m, _ in profiles[-2:]]))
-        pred, p_before, p_after = (prediction(bench, x, steps) for x in (cal, before, after))
-        r = runs[mode]
-        predicted = getattr(pred, f"{mode}_step_s")
-        sim_steps = _durations(getattr(pred, mode).step_end_s, r["warmup_steps"])
-        r.update(predicted_step_s=predicted, prediction_error=predicted / r["step_s"] - 1,
-                 # Robust to a load burst on a few steps: the median step against the simulator's median step.
-                 median_step_s=_median(_durations(r["step_end_s"], r["warmup_steps"])),
-                 predicted_median_step_s=_median(sim_steps),
-                 # How far the machine's speed moved during the run, in this run's currency.
-                 prediction_drift=getattr(p_after, f"{mode}_step_s") / getattr(p_before, f"{mode}_step_s") - 1,
-                 calibration=cal.to_json())
-        r["median_error"] = r["predicted_median_step_s"] / r["median_step_s"] - 1
-      round_profiles = profiles[-3:]
-      cal = fit_calibration(pooled([m for m, _ in round_profiles]))
-      details = mean_details([d for _, d in round_profiles])
-      pred = prediction(bench, cal, steps)
-      sim = pred.pipeline.summary()
-      train_s = details["train_alone_s"]
-      rounds.append(dict(
-          sync=runs["sync"], pipeline=runs["pipeline"], order=list(order),
-          speedup_wall_per_token=runs["sync"]["wall_s_per_token"] / runs["pipeline"]["wall_s_per_token"],
-          speedup_steady=runs["sync"]["step_s"] / runs["pipeline"]["step_s"],
-          alone=dict(sampler_s_per_step=alone_s, learner_s_per_step=train_s,
-                     decode_call_alone_s=details["decode_alone_s"], decode_call_with_learner_s=details["decode_both_s"],
-                     train_step_alone_s=train_s, train_step_with_sampler_s=details["train_both_s"],
-                     decode_contention=cal.decode_contention, train_contention=cal.train_contention,
-                     ideal_step_separate_s=max(alone_s, train_s),
-                     ideal_step_shared_s=shared_step_s(alone_s, train_s, cal.decode_contention,
-                                                       cal.train_contention)),
-          simulator=dict(sync_step_s=pred.sync_step_s, pipeline_step_s=pred.pipeline_step_s, speedup=pred.speedup,
-                         decode_slowdown=pred.decode_slowdown, train_slowdown=pred.train_slowdown,
-                         pipeline_staleness_mean=sim["staleness_mean"], pipeline_sampler_idle=sim["sampler_idle"],
-                         pipeline_learner_idle=sim["learner_idle"]),
-          calibration_summary=summary(cal, details), load_average=os.getloadavg()))
+        before, after = (getattr(prediction(bench, fit_calibration(m), steps), f"{mode}_step_s")
+                         for m, _ in profiles[-2:])
+        runs[mode]["prediction_drift"] = after / before - 1
+      rounds.append(dict(order=list(order), **runs, load_average=os.getloadavg(),
+                         speedup_wall_per_token=runs["sync"]["wall_s_per_token"] / runs["pipeline"]["wall_s_per_token"],
+                         speedup_steady=runs["sync"]["step_s"] / runs["pipeline"]["step_s"]))
   finally:
     bench.run.controller.score.close()
     bench.run.checkpointer.close()
     bench.run.metrics.close()
+  cal = fit_calibration(pooled([m for m, _ in profiles]))
+  details = {key: _median([d[key] for _, d in profiles]) for key in profiles[0][1]}
+  pred = prediction(bench, cal, steps)
+  validation = {}
+  for mode in ("sync", "pipeline"):
+    predicted = getattr(pred, f"{mode}_step_s")
+    for r in rounds:
+      r[mode].update(predicted_step_s=predicted, prediction_error=predicted / r[mode]["step_s"] - 1)
+    measured = _median([r[mode]["step_s"] for r in rounds])
+    validation[mode] = dict(measured_step_s=measured, predicted_step_s=predicted, error=predicted / measured - 1)
   med = lambda f: _median([f(r) for r in rounds])
+  sim = pred.pipeline.summary()
+  train_s = details["train_alone_s"]
   return dict(
       config=dict(model=c.model.tiny.to_dict(), sampler_devices=bench.run.meshes.sampler.size,
                   learner_devices=bench.run.meshes.learner.size, max_slots=c.sampler.max_slots,
@@ -318,50 +293,52 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
                    first_groups=bench.lengths[: (steps + 2 * k + 4) * gb].tolist(),
                    observed_median=float(np.median(bench.lengths)),
                    observed_p99=float(np.percentile(bench.lengths, 99)), max=int(bench.lengths.max())),
-      median=dict(
-          sync_step_s=med(lambda r: r["sync"]["step_s"]), pipeline_step_s=med(lambda r: r["pipeline"]["step_s"]),
-          sync_s_per_token=med(lambda r: r["sync"]["wall_s_per_token"]),
-          pipeline_s_per_token=med(lambda r: r["pipeline"]["wall_s_per_token"]),
-          speedup_wall_per_token=med(lambda r: r["speedup_wall_per_token"]),
-          speedup_steady=med(lambda r: r["speedup_steady"]),
-          sync_prediction_error=med(lambda r: r["sync"]["prediction_error"]),
-          pipeline_prediction_error=med(lambda r: r["pipeline"]["prediction_error"]),
-          sync_median_step_error=med(lambda r: r["sync"]["median_error"]),
-          pipeline_median_step_error=med(lambda r: r["pipeline"]["median_error"]),
-          simulator_speedup=med(lambda r: r["simulator"]["speedup"]),
-          decode_contention=med(lambda r: r["alone"]["decode_contention"]),
-          train_contention=med(lambda r: r["alone"]["train_contention"])),
-      rounds=rounds,
-      device=f"{jax.devices()[0].platform} x{len(jax.devices())}", cores=os.cpu_count(), host=platform.node(),
-      phases_s=phases)
+      validation=validation,
+      median=dict(sync_s_per_token=med(lambda r: r["sync"]["wall_s_per_token"]),
+                  pipeline_s_per_token=med(lambda r: r["pipeline"]["wall_s_per_token"]),
+                  speedup_wall_per_token=med(lambda r: r["speedup_wall_per_token"]),
+                  speedup_steady=med(lambda r: r["speedup_steady"])),
+      alone=dict(sampler_s_per_step=alone_s, learner_s_per_step=train_s,
+                 decode_call_alone_s=details["decode_alone_s"], decode_call_with_learner_s=details["decode_both_s"],
+                 train_step_alone_s=train_s, train_step_with_sampler_s=details["train_both_s"],
+                 decode_contention=cal.decode_contention, train_contention=cal.train_contention,
+                 ideal_step_separate_s=max(alone_s, train_s),
+                 ideal_step_shared_s=shared_step_s(alone_s, train_s, cal.decode_contention, cal.train_contention)),
+      simulator=dict(sync_step_s=pred.sync_step_s, pipeline_step_s=pred.pipeline_step_s, speedup=pred.speedup,
+                     decode_slowdown=pred.decode_slowdown, train_slowdown=pred.train_slowdown,
+                     pipeline_staleness_mean=sim["staleness_mean"], pipeline_sampler_idle=sim["sampler_idle"],
+                     pipeline_learner_idle=sim["learner_idle"], sync_sampler_idle=pred.sync.sampler_idle_frac,
+                     sync_learner_idle=pred.sync.learner_idle_frac),
+      calibration=cal.to_json(), calibration_summary=summary(cal, details), profiles=len(profiles),
+      rounds=rounds, device=f"{jax.devices()[0].platform} x{len(jax.devices())}", cores=os.cpu_count(),
+      host=platform.node(), phases_s=phases)
 
 
 def table(report: dict) -> str:
-  head = (f"{'round':<6}{'mode':<10}{'ms/token':>9}{'step s':>8}{'sim s':>8}{'sim err':>9}{'med err':>8}{'drift':>7}"
-          f"{'smp idle':>9}{'lrn idle':>9}{'stale':>7}{'max':>5}{'dropped':>9}")
+  head = (f"{'round':<6}{'mode':<10}{'ms/token':>9}{'step s':>8}{'drift':>7}{'smp idle':>9}{'lrn idle':>9}"
+          f"{'stale':>7}{'max':>5}{'dropped':>9}")
   lines = [head]
   for i, r in enumerate(report["rounds"]):
-    for mode in ("sync", "pipeline"):
+    for mode in r["order"]:
       m = r[mode]
       lines.append(f"{i:<6}{mode:<10}{m['wall_s_per_token'] * 1e3:>9.2f}{m['step_s']:>8.3f}"
-                   f"{m['predicted_step_s']:>8.3f}{m['prediction_error']:>+9.1%}{m['median_error']:>+8.1%}"
-                   f"{m['prediction_drift']:>+7.0%}"
-                   f"{m['sampler_idle']:>9.2f}"
-                   f"{m['learner_idle']:>9.2f}{m['staleness_mean']:>7.2f}{m['staleness_max']:>5}"
-                   f"{sum(m['dropped'].values()):>9}")
-  md = report["median"]
-  a = report["rounds"][-1]["alone"]
+                   f"{m['prediction_drift']:>+7.0%}{m['sampler_idle']:>9.2f}{m['learner_idle']:>9.2f}"
+                   f"{m['staleness_mean']:>7.2f}{m['staleness_max']:>5}{sum(m['dropped'].values()):>9}")
+  md, v, a, s = report["median"], report["validation"], report["alone"], report["simulator"]
   lines += [
       f"median over {len(report['rounds'])} rounds: pipeline vs sync {md['speedup_wall_per_token']:.2f}x per trained "
-      f"token (whole runs), {md['speedup_steady']:.2f}x steady-state step (simulator {md['simulator_speedup']:.2f}x);"
-      f" simulator error sync {md['sync_prediction_error']:+.1%}, pipeline {md['pipeline_prediction_error']:+.1%}"
-      f" (median steps: {md['sync_median_step_error']:+.1%}, {md['pipeline_median_step_error']:+.1%})",
-      f"alone (last round): sampler {a['sampler_s_per_step']:.3f} s per step's groups (continuous batching, no "
-      f"barrier), learner {a['learner_s_per_step']:.3f} s per step; at once: decode call "
-      f"{a['decode_call_alone_s'] * 1e3:.0f} -> {a['decode_call_with_learner_s'] * 1e3:.0f} ms "
-      f"(x{a['decode_contention']:.1f}), train step x{a['train_contention']:.2f}",
+      f"token (whole runs), {md['speedup_steady']:.2f}x steady-state step",
+      f"simulator (calibrated on {report['profiles']} profiles of this session): sync "
+      f"{v['sync']['predicted_step_s']:.3f} s vs measured {v['sync']['measured_step_s']:.3f} s "
+      f"({v['sync']['error']:+.1%}); pipeline "
+      f"{v['pipeline']['predicted_step_s']:.3f} s vs {v['pipeline']['measured_step_s']:.3f} s "
+      f"({v['pipeline']['error']:+.1%}); speedup {s['speedup']:.2f}x",
+      f"alone: sampler {a['sampler_s_per_step']:.3f} s per step's groups (continuous batching, no barrier), learner "
+      f"{a['learner_s_per_step']:.3f} s per step; at once: decode call {a['decode_call_alone_s'] * 1e3:.0f} -> "
+      f"{a['decode_call_with_learner_s'] * 1e3:.0f} ms (x{a['decode_contention']:.1f}), train step "
+      f"x{a['train_contention']:.2f}",
       f"ideal pipeline step: {a['ideal_step_separate_s']:.3f} s on separate hardware, {a['ideal_step_shared_s']:.3f} s "
-      f"sharing these cores (sync measured {report['median']['sync_step_s']:.3f} s)",
+      f"sharing these cores (sync measured {v['sync']['measured_step_s']:.3f} s)",
   ]
   return "\n".join(lines)
 
@@ -380,7 +357,7 @@ def main(argv=None):
     c = flags.FLAGS.config
     with tempfile.TemporaryDirectory() as workdir:
       report = run_benchmark(c, workdir)
-    print(report["rounds"][-1]["calibration_summary"])
+    print(report["calibration_summary"])
     print(f"lengths per group: median {report['lengths']['observed_median']:.0f}, p99 "
           f"{report['lengths']['observed_p99']:.0f}, max {report['lengths']['max']}; "
           f"{report['config']['measured_steps']} measured steps per mode and round; load average "

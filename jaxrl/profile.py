@@ -250,17 +250,17 @@ def profile(engine, train_step, state, *, batch_size: int, seq_len: int, group_s
 
 
 def pooled(ms: list[Measurements]) -> Measurements:
-  """Measurements of several profiling runs of one setup taken as one (e.g. before and after a timed run):
-  every decode row, and the mean time of each other quantity."""
-  mean_time = lambda rate: len(ms) / sum(1 / rate(m) for m in ms)  # a rate whose time is the mean time
-  mean = lambda f: sum(f(m) for m in ms) / len(ms)
+  """Measurements of several profiling runs of one setup taken as one: every decode row, and the median of each
+  other quantity (of times, not rates; robust to a load burst on a shared machine catching one profile)."""
+  median_time = lambda rate: 1 / statistics.median(1 / rate(m) for m in ms)
+  median = lambda f: statistics.median(f(m) for m in ms)
   return dataclasses.replace(ms[0], decode=tuple(r for m in ms for r in m.decode),
-                             train_tokens_per_s_per_device=mean_time(lambda m: m.train_tokens_per_s_per_device),
-                             link_bandwidth=mean_time(lambda m: m.link_bandwidth),
-                             prefill_s_per_token=mean(lambda m: m.prefill_s_per_token),
-                             decode_contention=mean(lambda m: m.decode_contention),
-                             train_contention=mean(lambda m: m.train_contention),
-                             update_s=mean(lambda m: m.update_s))
+                             train_tokens_per_s_per_device=median_time(lambda m: m.train_tokens_per_s_per_device),
+                             link_bandwidth=median_time(lambda m: m.link_bandwidth),
+                             prefill_s_per_token=median(lambda m: m.prefill_s_per_token),
+                             decode_contention=median(lambda m: m.decode_contention),
+                             train_contention=median(lambda m: m.train_contention),
+                             update_s=median(lambda m: m.update_s))
 
 
 def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
@@ -283,7 +283,7 @@ def summary(cal: Calibration, details: dict) -> str:
       f"+ {d.kv_s_per_token * 1e6:.3f} us/context token (knee at batch {d.knee_batch:.3g}); fit over "
       f"{cal.fit['n']} points, rms error {cal.fit['rms_rel_error']:.1%}, max {cal.fit['max_rel_error']:.1%}",
       f"admission: {details['admission_s_per_sample'] * 1e3:.2f} ms per sample",
-      f"train: {details['train_step_s']:.3f} s per step of {details['train_tokens_per_step']} tokens = "
+      f"train: {details['train_step_s']:.3f} s per step of {details['train_tokens_per_step']:.0f} tokens = "
       f"{cal.train_tokens_per_s_per_device:,.0f} tokens/s per device",
       f"weights: {cal.weight_bytes / 1e6:.2f} MB moved in {details['transfer_s'] * 1e3:.2f} ms; KV recompute after "
       f"an in-flight update {cal.update_s * 1e3:.1f} ms",
