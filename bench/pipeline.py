@@ -1,18 +1,19 @@
 r"""Sync vs pipeline on one config and a long-tailed length distribution, side by side in one run; and what the
-simulator, calibrated on this machine a minute earlier, predicted for both.
+simulator, calibrated by jaxrl.profile on this machine in the same session, predicted for both.
 
-  JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline                     # configs/bench_pipeline.py
-  JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline --config=configs/bench_pipeline.py:test   # ~1-2 min
+  JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline                     # configs/bench_pipeline.py, ~4 min
+  JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline --config=configs/bench_pipeline.py:test   # ~2 min
 
 Completion lengths are lognormal per group (p99 = p99_ratio x median), forced with per-request max_tokens and EOS
 ignored (a Sampler subclass reads the length of group g from a table: the Controller submits every group with
 RunSpec.max_new_tokens). Both modes are built once by jaxrl.train.build (same engine, train step, prompts and
-rewards; only the controller loop differs), warmed up (every executable compiled, every KV-rebuild bucket too),
-then profiled with jaxrl.profile (the calibration) and timed: sync, then pipeline, from the same initial state and
-the same groups. Reports wall time per trained token, steady-state step time (least-squares slope after the
+rewards; only the controller loop differs) and warmed up (every executable compiled, every KV-rebuild bucket too).
+Then `repeats` rounds each time a sync and a pipeline run from the same initial state on the same groups, with a
+profile before every run and after the last; the sampler alone (continuous batching, no barrier) and the learner
+alone are timed too. Reports wall time per trained token, steady-state step time (least-squares slope after the
 warm-up steps, as the simulator measures it), sampler/learner idle fractions (Controller.busy), staleness, and the
-simulator's prediction for the same lengths (replayed group by group). Writes bench/results/pipeline.json.
-"""
+simulator's prediction from the session's pooled profiles for the same lengths (replayed group by group). Writes
+bench/results/pipeline.json; docs/BENCHMARKS.md explains the figures."""
 
 from __future__ import annotations
 
