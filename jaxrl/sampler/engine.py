@@ -175,6 +175,7 @@ class Engine:
     self._rebuild = jax.jit(functools.partial(_rebuild, g, rebuild_chunk), static_argnums=0, donate_argnums=2,
                             out_shardings=self._state_shardings)
     self._release = jax.jit(_release, donate_argnums=0, out_shardings=self._state_shardings)
+    self._zeros = None
 
   def _named(self, *axes) -> NamedSharding:
     """Sharding of an array whose dimensions carry these logical axes (sizes are only checked for divisibility)."""
@@ -221,7 +222,9 @@ class Engine:
       return DecodeState(cache, jnp.zeros((s, t), jnp.int32), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), bool),
                          jnp.zeros((s,), jnp.int32), settings)
 
-    return jax.jit(zeros, out_shardings=self._state_shardings)()
+    if self._zeros is None:  # one compile per engine, however many Samplers it serves
+      self._zeros = jax.jit(zeros, out_shardings=self._state_shardings)
+    return self._zeros()
 
   def prefill(self, params: Versioned, tokens, true_length: int | None = None) -> Prefix:
     """Keys/values of the prompt tokens[:true_length], padded to its length bucket."""
@@ -251,7 +254,8 @@ class Engine:
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, settings: SlotSettings) -> DecodeState:
     if not 0 <= slot < self.max_slots:
       raise ValueError(f"slot {slot} is outside [0, {self.max_slots})")
-    return self._insert(prefix, decode_state, np.int32(slot), settings)
+    # The version is static metadata of Prefix: drop it so that a new policy version does not recompile insert.
+    return self._insert(prefix.replace(version=0), decode_state, np.int32(slot), settings)
 
   def generate(self, params: Versioned, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     return self._generate(params.params, np.int32(params.version), decode_state)
