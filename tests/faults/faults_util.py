@@ -62,6 +62,23 @@ def child_env() -> dict[str, str]:
   return {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
 
 
+def inject(monkeypatch, fn=None) -> dict:
+  """Makes train() build its Run through `fn(run)`, which wraps pieces of it before the loop starts; the returned
+  dict holds the last Run built under "run"."""
+  from jaxrl import train as train_lib
+
+  real, built = train_lib.build, {}
+
+  def build(c, workdir):
+    built["run"] = run = real(c, workdir)
+    if fn is not None:
+      fn(run)
+    return run
+
+  monkeypatch.setattr(train_lib, "build", build)
+  return built
+
+
 def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
   return subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
 

@@ -8,7 +8,7 @@ import time
 
 import faults_rewards  # noqa: F401 - imported here first, so that breaking its import later hits only workers
 import pytest
-from faults_util import NUM_STEPS, TALLY, check_history, committed_steps, read_trace, tiny_config
+from faults_util import NUM_STEPS, TALLY, check_history, committed_steps, inject, read_trace, tiny_config
 
 from jaxrl import train as train_lib
 from jaxrl.config import ConfigError
@@ -18,20 +18,6 @@ BOUND_S = 30.0  # from the fault to train() raising, including the final checkpo
 
 class Injected(Exception):
   """The fault the tests inject."""
-
-
-def _inject(monkeypatch, inject):
-  """train() builds its Run through this: `inject(run)` wraps pieces of it before the loop starts."""
-  real = train_lib.build
-  built = {}
-
-  def build(c, workdir):
-    built["run"] = run = real(c, workdir)
-    inject(run)
-    return run
-
-  monkeypatch.setattr(train_lib, "build", build)
-  return built
 
 
 def _fail_on_call(fn, n: int, fired: dict):
@@ -61,14 +47,14 @@ def test_component_exception_stops_the_run_with_its_traceback_and_a_checkpoint(m
   path, n = TARGETS[component]
   fired = {}
 
-  def inject(run):
+  def fail(run):
     owner_path, _, attr = f"controller.{path}".rpartition(".")
     owner = run
     for part in owner_path.split("."):
       owner = getattr(owner, part)
     setattr(owner, attr, _fail_on_call(getattr(owner, attr), n, fired))
 
-  built = _inject(monkeypatch, inject)
+  built = inject(monkeypatch, fail)
   with pytest.raises(Exception) as info:
     train_lib.train(tiny_config(mode), tmp_path)
   elapsed = time.monotonic() - fired["at"]
@@ -91,7 +77,7 @@ def test_component_exception_stops_the_run_with_its_traceback_and_a_checkpoint(m
 
 
 def test_a_raising_reward_fn_drops_its_group_and_the_run_goes_on(tmp_path, monkeypatch):
-  built = _inject(monkeypatch, lambda run: None)
+  built = inject(monkeypatch)
   summary = train_lib.train(tiny_config("pipeline", task__reward="faults_rewards:flaky"), tmp_path)
   runner = built["run"].controller.score.runner
   assert runner.isolation == "process"
@@ -126,7 +112,7 @@ def test_a_reward_worker_that_dies_and_cannot_restart_stops_the_run(tmp_path, mo
   """The first call kills its worker; the replacement cannot import the fn. The other worker scores meanwhile, so
   the run may train a step or two before the replacement's failure reaches the sampler thread."""
   monkeypatch.setenv("JAXRL_FAULTS_BREAK_IMPORT", str(tmp_path / "break-import"))
-  built = _inject(monkeypatch, lambda run: None)
+  built = inject(monkeypatch)
   c = tiny_config("pipeline", task__reward="faults_rewards:dies_and_breaks_restarts")
   t0 = time.monotonic()
   with pytest.raises(RuntimeError, match="jaxrl sampler failed: RuntimeError: reward .* cannot be loaded in a worker"):

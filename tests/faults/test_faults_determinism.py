@@ -5,7 +5,7 @@ params, and a sample with the same versions under the same params has the same t
 
 import numpy as np
 import pytest
-from faults_util import NUM_STEPS, TALLY, params_digest, tiny_config
+from faults_util import NUM_STEPS, TALLY, inject, params_digest, tiny_config
 
 from jaxrl import train as train_lib
 from jaxrl.metrics import read_jsonl
@@ -17,10 +17,8 @@ def _recorded_run(c, workdir, monkeypatch):
   """train() with every batch (per sample: its tokens, behavior logprobs, per-token versions) and the params
   after every step recorded."""
   steps, params = [], []
-  real_build = train_lib.build
 
-  def build(c, workdir):
-    run = real_build(c, workdir)
+  def record(run):
     ctl = run.controller
     real_step = ctl.train_step
 
@@ -36,9 +34,8 @@ def _recorded_run(c, workdir, monkeypatch):
 
     ctl.train_step = train_step
     ctl.on_step = lambda version, metrics: params.append(params_digest(ctl.state.params))
-    return run
 
-  monkeypatch.setattr(train_lib, "build", build)
+  inject(monkeypatch, record)
   summary = train_lib.train(c, workdir)
   monkeypatch.undo()
   metrics = [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(workdir / "metrics.jsonl")]

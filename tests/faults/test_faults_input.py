@@ -7,7 +7,7 @@ import json
 
 import ml_collections
 import pytest
-from faults_util import NUM_STEPS, TALLY, check_history, cli, read_trace, run_cli, tiny_config
+from faults_util import NUM_STEPS, TALLY, check_history, cli, inject, read_trace, run_cli, tiny_config
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -229,10 +229,9 @@ def test_a_tokenizer_without_chat_template_is_a_clear_error_before_work(data_dir
 
 
 def test_skipped_lines_and_prompts_over_the_context_are_counted_and_the_run_goes_on(data_dir, tmp_path, monkeypatch):
-  real_build, built = train_lib.build, []
-  monkeypatch.setattr(train_lib, "build", lambda c, w: built.append(real_build(c, w)) or built[-1])
+  built = inject(monkeypatch)
   summary = train_lib.train(_text_config(data_dir, on_error="skip"), tmp_path)
-  assert [n for n, _ in built[0].task.skipped] == sorted(BAD_LINES)
+  assert [n for n, _ in built["run"].task.skipped] == sorted(BAD_LINES)
   led = summary["ledger"]
   assert summary["steps"] == NUM_STEPS and led["samples_trained"] == NUM_STEPS * 16
   events = read_trace(tmp_path / "trace.jsonl")

@@ -8,7 +8,7 @@ import time
 import weakref
 
 import pytest
-from faults_util import NUM_STEPS, TALLY, tiny_config
+from faults_util import NUM_STEPS, TALLY, inject, tiny_config
 
 from jaxrl import train as train_lib
 from jaxrl.controller import queue as queue_lib
@@ -24,17 +24,6 @@ def _rss_mib() -> float:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _wrap_build(monkeypatch, inject):
-  real = train_lib.build
-
-  def build(c, workdir):
-    run = real(c, workdir)
-    inject(run)
-    return run
-
-  monkeypatch.setattr(train_lib, "build", build)
-
-
 @pytest.fixture(scope="module")
 def slow_learner_run(tmp_path_factory):
   """24 steps with a learner slowed to ~0.25 s per step; the staleness bound is set loose (50) so that only the
@@ -46,7 +35,7 @@ def slow_learner_run(tmp_path_factory):
     with lock:
       alive[0] -= 1
 
-  def inject(run):
+  def slow_learner(run):
     ctl = run.controller
     real_step, real_rollout = ctl.train_step, ctl.sampler._rollout
 
@@ -82,7 +71,7 @@ def slow_learner_run(tmp_path_factory):
   watcher = threading.Thread(target=watch, daemon=True)
   watcher.start()
   with pytest.MonkeyPatch.context() as mp:
-    _wrap_build(mp, inject)
+    inject(mp, slow_learner)
     mp.setattr(queue_lib.RolloutQueue, "put", timed_put)
     c = tiny_config("pipeline", num_steps=LONG_STEPS, rl__queue_groups=QUEUE_GROUPS, rl__max_staleness=50,
                     checkpoint__every_steps=8)
@@ -123,7 +112,7 @@ def test_a_learner_faster_than_the_sampler_waits_without_spinning(tmp_path, monk
   IDLE_CPU_LIMIT of a core."""
   training, windows = [], []
 
-  def inject(run):
+  def slow_sampler(run):
     ctl = run.controller
     real_step, real_after_step, real_sampler_step = ctl.train_step, ctl._after_step, ctl.sampler.step
 
@@ -143,7 +132,7 @@ def test_a_learner_faster_than_the_sampler_waits_without_spinning(tmp_path, monk
 
     ctl.train_step, ctl._after_step, ctl.sampler.step = timed_train_step, timed_after_step, slow_sampler_step
 
-  _wrap_build(monkeypatch, inject)
+  inject(monkeypatch, slow_sampler)
   summary = train_lib.train(tiny_config("pipeline", checkpoint__every_steps=100), tmp_path)  # no saves mid-run
   assert summary["steps"] == NUM_STEPS
   idle = [(end - start, cpu) for start, end, cpu in windows

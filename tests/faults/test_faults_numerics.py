@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from faults_util import NUM_STEPS, TALLY, check_history, params_finite, read_trace, tiny_config
+from faults_util import NUM_STEPS, TALLY, check_history, inject, params_finite, read_trace, tiny_config
 
 from jaxrl import train as train_lib
 from jaxrl.learner import step as step_lib
@@ -74,20 +74,12 @@ def _inject_faults(run, calls: list):
 def faulty_run(request, tmp_path_factory):
   workdir = tmp_path_factory.mktemp(f"numerics-{request.param}")
   calls = []
-  real_build = train_lib.build
-
-  def build(c, workdir):
-    run = real_build(c, workdir)
-    _inject_faults(run, calls)
-    build.run = run
-    return run
-
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(step_lib, "as_logits_fn", _marking_logits_fn)
-    mp.setattr(train_lib, "build", build)
+    built = inject(mp, lambda run: _inject_faults(run, calls))
     summary = train_lib.train(tiny_config(request.param), workdir)
   TALLY["numeric faults injected"] += len(FAULTS)
-  return {"summary": summary, "calls": calls, "workdir": workdir, "run": build.run}
+  return {"summary": summary, "calls": calls, "workdir": workdir, "run": built["run"]}
 
 
 def test_nonfinite_updates_are_skipped_and_counted(faulty_run):
@@ -132,15 +124,11 @@ def test_groups_with_all_equal_rewards_are_counted(faulty_run):
 
 
 def test_every_update_skipped_stops_the_run_instead_of_looping(tmp_path, monkeypatch):
-  real_build = train_lib.build
-
-  def build(c, workdir):
-    run = real_build(c, workdir)
+  def corrupt_every_batch(run):
     real_step = run.controller.train_step
     run.controller.train_step = lambda state, batch, key: real_step(state, _corrupt(batch, "inf_logits"), key)
-    return run
 
   monkeypatch.setattr(step_lib, "as_logits_fn", _marking_logits_fn)
-  monkeypatch.setattr(train_lib, "build", build)
+  inject(monkeypatch, corrupt_every_batch)
   with pytest.raises(RuntimeError, match=r"no progress: 3 failures in a row .*'update_skipped': 3"):
     train_lib.train(tiny_config("sync", rl__max_failures_in_a_row=3), tmp_path)

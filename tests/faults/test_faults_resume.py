@@ -4,6 +4,7 @@ dropped with a reason, or still in flight at the end (regenerated groups keep th
 
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from faults_util import (
   cli,
   committed_steps,
   count_lines,
+  inject,
   kill,
   read_trace,
   start_child,
@@ -107,3 +109,42 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_checkpoint(tmp_path
   assert summary["resumed_from"] == 2 and summary["steps"] == NUM_STEPS
   check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=4)
   assert committed_steps(workdir)[-1] == NUM_STEPS
+
+
+class Stop(Exception):
+  """Stops a run on purpose."""
+
+
+def test_a_run_stopped_with_a_full_admission_window_resumes(tmp_path, monkeypatch):
+  """Stopped (here by a learner exception) once the sampler has admitted all that the staleness bound allows, the
+  run saves (max_staleness + 1) * groups_per_step groups to regenerate. Counting them as admitted a second time
+  when they are generated again made the admission policy refuse every group after such a resume: a hang."""
+  def stop_once_the_window_is_full(run):
+    ctl = run.controller
+    real_step, calls = ctl.train_step, []
+
+    def train_step(state, batch, key):
+      calls.append(1)
+      if len(calls) == 3:  # version 2: the sampler may admit groups up to (2 + 1 + 1) * 4 = 16
+        wait_for(lambda: ctl.record.next_group_id >= 16, timeout=60, what="a full admission window")
+        raise Stop("window full")
+      return real_step(state, batch, key)
+
+    ctl.train_step = train_step
+
+  c = tiny_config(checkpoint__every_steps=4)  # the checkpoint at version 2 is the one saved when the run stops
+  inject(monkeypatch, stop_once_the_window_is_full)
+  with pytest.raises(RuntimeError, match="Stop: window full"):
+    train(c, tmp_path)
+  monkeypatch.undo()
+  (saved,) = [e for e in read_trace(tmp_path / "trace.jsonl") if e["event"] == "checkpoint"]
+  assert saved["version"] == 2 and len(saved["pending"]) == 8 and committed_steps(tmp_path) == [2]
+  result = {}
+  resume = threading.Thread(target=lambda: result.update(summary=train(c, tmp_path)), daemon=True)
+  resume.start()
+  resume.join(120)
+  assert "summary" in result, "the resumed run made no progress in 120 s"
+  TALLY["runs resumed after a component failure"] += 1
+  summary = result["summary"]
+  assert summary["resumed_from"] == 2 and summary["steps"] == NUM_STEPS
+  check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=4)
