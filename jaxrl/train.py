@@ -170,18 +170,20 @@ def train(c, workdir: str | Path) -> dict[str, Any]:
   if c.eval.num_examples and run.resumed_from is None:
     summary["eval_before"] = evaluate(run, ctl.state.params, int(jax.device_get(ctl.state.version)))
   t0 = time.perf_counter()
+  finished = False
   try:
     if c.mode == "sync":
       ctl.run_sync()
     else:
       ctl.run_pipeline()
+    finished = True
   finally:
     ctl.finish()
     run.checkpointer.close()
     run.metrics.close()
     if run.trace is not None:
       run.trace.close()
-    if not c.eval.num_examples:
+    if not (finished and c.eval.num_examples):  # a failed run closes its reward workers too
       ctl.score.close()
   summary.update(train_seconds=time.perf_counter() - t0, steps=ctl.version, version=ctl.version,
                  ledger=ctl.ledger.to_json(), samples_in_flight=ctl.samples_in_flight(),

@@ -112,12 +112,16 @@ class Controller:
     if self.trace is not None:
       self.trace({"event": event, **fields})
 
-  def _failed(self, reason: str, n: int = 1) -> None:
+  def _failed(self, reason: str) -> None:
     """Counts a failure (call under the lock); too many without an applied update in between stop the run."""
-    self._failures[reason] += n
+    self._failures[reason] += 1
     if sum(self._failures.values()) >= self.spec.max_failures_in_a_row:
       raise RuntimeError(f"no progress: {sum(self._failures.values())} failures in a row without an applied update "
                          f"({dict(self._failures)}); the data, the rewards or the model are broken")
+
+  def _log_start(self, mode: str) -> None:
+    self._log("start", mode=mode, version=self.version, next_group_id=self.record.next_group_id,
+              regenerate=list(self._resubmit))
 
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
@@ -266,10 +270,6 @@ class Controller:
     return self.version >= self.spec.num_steps
 
   # ---- sync ----------------------------------------------------------------------------------------------------
-
-  def _log_start(self, mode: str) -> None:
-    self._log("start", mode=mode, version=self.version, next_group_id=self.record.next_group_id,
-              regenerate=list(self._resubmit))
 
   def run_sync(self) -> None:
     self._log_start("sync")
