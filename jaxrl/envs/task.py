@@ -7,6 +7,7 @@ content: a problem's key is hashed into a held-out bucket, and each split only k
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import random
@@ -48,20 +49,20 @@ def is_heldout(key: str, fraction: float) -> bool:
   return key_hash(key) < fraction * 2**64
 
 
-class Task:
+class Task(abc.ABC):
   """Base of all tasks. Subclasses set `name`, `reward` (default reward fn name) and `text_prompts`."""
 
   name: ClassVar[str]
   reward: ClassVar[str]
   text_prompts: ClassVar[bool] = True  # False: examples carry prompt_tokens and need no tokenizer
 
+  @abc.abstractmethod
   def prompt(self, index: int) -> Example:
     """Training example at data position `index` (any int >= 0; the stream never ends)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def eval_examples(self, n: int) -> list[Example]:
     """The first n held-out examples (distinct, never seen in training)."""
-    raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,9 @@ class ProceduralTask(Task):
       raise ValueError(f"{self.name}: eval_fraction must be in (0, 1) (got {eval_fraction})")
     self.seed, self.eval_fraction = int(seed), float(eval_fraction)
 
+  @abc.abstractmethod
   def generate(self, rng: random.Random) -> Problem:
-    raise NotImplementedError
+    """One problem drawn with `rng`."""
 
   def _draw(self, split: str, index: int) -> Problem:
     rng = random.Random(f"{self.seed}/{split}/{index}")

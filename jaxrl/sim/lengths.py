@@ -7,13 +7,14 @@ the samples are started at, so a distribution can change over training.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 
-class LengthDist:
+class LengthDist(abc.ABC):
   """Base class: integer response lengths in [1, max_len]."""
 
   max_len: int
@@ -24,8 +25,9 @@ class LengthDist:
     raw = self._draw(rng, n, step)
     return np.clip(np.rint(raw), 1, self.max_len).astype(np.int64)
 
+  @abc.abstractmethod
   def _draw(self, rng: np.random.Generator, n: int, step: int) -> np.ndarray:
-    raise NotImplementedError
+    """n raw (unrounded, unclipped) lengths at training step `step`."""
 
   def mean(self, step: int = 0, n: int = 200_000, seed: int = 0) -> float:
     """Monte-Carlo mean of the clipped lengths (the quantity the simulator sees)."""
