@@ -3,7 +3,8 @@
   python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
 
 Every process runs `python -m jaxrl.distributed.train` (or --module) with the arguments after `--`, with
-JAX_NUM_CPU_DEVICES=--devices_per_process, its own cross-host transfer port, and its output prefixed by [pN].
+JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; its output is prefixed by
+[pN <seconds since launch>].
 When a process fails, the others get --grace_s to stop on their own (their watchdog does it within its heartbeat
 timeout), then are killed; the launcher exits with the first failure's status (128 + signal if it was killed).
 """
@@ -36,9 +37,9 @@ def _describe(code: int) -> str:
   return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
-def _pump(proc: subprocess.Popen, prefix: str) -> None:
+def _pump(proc: subprocess.Popen, name: str, start: float) -> None:
   for line in proc.stdout:
-    sys.stdout.write(f"{prefix}{line}")
+    sys.stdout.write(f"[{name} {time.monotonic() - start:6.1f}s] {line}")
     sys.stdout.flush()
 
 
@@ -48,6 +49,7 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 1,
   if num_processes < 2:
     raise ValueError(f"a multi-process job needs at least 2 processes (got {num_processes})")
   coordinator, *transfer = free_ports(num_processes + 1)
+  start = time.monotonic()
   procs = []
   for i in range(num_processes):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_per_process),
@@ -57,12 +59,12 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 1,
     proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     print(f"jaxrl.launch: process {i} pid {proc.pid}", flush=True)
-    threading.Thread(target=_pump, args=(proc, f"[p{i}] "), daemon=True).start()
+    threading.Thread(target=_pump, args=(proc, f"p{i}", start), daemon=True).start()
     procs.append(proc)
 
-  start, failed, failed_at = time.monotonic(), None, None
+  failed, failed_at, killed = None, None, set()
   try:
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # a list, not any(): every process must be polled
       now = time.monotonic()
       for i, p in enumerate(procs):
         if failed is None and p.returncode not in (None, 0):
@@ -74,9 +76,10 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 1,
         failed, failed_at = -1, now - grace_s
       if failed is not None and now - failed_at > grace_s:
         for i, p in enumerate(procs):
-          if p.poll() is None:
+          if p.poll() is None and i not in killed:
             print(f"jaxrl.launch: killing process {i}, still running {grace_s:.0f}s after the failure", flush=True)
             p.kill()
+            killed.add(i)
       time.sleep(0.1)
   except KeyboardInterrupt:
     for p in procs:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,6 +107,9 @@ class LearnerPublisher:
     self._staged: dict[int, list[list[jax.Array]]] = {}
     self._cond = threading.Condition()
     self.published = 0
+
+  def compile(self, params) -> None:
+    self._replicate.lower(params).compile()
 
   def publish(self, params, version: int) -> None:
     if self.dump_dir is not None:  # the learner's own shards, before any copy: what the samplers must end up with
@@ -307,8 +309,8 @@ class DistributedController(Controller):
     if self.is_learner:
       out.update(version=self.version, trained_staleness=self.trained_staleness)
     else:
-      stats = self.sampler.stats if self.sampler is not None else None
-      out.update(sampler_version=self.sampler.version if self.sampler is not None else None,
-                 generated_tokens=stats.generated_tokens if stats else 0, time=time.time())
+      newest = self.received.take_newer(-1)
+      out.update(sampler_version=newest.version if newest is not None else None,  # the newest params received
+                 generated_tokens=self.sampler.stats.generated_tokens if self.sampler is not None else 0)
     return out
 

@@ -41,7 +41,7 @@ from jaxrl.learner import (
 )
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import hf
-from jaxrl.rollout import SamplingParams
+from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler
 from jaxrl.train import _load_params, _model_source
 
@@ -105,6 +105,12 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
     return train_step(state, jax.device_put(batch, batch_sh), key)
 
   publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir)
+  # Compile what has collectives before running any of it, then start together: gloo gives up on a peer that
+  # reaches the first collective 30 s late (e.g. still compiling while the other process found a cached binary).
+  key = jax.random.fold_in(jax.random.key(c.seed), 0)
+  train_step.lower(state, jax.device_put(make_batch([], spec.batch_size, c.rl.seq_len), batch_sh), key).compile()
+  publisher.compile(state.params)
+  store.barrier("learners_compiled", topology.learner_processes)
   metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
                           total_steps=c.num_steps) if lead else None
   return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
@@ -186,6 +192,7 @@ def main(argv=None):
       summary = train(c, workdir, topology, store, dump_dir=workdir / "weights" if flags_def.dump_weights else None)
     except BaseException as e:  # noqa: BLE001 - any failure stops the whole job, on every process
       traceback.print_exc()
+      watchdog.wait_for_cause()  # returns only if no other process is dead or failed first
       first_line = (str(e).splitlines() or [""])[0]
       reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
       watchdog.stop_job(reason)

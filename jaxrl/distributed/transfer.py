@@ -106,39 +106,38 @@ def copy_packet(packet: jax.Array | None, shape: tuple[int, int], src_device, ds
 
 
 def save_local_shards(tree, path: str | Path) -> None:
-  """Writes every shard this process holds, with its index, to an .npz (for bitwise checks across processes)."""
+  """Writes every shard this process holds, with the array's shape and the shard's index, to an .npz (for bitwise
+  checks across processes)."""
   out = {}
   for key_path, x in jax.tree_util.tree_leaves_with_path(tree):
-    name = jax.tree_util.keystr(key_path)
+    name, shape = jax.tree_util.keystr(key_path), ",".join(map(str, x.shape))
     for shard in x.addressable_shards:
-      index = ",".join(f"{s.start or 0}:{s.stop if s.stop is not None else n}"
+      index = ",".join(f"{s.start or 0}:{n if s.stop is None else s.stop}"
                        for s, n in zip(shard.index, x.shape, strict=True))
-      out[f"{name}|{index}"] = np.asarray(shard.data)
+      out[f"{name}|{shape}|{index}"] = np.asarray(shard.data)
   Path(path).parent.mkdir(parents=True, exist_ok=True)
   np.savez(path, **out)
 
 
 def load_shards(paths: Sequence[str | Path]) -> dict[str, np.ndarray]:
-  """Reassembles whole arrays (by parameter name) from the shards in save_local_shards files; every element must
-  be covered and replicated shards must agree."""
-  pieces: dict[str, list[tuple[tuple[slice, ...], np.ndarray]]] = {}
+  """Reassembles whole arrays (by parameter name) from save_local_shards files; every element must be covered and
+  shards that overlap (replicas) must agree bit for bit."""
+  out: dict[str, np.ndarray] = {}
+  covered: dict[str, np.ndarray] = {}
   for path in paths:
     with np.load(path) as f:
       for key in f.files:
-        name, index = key.rsplit("|", 1)
-        slices = tuple(slice(*map(int, part.split(":"))) for part in index.split(",")) if index else ()
-        pieces.setdefault(name, []).append((slices, f[key]))
-  out = {}
-  for name, parts in pieces.items():
-    shape = tuple(max(s.stop for s in col) for col in zip(*(p[0] for p in parts), strict=True)) if parts[0][0] else ()
-    full = np.zeros(shape, parts[0][1].dtype)
-    covered = np.zeros(shape, bool)
-    for slices, data in parts:
-      seen = covered[slices]
-      if full[slices][seen].tobytes() != data[seen].tobytes():
-        raise ValueError(f"{name}: replicated shards disagree at {slices}")
-      full[slices], covered[slices] = data, True
-    if not covered.all():
+        name, shape, index = key.rsplit("|", 2)
+        shape = tuple(int(n) for n in shape.split(",") if n)
+        where = tuple(slice(*map(int, part.split(":"))) for part in index.split(",") if part)
+        data = f[key]
+        if name not in out:
+          out[name], covered[name] = np.zeros(shape, data.dtype), np.zeros(shape, bool)
+        seen = covered[name][where]
+        if out[name][where][seen].tobytes() != data[seen].tobytes():
+          raise ValueError(f"{name}: replicated shards disagree at {where}")
+        out[name][where], covered[name][where] = data, True
+  for name, mask in covered.items():
+    if not mask.all():
       raise ValueError(f"{name}: shards do not cover the whole array")
-    out[name] = full
   return out

@@ -32,11 +32,11 @@ class Watchdog:
 
   def __init__(self, store, process_id: int, names: Callable[[int], str], num_processes: int, *,
                period_s: float = 0.5, timeout_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-               on_stop: Callable[[str], None] | None = None):
+               on_stop: Callable[[str], None] | None = None, exit: Callable[[int], None] = hard_exit):
     if not 0 < period_s < timeout_s:
       raise ValueError(f"need 0 < period_s < timeout_s (got {period_s}, {timeout_s})")
     self.store, self.process_id, self.names, self.num_processes = store, process_id, names, num_processes
-    self.period_s, self.timeout_s, self.clock = period_s, timeout_s, clock
+    self.period_s, self.timeout_s, self.clock, self.exit = period_s, timeout_s, clock, exit
     self.on_stop = on_stop or (lambda reason: self.leave(EXIT_STOPPED))
     self.dead: int | None = None  # the process found silent, if any
     self._seen: dict[int, tuple[int, float]] = {}  # process -> (last counter, when it last changed)
@@ -55,6 +55,13 @@ class Watchdog:
     self._thread.join()
     self.store.set(f"exit/{self.process_id}", True)
 
+  def wait_for_cause(self) -> None:
+    """After a local failure, gives the watchdog one timeout to find a dead process or a stop request (it then
+    ends this process, naming that cause): an error such as a broken collective is often a peer's death."""
+    self._thread.join(self.timeout_s + 2 * self.period_s)
+    if self.fired is not None:
+      self._thread.join()  # it is ending this process
+
   def stop_job(self, reason: str) -> None:
     """Asks every process to stop; the first reason stored wins."""
     if self.store.try_get("stop") is None:
@@ -71,7 +78,7 @@ class Watchdog:
         others = [p for p in others if self.store.try_get(f"gone/{p}") is None]
         time.sleep(self.period_s / 5)
     finally:
-      hard_exit(code)
+      self.exit(code)
 
   def check(self) -> str | None:
     """One round: heartbeat, then the reason to stop, if any."""

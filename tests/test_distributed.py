@@ -1,0 +1,269 @@
+"""jaxrl.distributed pieces on one process: packets, roles, weight layout, shard dumps, watchdog, launcher.
+
+The multi-process runs themselves are in test_distributed_multiprocess.py.
+"""
+
+import collections
+import dataclasses
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl import sharding
+from jaxrl.distributed import launch, packets
+from jaxrl.distributed.runtime import Topology
+from jaxrl.distributed.transfer import WeightRoute, load_shards, save_local_shards, source_devices
+from jaxrl.distributed.watchdog import Watchdog
+from jaxrl.models import Decoder, ModelConfig
+from jaxrl.models.hf import abstract_params
+from jaxrl.rollout import Rollout
+
+# ---- packets -------------------------------------------------------------------------------------------------------
+
+
+def _rollout(gid, index, prompt, completion, reward, **kw):
+  c = len(completion)
+  rng = np.random.default_rng(gid * 10 + index)
+  return Rollout(np.asarray(prompt, np.int32), np.asarray(completion, np.int32),
+                 rng.standard_normal(c).astype(np.float32), rng.integers(0, 9, c).astype(np.int32),
+                 kw.pop("finish_reason", "length"), gid, index, reward=reward, **kw)
+
+
+def test_packet_round_trip_is_bitwise():
+  groups = [
+      [_rollout(7, 0, [1, 2, 3], [4, 5], 0.1 + 0.2, meta={"correct": True}),  # a reward with no exact float32
+       _rollout(7, 1, [1, 2, 3], [], float("nan"), finish_reason="eos", meta={"correct": False})],
+      [_rollout(2**31 - 1, 0, [9] * 10, list(range(22)), -0.0, finish_reason="stop")],
+  ]
+  groups[0][0].logprobs[1] = np.float32(-1e-45)  # a denormal survives too
+  packet = packets.encode(groups, max_len=32)
+  assert packet.dtype == np.int32 and packet.shape == (3, packets.packet_width(32))
+  back = packets.decode(packet, max_len=32)
+  assert [[r.group_id for r in g] for g in back] == [[7, 7], [2**31 - 1]]
+  for want, got in zip([r for g in groups for r in g], [r for g in back for r in g], strict=True):
+    for field in ("prompt_tokens", "completion_tokens", "logprobs", "versions"):
+      a, b = getattr(want, field), getattr(got, field)
+      assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), field
+    assert np.float64(want.reward).tobytes() == np.float64(got.reward).tobytes()
+    assert (want.finish_reason, want.sample_index) == (got.finish_reason, got.sample_index)
+    assert got.meta == {k: v for k, v in want.meta.items() if k == "correct"}
+
+
+def test_packet_errors_name_the_problem():
+  with pytest.raises(ValueError, match="group 3 sample 0 has 9 tokens, more than max_len=8"):
+    packets.encode([[_rollout(3, 0, [1] * 5, [2] * 4, 1.0)]], max_len=8)
+  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 32\]\)"):
+    packets.decode(np.zeros((2, 5), np.int32), max_len=8)
+
+
+# ---- roles ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+  id: int
+  process_index: int
+
+
+def _devices(processes, per_process):
+  return [FakeDevice(p * 100 + i, p) for p in range(processes) for i in range(per_process)]
+
+
+def test_topology_learner_first_then_one_sampler_per_process():
+  devices = _devices(4, 2)
+  topo = Topology.split(4, devices, process_id=3)
+  assert topo.learner_processes == (0, 1) and topo.sampler_processes == (2, 3)
+  assert topo.learner_devices == tuple(devices[:4])
+  assert topo.sampler_devices == (tuple(devices[4:6]), tuple(devices[6:]))
+  assert (topo.role, topo.sampler_rank, topo.lead) == ("sampler", 1, 0)
+  assert [topo.name(p) for p in range(4)] == ["learner 0", "learner 1", "sampler 0", "sampler 1"]
+  assert Topology.split(2, devices, process_id=1).role == "learner"
+  with pytest.raises(ValueError, match="cuts through a process"):
+    Topology.split(3, devices, process_id=0)
+
+
+def test_source_devices_spread_over_learner_hosts():
+  learner = _devices(2, 2)
+  assert source_devices(learner, 2, replica=0) == learner[:2]
+  assert source_devices(learner, 2, replica=1) == learner[2:]
+  assert source_devices(learner, 1, replica=3) == [learner[3]]
+  with pytest.raises(ValueError, match="replica of 5 devices needs as many learner devices"):
+    source_devices(learner, 5, replica=0)
+
+
+# ---- weights -------------------------------------------------------------------------------------------------------
+
+
+def test_weight_route_stages_the_destination_layout_and_copies_exactly():
+  """Learner FSDP over devices 0-3, a sampler replica with tensor parallelism over 4-7: the source arrays have the
+  replica's exact layout on learner devices (what a cross-host copy requires), and the copy is the params."""
+  devices = jax.devices()
+  cfg = ModelConfig.tiny(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+  params = nnx.split(Decoder(cfg, nnx.Rngs(0)))[1]
+  learner = sharding.make_mesh({"fsdp": 4}, devices[:4])
+  params = jax.device_put(params, sharding.param_shardings(params, learner, sharding.LEARNER_RULES))
+  replica = sharding.make_mesh({"data": 2, "tensor": 2}, devices[4:8])
+  abstract = abstract_params(cfg)[1]
+  dst = sharding.param_shardings(abstract, replica, sharding.SAMPLER_RULES)
+  route = WeightRoute(abstract, dst, source_devices(devices[:4], 4, replica=1))
+  replicated = jax.jit(lambda p: p, out_shardings=NamedSharding(learner, P()))(params)
+  staged = route.stage(replicated)
+  want_dst = jax.tree.leaves(jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), dst, abstract))
+  assert any(s.spec != P(*[None] * len(s.spec)) for s in want_dst)  # some parameters really are split
+  for x, s in zip(staged, want_dst, strict=True):
+    assert x.sharding.spec == s.spec and x.sharding.mesh.axis_names == s.mesh.axis_names
+    assert x.sharding.mesh.devices.shape == s.mesh.devices.shape
+    assert set(x.sharding.device_set) <= set(devices[:4])
+  copied = route.copy(staged)
+  for want, got, s in zip(jax.tree.leaves(params), jax.tree.leaves(copied), want_dst, strict=True):
+    assert got.sharding == s
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+def test_shard_dumps_reassemble_whole_arrays(tmp_path):
+  mesh = sharding.make_mesh({"fsdp": 4}, jax.devices()[:4])
+  x = np.arange(32, dtype=np.float32).reshape(8, 4)
+  tree = {"w": jax.device_put(x, NamedSharding(mesh, P("fsdp"))), "r": jax.device_put(x[0], NamedSharding(mesh, P()))}
+  save_local_shards(tree, tmp_path / "a.npz")
+  out = load_shards([tmp_path / "a.npz"])
+  assert out["['w']"].tobytes() == x.tobytes() and out["['r']"].tobytes() == x[0].tobytes()
+
+  np.savez(tmp_path / "half.npz", **{"['w']|8,4|0:2,0:4": x[:2]})
+  with pytest.raises(ValueError, match=r"\['w'\]: shards do not cover the whole array"):
+    load_shards([tmp_path / "half.npz"])
+  np.savez(tmp_path / "other.npz", **{"['r']|4|0:4": x[0] + 1})
+  with pytest.raises(ValueError, match=r"\['r'\]: replicated shards disagree"):
+    load_shards([tmp_path / "a.npz", tmp_path / "other.npz"])
+
+
+# ---- watchdog ------------------------------------------------------------------------------------------------------
+
+
+class FakeStore:
+  def __init__(self):
+    self.values, self.counters, self.down = {}, collections.Counter(), False
+
+  def _up(self):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: connection refused")
+
+  def incr(self, key, n=1):
+    self._up()
+    self.counters[key] += n
+    return self.counters[key]
+
+  def count(self, key):
+    return self.incr(key, 0)
+
+  def set(self, key, value):
+    self._up()
+    self.values[key] = value
+
+  def try_get(self, key, default=None):
+    self._up()
+    return self.values.get(key, default)
+
+
+class Clock:
+  def __init__(self):
+    self.t = 0.0
+
+  def __call__(self):
+    return self.t
+
+
+NAMES = {0: "learner 0", 1: "learner 1", 2: "sampler 0"}.get
+
+
+def test_watchdog_names_the_silent_process_and_stops_everyone():
+  store, clock = FakeStore(), Clock()
+  dog = Watchdog(store, 0, NAMES, 3, timeout_s=10, clock=clock)
+  assert dog.check() is None
+  for t in (4.0, 8.0, 12.0):
+    clock.t = t
+    store.incr("hb/1")  # learner 1 keeps beating, sampler 0 went silent at t=0
+    reason = dog.check()
+  assert reason == "process 2 (sampler 0) sent no heartbeat for 12s: it died or hangs"
+  assert store.values["stop"] == reason and dog.dead == 2
+  assert store.counters["hb/0"] == 4
+
+
+def test_watchdog_ignores_a_clean_exit_and_follows_a_stop_request():
+  store, clock = FakeStore(), Clock()
+  dog = Watchdog(store, 1, NAMES, 3, timeout_s=10, clock=clock)
+  dog.check()
+  store.values["exit/0"] = store.values["exit/2"] = True
+  clock.t = 60.0
+  assert dog.check() is None
+  store.values["stop"] = "process 2 (sampler 0) failed: ValueError: bad reward"
+  assert dog.check() == "process 2 (sampler 0) failed: ValueError: bad reward"
+
+
+def test_watchdog_gives_up_on_a_lost_store():
+  store, clock = FakeStore(), Clock()
+  dog = Watchdog(store, 2, NAMES, 3, timeout_s=10, clock=clock)
+  dog.check()
+  store.down = True
+  clock.t = 5.0
+  assert dog.check() is None  # a blip is tolerated
+  clock.t = 11.0
+  assert dog.check().startswith("lost the coordination service for 11s (process 0 runs it): ")
+
+
+def test_process_zero_leaves_last_so_that_the_others_can_read_why():
+  class SlowLeavers(FakeStore):
+    def try_get(self, key, default=None):
+      self.reads += 1
+      if self.reads == 5:
+        self.values["gone/1"] = True
+      return super().try_get(key, default)
+
+  store, clock, exits = SlowLeavers(), Clock(), []
+  store.reads = 0
+  dog = Watchdog(store, 0, NAMES, 3, timeout_s=10, clock=clock, exit=exits.append)
+  dog.dead = 2  # never comes back: not waited for
+  dog.leave(3)
+  assert exits == [3] and store.values["gone/0"] and store.reads >= 5
+
+
+# ---- launcher ------------------------------------------------------------------------------------------------------
+
+
+def test_launcher_kills_the_rest_after_a_failure_and_reports_it(tmp_path, monkeypatch, capsys):
+  (tmp_path / "job.py").write_text(textwrap.dedent("""
+      import os, sys, time
+      me = int(os.environ["JAXRL_PROCESS_ID"])
+      env = os.environ
+      print(f"process {me} of {env['JAXRL_NUM_PROCESSES']} at {env['JAX_COORDINATOR_ADDRESS']}", flush=True)
+      if me == 1:
+        sys.exit(5)
+      time.sleep(600)  # a process that would hang forever
+  """))
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  assert launch.main(["--num_processes=3", "--module=job", "--grace_s=1", "--", "--unused"]) == 5
+  out = capsys.readouterr().out
+  assert "process 1 failed (exit status 5)" in out
+  assert "killing process 0, still running 1s after the failure" in out
+  assert "process 0: killed by SIGKILL, process 1: exit status 5, process 2: killed by SIGKILL" in out
+  assert "] process 2 of 3 at 127.0.0.1:" in out
+
+
+def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):
+  (tmp_path / "ok.py").write_text("print('hello')\n")
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  assert launch.main(["--num_processes=2", "--module=ok", "--"]) == 0
+  assert "all 2 processes finished" in capsys.readouterr().out
+  assert launch.main(["--num_processes=2"]) == 2
+  with pytest.raises(ValueError, match="at least 2 processes"):
+    launch.launch(1, [])
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q"]))
