@@ -5,8 +5,11 @@ The multi-process runs themselves are in test_distributed_multiprocess.py.
 
 import collections
 import dataclasses
+import re
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,14 +18,20 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.distributed import launch, packets
 from jaxrl.distributed.runtime import Topology
+from jaxrl.distributed.train import build
 from jaxrl.distributed.transfer import WeightRoute, load_shards, save_local_shards, source_devices
 from jaxrl.distributed.watchdog import Watchdog
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import Rollout
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "configs"))
+import tiny  # noqa: E402
 
 # ---- packets -------------------------------------------------------------------------------------------------------
 
@@ -263,6 +272,48 @@ def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):
   assert launch.main(["--num_processes=2"]) == 2
   with pytest.raises(ValueError, match="at least 2 processes"):
     launch.launch(1, [])
+
+
+# ---- config checks and launch scripts ----------------------------------------------------------------------------
+
+
+def _tiny(**overrides):
+  c = tiny.get_config()
+  c.log.tensorboard = c.log.progress = False
+  for key, value in overrides.items():
+    node = c
+    *path, last = key.split(".")
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return c
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"eval.num_examples": 4}, "held-out evaluation is single-host only; set --config.eval.num_examples=0"),
+    ({"mesh.num_devices": 6}, "a multi-process run uses every device of the job"),
+    ({"mesh.sampler_axes": {"data": -1, "tensor": 4}}, r"mesh.sampler_axes on a sampler replica of 2 device\(s\)"),
+])
+def test_bad_multiprocess_configs_fail_before_any_work(tmp_path, overrides, message):
+  topology = Topology.split(4, _devices(4, 2), process_id=0)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    build(_tiny(**overrides), tmp_path, topology, store=None)
+
+
+@pytest.mark.parametrize("script", ["local.sh", "tpu_vm.sh", "slurm_gpu.sbatch"])
+def test_launch_scripts_parse_and_name_real_configs_and_fields(script):
+  path = REPO / "launch" / script
+  subprocess.run(["bash", "-n", str(path)], check=True)
+  text = path.read_text()
+  assert "jaxrl.distributed." in text
+  configs = set(re.findall(r"configs/\w+\.py", text))
+  assert configs and all((REPO / c).is_file() for c in configs), configs
+  c = config_lib.base()
+  for field in re.findall(r"--config\.([\w.]+)=", text):
+    node = c
+    for part in field.split("."):
+      assert part in node, f"{script}: --config.{field} is not a config field"
+      node = node[part]
 
 
 if __name__ == "__main__":

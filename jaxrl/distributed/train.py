@@ -53,7 +53,12 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   """This process's controller: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
   workdir = Path(workdir)
   lead = topology.process_id == topology.lead
+  if lead:
+    print("jaxrl: multi-process runs do not checkpoint yet: checkpoint.* and log.trace are not used", file=sys.stderr)
   config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
+  if c.eval.num_examples:
+    raise config_lib.ConfigError(f"config: eval.num_examples={c.eval.num_examples}: held-out evaluation is single-host "
+                                 "only; set --config.eval.num_examples=0 for a multi-process run")
   if c.mesh.num_devices not in (-1, len(jax.devices())):
     raise config_lib.ConfigError(f"config: mesh.num_devices={c.mesh.num_devices}: a multi-process run uses every "
                                  f"device of the job ({len(jax.devices())}); set it to -1")
