@@ -177,11 +177,10 @@ class DistributedController(Controller):
       self.inbox = Inbox(self.stop, store if self.is_lead else None, poll_s)
     else:
       rank, num = topology.sampler_rank, len(topology.sampler_processes)
-      if spec.groups_per_step % num:
-        raise ValueError(f"rl.groups_per_step={spec.groups_per_step} does not split evenly over {num} samplers")
       if self._resubmit:
         raise ValueError("multi-process runs do not resume from a checkpoint")
-      # Each sampler admits its share of every step's groups, so the single-host admission bound holds overall.
+      # Each sampler admits its share of every step's groups (groups_per_step divides evenly; build checks it), so
+      # the single-host admission bound holds overall.
       self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step // num)
       self.record.next_group_id = rank  # data positions rank, rank + num, ...: disjoint, and no coordination
       self.outbox = Outbox(store, log, rank, spec.queue_groups, max_len, topology.sampler_devices[rank][0],

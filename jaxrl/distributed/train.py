@@ -71,9 +71,16 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
     except ValueError as e:
       raise config_lib.ConfigError(f"config: mesh.sampler_axes on a sampler replica of {len(devices)} device(s) "
                                    f"(one process): {e}") from None
-  routes = [WeightRoute(abstract, sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES),
-                        source_devices(topology.learner_devices, mesh.size, rank))
-            for rank, mesh in enumerate(replicas)]
+  num_samplers = len(replicas)
+  if c.rl.groups_per_step % num_samplers:
+    raise config_lib.ConfigError(f"config: rl.groups_per_step={c.rl.groups_per_step} does not split evenly over the "
+                                 f"{num_samplers} sampler replicas (each admits its share of every step)")
+  try:
+    routes = [WeightRoute(abstract, sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES),
+                          source_devices(topology.learner_devices, mesh.size, rank))
+              for rank, mesh in enumerate(replicas)]
+  except ValueError as e:
+    raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
   spec = RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
                  seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
