@@ -30,10 +30,10 @@ HEARTBEAT_S = 5
 
 
 def _launch(num_processes: int, args: list[str], log: Path) -> subprocess.Popen:
-  cmd = [sys.executable, "-m", "jaxrl.distributed.launch", f"--num_processes={num_processes}", "--grace_s=60",
-         "--timeout_s=600", "--", *args, "--config.log.tensorboard=False", "--config.log.progress=False",
-         f"--heartbeat_timeout_s={HEARTBEAT_S}", "--dump_weights"]
-  # The in-process single-host reference runs with conftest's matmul precision; so do the processes.
+  cmd = [sys.executable, "-m", "jaxrl.distributed.launch", f"--num_processes={num_processes}",
+         "--devices_per_process=1", "--grace_s=60", "--timeout_s=600", "--", *args, "--config.log.tensorboard=False",
+         "--config.log.progress=False", f"--heartbeat_timeout_s={HEARTBEAT_S}", "--dump_weights"]
+  # The matmul precision the test suite uses (conftest), here and in the single-host reference.
   env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 

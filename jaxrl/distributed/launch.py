@@ -43,7 +43,7 @@ def _pump(proc: subprocess.Popen, name: str, start: float) -> None:
     sys.stdout.flush()
 
 
-def launch(num_processes: int, args: list[str], *, devices_per_process: int = 1,
+def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
            module: str = "jaxrl.distributed.train", grace_s: float = 30.0, timeout_s: float = 0.0) -> int:
   """Runs the job; returns 0 if every process succeeded, else the first failure's status."""
   if num_processes < 2:
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
   split = argv.index("--")
   parser = argparse.ArgumentParser(prog="jaxrl.distributed.launch")
   parser.add_argument("--num_processes", type=int, required=True)
-  parser.add_argument("--devices_per_process", type=int, default=1, help="CPU devices of each process")
+  parser.add_argument("--devices_per_process", type=int, default=2,
+                      help="CPU devices of each process (2: configs/tiny.py's split fits 4 processes as is)")
   parser.add_argument("--module", default="jaxrl.distributed.train", help="what every process runs (python -m)")
   parser.add_argument("--grace_s", type=float, default=30.0, help="after a failure, time for the others to stop")
   parser.add_argument("--timeout_s", type=float, default=0.0, help="kill the job after this long (0: never)")

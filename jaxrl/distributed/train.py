@@ -53,8 +53,6 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   """This process's controller: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
   workdir = Path(workdir)
   lead = topology.process_id == topology.lead
-  if lead:
-    print("jaxrl: multi-process runs do not checkpoint yet: checkpoint.* and log.trace are not used", file=sys.stderr)
   config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
   if c.eval.num_examples:
     raise config_lib.ConfigError(f"config: eval.num_examples={c.eval.num_examples}: held-out evaluation is single-host "
@@ -95,13 +93,16 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
     engine = Engine(model_cfg, replicas[topology.sampler_rank], max_slots=c.sampler.max_slots,
                     max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call)
     detok = tokenizer.decode if tokenizer is not None else None
-    make_sampler = lambda first: Sampler(engine, first.params, first.version, seed=c.seed,  # noqa: E731
-                                         on_update=c.sampler.on_update, detokenize=detok)
+
+    def make_sampler(first):
+      return Sampler(engine, first.params, first.version, seed=c.seed, on_update=c.sampler.on_update,
+                     detokenize=detok)
+
     return DistributedController(spec, sampler=None, train_step=None, state=None, publisher=None, prompts=prompts,
                                  score=score, make_sampler=make_sampler, **common)
 
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
-  psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)  # noqa: E731
+  psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)
   model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
@@ -123,8 +124,10 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   train_step.lower(state, jax.device_put(make_batch([], spec.batch_size, c.rl.seq_len), batch_sh), key).compile()
   publisher.compile(state.params)
   store.barrier("learners_compiled", topology.learner_processes)
-  metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
-                          total_steps=c.num_steps) if lead else None
+  metrics = None
+  if lead:
+    print("jaxrl: multi-process runs do not checkpoint yet: checkpoint.* and log.trace are not used", file=sys.stderr)
+    metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps)
   return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
                                score=None, metrics=metrics, **common)
 
