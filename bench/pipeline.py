@@ -89,7 +89,7 @@ class Replay(LengthDist):
     self.max_len = int(self.lengths.max())
     self._rng, self._next = None, 0
 
-  def sample(self, rng, n, step=0):
+  def _draw(self, rng, n, step):
     if n % self.group_size:
       raise ValueError(f"Replay draws whole groups: {n} is not a multiple of group_size={self.group_size}")
     if rng is not self._rng:
@@ -179,7 +179,8 @@ def timed(bench: Bench, mode: str, measured_steps: int) -> dict[str, Any]:
       sampler_idle=1 - ctl.busy["sampler"] / wall, learner_idle=1 - ctl.busy["learner"] / wall,
       sampler_busy_s_per_step=ctl.busy["sampler"] / len(ends), learner_busy_s_per_step=ctl.busy["learner"] / len(ends),
       staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
-      dropped=dict(ctl.ledger.dropped), groups_admitted=ctl.ledger.groups_admitted,
+      dropped=dict(ctl.ledger.dropped), length_bias=ctl.ledger.length_bias(),
+      groups_admitted=ctl.ledger.groups_admitted,
       decode_calls=ctl.sampler.stats.decode_calls, kv_rebuilds=ctl.sampler.stats.rebuilds,
       step_end_s=[round(float(e), 3) for e in ends])
 

@@ -16,6 +16,7 @@ import ml_collections
 
 MODES = ("pipeline", "sync")
 DTYPES = ("float32", "bfloat16")
+ON_STALE = ("drop", "keep")  # what batch assembly does with a group over the staleness bound
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,9 @@ def base() -> ml_collections.ConfigDict:
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
   c.rl.max_staleness = 1  # k: no sample is trained with staleness above k (pipeline mode)
+  # A group found over k at batch assembly (it finished late): "drop" it (a hard bound, biased against long
+  # answers: the summary's length_bias measures it) or "keep" it (trained, counted; IS weights correct it)
+  c.rl.on_stale = "drop"  # "drop" | "keep"
   c.rl.queue_groups = 8  # rollout queue capacity, in groups (back-pressure beyond)
   # Skipped prompts + dropped groups + skipped updates in a row (no applied update between) before the run stops
   c.rl.max_failures_in_a_row = 100  # with an error: broken data or rewards fail loudly instead of looping forever
@@ -91,6 +95,22 @@ def base() -> ml_collections.ConfigDict:
   return c
 
 
+def override(c: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
+  """Sets dotted fields in place, as `--config.a.b=v` does on the command line; `__` also stands for a dot, for
+  keyword arguments: `override(c, rl__max_staleness=2, **{"sampler.max_slots": 8})`. Returns c.
+
+  A field the config does not have is a ConfigError naming it (ConfigDict's types are still checked on set)."""
+  for key, value in fields.items():
+    node, path = c, key.replace("__", ".").split(".")
+    for i, part in enumerate(path):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        raise ConfigError(f"config: no field {'.'.join(path[:i + 1])!r} (setting {'.'.join(path)})")
+      if i < len(path) - 1:
+        node = node[part]
+    node[path[-1]] = value
+  return c
+
+
 def _is_int(v) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
@@ -111,7 +131,7 @@ _REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperatu
           ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
 _BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace")
 _CHOICES = (("mode", MODES), ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
-            ("sampler.on_update", ("recompute", "finish")))
+            ("sampler.on_update", ("recompute", "finish")), ("rl.on_stale", ON_STALE))
 
 
 def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None, num_devices: int | None = None):

@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
@@ -35,7 +34,7 @@ from jaxrl.controller.loops import Controller, RunRecord, RunSpec
 from jaxrl.controller.queue import WeightPublisher
 from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import Decoder, ModelConfig, hf
+from jaxrl.models import ModelConfig, hf, init_params
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Sampler
 
@@ -100,7 +99,7 @@ def _model_source(c):
 def _load_params(c, cfg, path, learner_param_shardings_fn):
   """(model_config, graphdef, params on the learner mesh)."""
   if path is None:
-    graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(c.seed)))
+    graphdef, params = init_params(cfg, c.seed)
     return cfg, graphdef, jax.device_put(params, learner_param_shardings_fn(params))
   abstract = hf.abstract_params(cfg)[1]
   return hf.load_params(path, cfg, shardings=learner_param_shardings_fn(abstract))
@@ -122,8 +121,8 @@ def build(c, workdir: str | Path) -> Run:
   psh = lambda params: sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES)
   model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
 
-  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
-  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=sampling)
+  spec = run_spec(c)
+  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
   state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner)
   batch_size = c.rl.group_size * c.rl.groups_per_step
@@ -149,10 +148,6 @@ def build(c, workdir: str | Path) -> Run:
   detok = tokenizer.decode if tokenizer is not None else None
   sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
   publisher = WeightPublisher(engine.param_shardings)
-  spec = RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
-                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
-                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
-                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
   metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   controller = Controller(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
@@ -160,6 +155,15 @@ def build(c, workdir: str | Path) -> Run:
                           trace=trace)
   return Run(c, workdir, meshes, model_cfg, graphdef, tokenizer, engine, controller, checkpointer, metrics, task,
              resumed_from, trace)
+
+
+def run_spec(c) -> RunSpec:
+  """The loop sizes of a config (sync mode is the pipeline's bookkeeping with max_staleness 0)."""
+  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
+                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
+                 on_stale=c.rl.on_stale, queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens,
+                 sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
 
 
 def train(c, workdir: str | Path) -> dict[str, Any]:
@@ -186,7 +190,8 @@ def train(c, workdir: str | Path) -> dict[str, Any]:
     if not (finished and c.eval.num_examples):  # a failed run closes its reward workers too
       ctl.score.close()
   summary.update(train_seconds=time.perf_counter() - t0, steps=ctl.version, version=ctl.version,
-                 ledger=ctl.ledger.to_json(), samples_in_flight=ctl.samples_in_flight(),
+                 ledger=ctl.ledger.to_json(), length_bias=ctl.ledger.length_bias(),
+                 samples_in_flight=ctl.samples_in_flight(),
                  staleness_max=max(ctl.trained_staleness, default=0),
                  staleness_mean=float(np.mean(ctl.trained_staleness)) if ctl.trained_staleness else 0.0,
                  busy=dict(ctl.busy))

@@ -51,12 +51,7 @@ def test_every_base_field_is_commented():
 ])
 def test_bad_values_raise_config_error(override, message, tmp_path):
   c = _load("tiny").get_config()
-  (key, value), = override.items()
-  node = c
-  *path, last = key.split(".")
-  for p in path:
-    node = node[p]
-  node[last] = value
+  config_lib.override(c, **override)
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.validate(c, tmp_path, num_devices=8)
 
@@ -80,3 +75,15 @@ def test_cli_rejects_bad_flags_with_one_clear_line(flag, message, tmp_path):
   assert message in out.stderr
   assert "Traceback" not in out.stderr
   assert not (tmp_path / "w" / "checkpoints").exists()  # nothing started
+
+
+def test_override_sets_dotted_fields_and_names_a_missing_one():
+  c = _load("tiny").get_config()
+  assert config_lib.override(c, rl__max_staleness=3, **{"sampler.max_slots": 5}) is c
+  assert (c.rl.max_staleness, c.sampler.max_slots) == (3, 5)
+  with pytest.raises(config_lib.ConfigError, match="no field 'rl.max_stalenes'"):
+    config_lib.override(c, rl__max_stalenes=2)
+  with pytest.raises(config_lib.ConfigError, match="no field 'num_steps.x'"):
+    config_lib.override(c, **{"num_steps.x": 2})
+  with pytest.raises(TypeError):  # ConfigDict still checks the type
+    config_lib.override(c, num_steps="many")

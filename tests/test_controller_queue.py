@@ -102,3 +102,39 @@ def test_ledger_round_trip():
   assert back.samples_dropped == 2 and back.dropped["stale"] == 2 and back.samples_trained == 6
   back.drop([_rollout(1)], "reward_failed")
   assert back.dropped_groups == 2
+
+
+def _long(gid, idx, n_tokens, version=0):
+  return _rollout(gid, idx, [version] * n_tokens)
+
+
+def test_on_stale_drop_or_keep_decides_only_groups_over_the_bound():
+  old, new = [_rollout(0, 0, [1, 3])], [_rollout(1, 0, [3])]
+  drop, keep = StalenessPolicy(1, 2), StalenessPolicy(1, 2, on_stale="keep")
+  assert drop.verdict(new, 3) == keep.verdict(new, 3) == "fresh"
+  assert drop.verdict(old, 2) == keep.verdict(old, 2) == "fresh"  # staleness 1 == k
+  assert drop.verdict(old, 3) == "drop" and keep.verdict(old, 3) == "keep"  # staleness 2 > k
+  with pytest.raises(ValueError, match="on_stale must be one of"):
+    StalenessPolicy(1, 2, on_stale="skip")
+
+
+def test_ledger_measures_the_length_bias_of_dropped_groups():
+  led = Ledger()
+  led.trained([_long(0, 0, 4), _long(0, 1, 6), _long(1, 0, 2), _long(1, 1, 4)])  # mean 4
+  led.drop([_long(2, 0, 12), _long(2, 1, 8)], "stale")  # mean 10
+  led.drop([_long(3, 0, 1)], "reward_failed")
+  bias = led.length_bias()
+  assert bias == {"trained_mean_len": 4.0, "dropped_stale_mean_len": 10.0, "dropped_reward_failed_mean_len": 1.0,
+                  "stale_over_trained": 2.5}
+  led.keep_stale([_long(4, 0, 9), _long(4, 1, 7)])
+  back = Ledger.from_json(led.to_json())
+  assert back.length_bias()["kept_stale_mean_len"] == 8.0 and back.dropped_tokens["stale"] == 20
+  assert back.tokens_trained == 16 and back.kept_stale == 2
+
+
+def test_ledger_from_an_older_checkpoint_without_token_counts():
+  old = {k: v for k, v in Ledger(samples_trained=4).to_json().items()
+         if k not in ("tokens_trained", "dropped_tokens", "kept_stale", "kept_stale_tokens")}
+  led = Ledger.from_json(old)
+  led.drop([_long(0, 0, 3)], "stale")
+  assert led.dropped_tokens["stale"] == 3 and led.samples_trained == 4

@@ -280,13 +280,7 @@ def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):
 def _tiny(**overrides):
   c = tiny.get_config()
   c.log.tensorboard = c.log.progress = False
-  for key, value in overrides.items():
-    node = c
-    *path, last = key.split(".")
-    for part in path:
-      node = node[part]
-    node[last] = value
-  return c
+  return config_lib.override(c, **overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl.config import override
 from jaxrl.metrics import read_jsonl
 from jaxrl.train import train
 
@@ -24,13 +25,7 @@ def _config(mode, **overrides):
   c = tiny.get_config(mode)
   c.log.tensorboard = False
   c.log.progress = False
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return override(c, **overrides)
 
 
 @pytest.fixture(scope="module", params=["sync", "pipeline"])

@@ -54,6 +54,7 @@ class RunSpec:
   groups_per_step: int
   seq_len: int
   max_staleness: int = 1
+  on_stale: str = "drop"  # a group over the staleness bound at batch assembly: "drop" it or "keep" (train) it
   queue_groups: int = 8
   max_new_tokens: int | None = None
   sampling: Any = None  # jaxrl.rollout.SamplingParams
@@ -69,6 +70,8 @@ class RunSpec:
 class Controller:
   """Shared pieces of both loops; `run_sync` and `run_pipeline` are the two loops."""
 
+  group_stride = 1  # data positions this controller admits: next_group_id, + stride, ... (samplers share the data)
+
   def __init__(self, spec: RunSpec, *, sampler, train_step: Callable, state, publisher: WeightPublisher,
                prompts: Callable[[int], tuple[np.ndarray, dict]], score: Callable[[list[Rollout]], None],
                record: RunRecord | None = None, checkpointer=None, metrics=None,
@@ -78,7 +81,7 @@ class Controller:
     self.prompts, self.score = prompts, score
     self.record = record or RunRecord()
     self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
-    self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step)
+    self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step, spec.on_stale)
     self.assembler = GroupAssembler()
     self._resubmit = list(self.record.pending_group_ids)  # in flight at the checkpoint: generate again
     self._live: set[int] = set()
@@ -130,7 +133,7 @@ class Controller:
         gid = self._resubmit.pop(0)
       else:
         gid = self.record.next_group_id
-        self.record.next_group_id += 1
+        self.record.next_group_id += self.group_stride
       try:
         prompt, meta = self.prompts(gid)
         room = self.sampler.engine.max_len
@@ -161,10 +164,11 @@ class Controller:
     return groups
 
   def _accept(self, group: list[Rollout]) -> bool:
-    """Batch-assembly filter: drops (and counts) stale groups and groups whose reward failed."""
+    """Batch-assembly filter: drops (and counts) stale groups (unless kept) and groups whose reward failed."""
     step = self.version
     reason = None
-    if not self.policy.is_fresh(group, step):
+    verdict = self.policy.verdict(group, step)
+    if verdict == "drop":
       reason = "stale"
     elif any(not np.isfinite(r.reward) for r in group):
       reason = "reward_failed"
@@ -172,6 +176,8 @@ class Controller:
     elif any(r.num_tokens > self.spec.seq_len for r in group):
       reason = "too_long"
     if reason is None:
+      if verdict == "keep":
+        self._log("keep_stale", version=step, group=group[0].group_id, staleness=self.policy.staleness(group, step))
       return True
     with self._lock:
       self.ledger.drop(group, reason)
@@ -197,7 +203,10 @@ class Controller:
         if not applied:
           self.ledger.drop(g, "update_skipped")
       if applied:
-        self.ledger.samples_trained += len(samples)
+        self.ledger.trained(samples)
+        for g in groups:
+          if self.policy.staleness(g, step) > self.spec.max_staleness:
+            self.ledger.keep_stale(g)  # on_stale="keep": over the bound and trained
         self._failures.clear()
       else:
         self.ledger.skipped_updates += 1
@@ -234,7 +243,8 @@ class Controller:
     metrics.update(step_time_s=step_time, version=version, samples_generated=self.ledger.samples_generated,
                    samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped,
                    updates_skipped_total=self.ledger.skipped_updates,
-                   zero_advantage_groups=self.ledger.zero_advantage_groups)
+                   zero_advantage_groups=self.ledger.zero_advantage_groups, samples_kept_stale=self.ledger.kept_stale,
+                   **{f"length/{k}": v for k, v in self.ledger.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)
     if self.on_step is not None:

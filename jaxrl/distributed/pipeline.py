@@ -181,8 +181,9 @@ class DistributedController(Controller):
         raise ValueError("multi-process runs do not resume from a checkpoint")
       # Each sampler admits its share of every step's groups (groups_per_step divides evenly; build checks it), so
       # the single-host admission bound holds overall.
-      self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step // num)
+      self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step // num, spec.on_stale)
       self.record.next_group_id = rank  # data positions rank, rank + num, ...: disjoint, and no coordination
+      self.group_stride = num
       self.outbox = Outbox(store, log, rank, spec.queue_groups, max_len, topology.sampler_devices[rank][0],
                            self.stop, poll_s)
       self.received = ReceivedWeights()
@@ -191,11 +192,6 @@ class DistributedController(Controller):
                                   daemon=True)
 
   # ---- the Controller's pieces, extended -------------------------------------------------------------------------
-
-  def _admit_one(self) -> bool:
-    admitted = super()._admit_one()
-    self.record.next_group_id += len(self.topology.sampler_processes) - 1
-    return admitted
 
   def _guarded(self, name: str, loop: Callable, *args) -> None:
     super()._guarded(name, loop, *args)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.controller.data import make_prompt_source, make_scorer
-from jaxrl.controller.loops import RunSpec
+from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
 from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
@@ -41,9 +41,9 @@ from jaxrl.learner import (
 )
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import hf
-from jaxrl.rollout import SamplingParams, make_batch
+from jaxrl.rollout import make_batch
 from jaxrl.sampler import Engine, Sampler
-from jaxrl.train import _load_params, _model_source
+from jaxrl.train import _load_params, _model_source, run_spec
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -79,11 +79,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
               for rank, mesh in enumerate(replicas)]
   except ValueError as e:
     raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
-  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
-  spec = RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
-                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
-                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
-                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
+  spec = run_spec(c)
   log = TransferLog(store)
   common = dict(topology=topology, store=store, log=log, routes=routes, max_len=c.sampler.max_len, dump_dir=dump_dir)
 
@@ -104,7 +100,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
   psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)
   model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
-  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=sampling)
+  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
   state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh)
   rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
@@ -142,7 +138,7 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
   staleness = learner["trained_staleness"]
   return {"mode": c.mode, "num_processes": len(parts), "learner_processes": list(topology.learner_processes),
           "sampler_processes": list(topology.sampler_processes), "steps": learner["version"],
-          "version": learner["version"], "ledger": ledger,
+          "version": learner["version"], "ledger": ledger, "length_bias": Ledger.from_json(ledger).length_bias(),
           "samples_in_flight": learner["samples_in_flight"] + sum(s["samples_in_flight"] for s in samplers),
           "staleness_max": max(staleness, default=0),
           "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,

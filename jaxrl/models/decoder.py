@@ -221,3 +221,13 @@ def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):
 def forward_cached(graphdef, params, tokens_BxT, positions_BxT, cache: KVCache):
   """Pure cached step: writes the tokens' keys/values at their positions and returns (logits, cache)."""
   return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache=cache)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+  """(graphdef, params) of a freshly initialised Decoder, built in one compiled program.
+
+  The same values as `nnx.split(Decoder(cfg, nnx.Rngs(seed)))`, without running every initializer eagerly (one
+  dispatch and compilation per op: tens of seconds for a tiny model on a slow CPU host)."""
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed))))
+  params = jax.jit(lambda: nnx.split(Decoder(cfg, nnx.Rngs(seed)))[1])()
+  return graphdef, params

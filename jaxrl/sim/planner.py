@@ -178,7 +178,7 @@ class _WholeCalls(LengthDist):
     self.base, self.k = base, steps_per_call
     self.max_len = -(-base.max_len // steps_per_call) * steps_per_call
 
-  def sample(self, rng, n, step=0):
+  def _draw(self, rng, n, step):
     return -(-self.base.sample(rng, n, step) // self.k) * self.k
 
 

@@ -35,20 +35,11 @@ def _tiny_module():
   return module
 
 
-def set_field(c, key: str, value) -> None:
-  node = c
-  *path, last = key.split(".")
-  for p in path:
-    node = node[p]
-  node[last] = value
-
-
 def tiny_config(mode: str = "pipeline", **overrides):
   """configs/tiny.py with BASE and `overrides` (dotted keys, `__` standing for `.`) applied."""
-  c = _tiny_module().get_config(mode)
-  for k, v in {**BASE, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
-    set_field(c, k, v)
-  return c
+  from jaxrl.config import override
+
+  return override(_tiny_module().get_config(mode), **{**BASE, **overrides})  # overrides applied last
 
 
 def cli(workdir: Path, mode: str = "pipeline", **overrides) -> list[str]:
