@@ -179,7 +179,7 @@ def timed(bench: Bench, mode: str, measured_steps: int) -> dict[str, Any]:
       sampler_idle=1 - ctl.busy["sampler"] / wall, learner_idle=1 - ctl.busy["learner"] / wall,
       sampler_busy_s_per_step=ctl.busy["sampler"] / len(ends), learner_busy_s_per_step=ctl.busy["learner"] / len(ends),
       staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
-      dropped=dict(ctl.ledger.dropped), length_bias=ctl.ledger.length_bias(),
+      dropped=dict(ctl.ledger.dropped), length_bias=ctl.ledger.length_bias(), kept_stale=ctl.ledger.kept_stale,
       groups_admitted=ctl.ledger.groups_admitted,
       decode_calls=ctl.sampler.stats.decode_calls, kv_rebuilds=ctl.sampler.stats.rebuilds,
       step_end_s=[round(float(e), 3) for e in ends])
@@ -289,7 +289,8 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
                   learner_devices=bench.run.meshes.learner.size, max_slots=c.sampler.max_slots,
                   max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call, group_size=c.rl.group_size,
                   groups_per_step=gb, seq_len=c.rl.seq_len, max_staleness=k, queue_groups=c.rl.queue_groups,
-                  on_update=c.sampler.on_update, prompt_len=bench.prompt_len, measured_steps=steps,
+                  on_update=c.sampler.on_update, on_stale=c.rl.on_stale, prompt_len=bench.prompt_len,
+                  measured_steps=steps,
                   repeats=c.bench.repeats, seed=c.seed),
       lengths=dict(median=c.bench.median, p99_ratio=c.bench.p99_ratio,
                    first_groups=bench.lengths[: (steps + 2 * k + 4) * gb].tolist(),
@@ -342,6 +343,13 @@ def table(report: dict) -> str:
       f"ideal pipeline step: {a['ideal_step_separate_s']:.3f} s on separate hardware, {a['ideal_step_shared_s']:.3f} s "
       f"sharing these cores (sync measured {v['sync']['measured_step_s']:.3f} s)",
   ]
+  for i, r in enumerate(report["rounds"]):  # what the staleness filter did to the pipeline's length distribution
+    p, bias = r["pipeline"], r["pipeline"]["length_bias"]
+    seen = [f"trained {bias['trained_mean_len']:.1f}"]
+    seen += [f"{k.removesuffix('_mean_len').replace('_', ' ')} {v:.1f}" for k, v in bias.items()
+             if k.endswith("_mean_len") and k != "trained_mean_len"]
+    lines.append(f"round {i} pipeline (on_stale={report['config']['on_stale']}): mean completion length "
+                 f"{', '.join(seen)}; samples kept over the bound {p['kept_stale']}")
   return "\n".join(lines)
 
 

@@ -3,11 +3,16 @@
 Orbax writes each step into a temporary folder and renames it when complete, so a process killed mid-save leaves
 the previous checkpoint intact. Restoring takes abstract arrays with shardings, so a checkpoint written on one
 mesh or split resumes on another.
+
+In a multi-process job only the learner processes hold the state: `processes` names them, and Orbax's barriers and
+writes then involve those processes only (each writes its own shards; `primary` writes the metadata and the
+record). The directory must be one that every one of them sees (a shared filesystem or a bucket).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +36,21 @@ class Checkpointer:
   """Saves (TrainState, record) every `every_steps` learner steps; keeps the newest `max_to_keep`."""
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, every_steps: int = 1,
-               async_save: bool = True):
+               async_save: bool = True, processes: Sequence[int] | None = None, primary: int = 0):
     if every_steps < 1:
       raise ValueError(f"checkpoint every_steps must be >= 1, got {every_steps}")
     self.directory = Path(directory).absolute()
     self.every_steps = every_steps
+    multiprocessing, create = ocp.options.MultiprocessingOptions(), True
+    if processes is not None:
+      self.directory.mkdir(parents=True, exist_ok=True)  # Orbax does not create it for a subset of processes
+      create = False
+      if primary not in processes:
+        raise ValueError(f"the primary checkpoint process {primary} is not one of the saving processes {processes}")
+      multiprocessing = ocp.options.MultiprocessingOptions(primary_host=primary, active_processes=set(processes),
+                                                           barrier_sync_key_prefix="jaxrl-learners")
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                           create=True)
+                                           create=create, multiprocessing_options=multiprocessing)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:

@@ -29,10 +29,15 @@ class MetricsWriter:
   """Writes scalars per step to workdir/metrics.jsonl and TensorBoard; prints a one-line summary."""
 
   def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
-               total_steps: int | None = None):
+               total_steps: int | None = None, resume_step: int | None = None):
+    """resume_step: the run restarts from this step (0: from scratch), so records after it in an existing
+    metrics.jsonl (logged before a crash, about to be logged again) are removed; None appends to the file as is."""
     self.workdir = Path(workdir)
     self.workdir.mkdir(parents=True, exist_ok=True)
-    self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+    path = self.workdir / "metrics.jsonl"
+    if resume_step is not None and path.exists():
+      _truncate_after(path, resume_step)
+    self._jsonl = open(path, "a", buffering=1)
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
@@ -70,6 +75,21 @@ class MetricsWriter:
     self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+  """Keeps the records of steps <= step (and drops a last line a kill cut short); atomic."""
+  keep = []
+  for line in path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if record.get("step", 0) <= step:
+      keep.append(line + "\n")
+  tmp = path.with_suffix(".jsonl.tmp")
+  tmp.write_text("".join(keep))
+  os.replace(tmp, path)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -15,8 +15,10 @@ import os
 # and none once jax is initialised; an explicit setting wins).
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
+import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import threading
 import time
@@ -148,7 +150,8 @@ def build(c, workdir: str | Path) -> Run:
   detok = tokenizer.decode if tokenizer is not None else None
   sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
   publisher = WeightPublisher(engine.param_shardings)
-  metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps)
+  metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
+                          resume_step=resumed_from or 0)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   controller = Controller(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                           prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
@@ -166,8 +169,37 @@ def run_spec(c) -> RunSpec:
                  sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
 
 
-def train(c, workdir: str | Path) -> dict[str, Any]:
-  """Runs a config to c.num_steps (resuming from workdir's checkpoint) and returns a summary."""
+@contextlib.contextmanager
+def _stop_on_signals(ctl: Controller, signals: tuple[int, ...]):
+  """While the loop runs, the first of `signals` (a preemption's SIGTERM) asks it to stop after the current step;
+  the run then saves its checkpoint as after any stop. A second signal gets the handler that was there before."""
+  if not signals or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = {s: signal.getsignal(s) for s in signals}
+
+  def handler(signum, frame):
+    name = signal.Signals(signum).name
+    print(f"jaxrl: {name}: stopping after the current step and saving a checkpoint", file=sys.stderr)
+    for s, h in previous.items():
+      signal.signal(s, h)
+    ctl.request_stop(name)
+
+  for s in signals:
+    signal.signal(s, handler)
+  try:
+    yield
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTERM,)) -> dict[str, Any]:
+  """Runs a config to c.num_steps (resuming from workdir's checkpoint) and returns a summary.
+
+  A signal in `stop_signals` (default SIGTERM, what a preempted TPU VM or a Slurm time limit sends; handled when
+  called from the main thread) stops the run early after saving a checkpoint: the summary then has `stopped_by`
+  and fewer steps; the same call resumes it."""
   run = build(c, workdir)
   ctl = run.controller
   summary: dict[str, Any] = {"mode": c.mode, "resumed_from": run.resumed_from}
@@ -176,11 +208,12 @@ def train(c, workdir: str | Path) -> dict[str, Any]:
   t0 = time.perf_counter()
   finished = False
   try:
-    if c.mode == "sync":
-      ctl.run_sync()
-    else:
-      ctl.run_pipeline()
-    finished = True
+    with _stop_on_signals(ctl, stop_signals):
+      if c.mode == "sync":
+        ctl.run_sync()
+      else:
+        ctl.run_pipeline()
+    finished = ctl.stop_reason is None
   finally:
     ctl.finish()
     run.checkpointer.close()
@@ -195,7 +228,9 @@ def train(c, workdir: str | Path) -> dict[str, Any]:
                  staleness_max=max(ctl.trained_staleness, default=0),
                  staleness_mean=float(np.mean(ctl.trained_staleness)) if ctl.trained_staleness else 0.0,
                  busy=dict(ctl.busy))
-  if c.eval.num_examples:
+  if ctl.stop_reason is not None:
+    summary["stopped_by"] = ctl.stop_reason
+  elif c.eval.num_examples:
     summary["eval_after"] = evaluate(run, ctl.state.params, ctl.version)
     ctl.score.close()
   (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -231,6 +266,10 @@ def main(argv=None):
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
   print(json.dumps(summary, indent=2, default=str))
+  if "stopped_by" in summary:
+    print(f"jaxrl-train: stopped by {summary['stopped_by']} at step {summary['steps']} of "
+          f"{flags_def.config.num_steps}; checkpoint saved; the same command resumes the run", file=sys.stderr)
+    sys.exit(128 + getattr(signal, summary["stopped_by"], signal.SIGTERM))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 1. Two learner processes + two sampler processes, pipeline mode: reward rises, every version's params arrive at
    both samplers bit for bit, the staleness bound holds; then learner 1 is SIGKILLed and every other process stops
-   on its own within seconds, each naming learner 1.
+   on its own within seconds, each naming learner 1; the same command (with one sampler process) resumes from the
+   learners' last checkpoint, bit for bit, and trains on.
 2. Sync mode, two learner processes + one sampler process, against the single-host run of the same config and
    seed (one process, 3 devices): the same params, bit for bit; and every sample is accounted for.
 """
@@ -87,6 +88,32 @@ def test_two_learners_two_samplers_learn_and_die_together(tmp_path):
   for p, name in ((0, "learner 0"), (2, "sampler 0"), (3, "sampler 1")):
     assert re.search(rf"\[p{p} +[\d.]+s\] jaxrl: process {p} \({name}\) stopping: process 1 \(learner 1\) sent no "
                      rf"heartbeat for \d+s: it died or hangs", out), out[-3000:]
+
+  # The same command resumes from the last checkpoint the learners saved together, here on another split (one
+  # sampler process instead of two): the params it starts from are the saved ones, bit for bit.
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved and saved[-1] >= steps - 4, saved  # tiny.py saves every 4 steps
+  resumed_at, target = saved[-1], saved[-1] + 3
+  (workdir / "weights").rename(tmp_path / "weights-first")
+  code = _launch(3, ["--config=configs/tiny.py", f"--workdir={workdir}", f"--config.num_steps={target}",
+                     "--config.mesh.sampler_devices=1"], log).wait(timeout=420)
+  out = log.read_text()
+  assert code == 0, out[-5000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["resumed_from"] == resumed_at and summary["steps"] == target
+  assert summary["sampler_processes"] == [2] and summary["staleness_max"] <= 1
+  first, again = (load_shards([d / f"v{resumed_at}_process{p}.npz" for p in (0, 1)])
+                  for d in (tmp_path / "weights-first", workdir / "weights"))
+  assert first.keys() == again.keys()
+  for name in first:
+    assert first[name].tobytes() == again[name].tobytes(), name
+  _assert_weights_arrived_bitwise(workdir / "weights", range(resumed_at, target + 1), learners=(0, 1), samplers=(2,))
+  led = summary["ledger"]
+  assert led["samples_trained"] == target * 16  # the steps before the checkpoint and after, none twice
+  assert led["samples_generated"] == led["samples_trained"] + sum(led["dropped"].values()) + \
+      summary["samples_in_flight"]
+  steps_logged = [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")]
+  assert steps_logged == list(range(1, target + 1))  # the steps after the checkpoint, logged once
 
 
 def _normalized(tree) -> dict[str, np.ndarray]:

@@ -107,3 +107,4 @@ def test_sigkill_and_resume_equals_uninterrupted_sync_run(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   rec = json.loads((killed / "summary.json").read_text())
   assert rec["resumed_from"] == latest
+  assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == list(range(1, steps + 1))  # each step once

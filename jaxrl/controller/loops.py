@@ -92,6 +92,7 @@ class Controller:
     self.ledger.groups_admitted -= len(self._resubmit)
     self._failures: collections.Counter[str] = collections.Counter()  # since the last applied update
     self.stop = threading.Event()
+    self.stop_reason: str | None = None  # set by request_stop (e.g. "SIGTERM"): the loops end early, cleanly
     self.errors: list[tuple[str, BaseException, str]] = []
     self.trained_staleness: list[int] = []  # per trained sample, for tests and histograms
     self.busy = {"sampler": 0.0, "learner": 0.0}
@@ -279,11 +280,18 @@ class Controller:
   def _done(self) -> bool:
     return self.version >= self.spec.num_steps
 
+  def request_stop(self, reason: str) -> None:
+    """Ends the run after the current step (a signal handler may call it): both loops return without an error and
+    the caller's finish() checkpoints the last trained state; a resume regenerates what was in flight."""
+    if self.stop_reason is None:
+      self.stop_reason = reason
+    self.stop.set()
+
   # ---- sync ----------------------------------------------------------------------------------------------------
 
   def run_sync(self) -> None:
     self._log_start("sync")
-    while not self._done():
+    while not self._done() and not self.stop.is_set():
       t0 = time.perf_counter()
       newer = self.publisher.take_newer(self.sampler.version)
       if newer is not None:
@@ -293,6 +301,8 @@ class Controller:
       while admitted < self.spec.groups_per_step:
         admitted += self._admit_one()
       while len(groups) < self.spec.groups_per_step:
+        if self.stop.is_set():
+          return  # request_stop: this batch is not trained; its groups stay pending and are generated again
         if not (self.sampler.num_active or self.sampler.num_waiting):
           admitted = self._admit_one()  # a group was dropped: generate a replacement
           continue

@@ -177,8 +177,6 @@ class DistributedController(Controller):
       self.inbox = Inbox(self.stop, store if self.is_lead else None, poll_s)
     else:
       rank, num = topology.sampler_rank, len(topology.sampler_processes)
-      if self._resubmit:
-        raise ValueError("multi-process runs do not resume from a checkpoint")
       # Each sampler admits its share of every step's groups (groups_per_step divides evenly; build checks it), so
       # the single-host admission bound holds overall.
       self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step // num, spec.on_stale)
@@ -197,6 +195,21 @@ class DistributedController(Controller):
     super()._guarded(name, loop, *args)
     if self.errors:
       self._abort.set()
+
+  def _admit_one(self) -> bool:
+    admitted = super()._admit_one()
+    # Published before any sample of the group exists, so a checkpoint's data position is past every group that
+    # can have been trained (see save_checkpoint).
+    self.store.set(f"next_group/{self.topology.sampler_rank}", self.record.next_group_id)
+    return admitted
+
+  def save_checkpoint(self, force: bool = False) -> None:
+    """Every learner process saves its shards together; the record's data position is past every group any sampler
+    has admitted (groups in flight are not generated again after a resume: the samplers start there)."""
+    if self.is_lead:
+      positions = [self.store.try_get(f"next_group/{r}", 0) for r in range(len(self.topology.sampler_processes))]
+      self.record.next_group_id = max(self.record.next_group_id, *positions)
+    super().save_checkpoint(force)
 
   def _sampler_of(self, group: list[Rollout]) -> int:
     return group[0].group_id % len(self.topology.sampler_processes)
@@ -277,8 +290,13 @@ class DistributedController(Controller):
 
   def _run_learner(self) -> None:
     self._log_start("distributed")
+    if self.is_lead:  # where the samplers start: past every group admitted before the checkpoint resumed from
+      self.store.set("resume", {"next_group_id": self.record.next_group_id, "version": self.version})
     self.publisher.publish(self.state.params, self.version)
     self._guarded("learner", self._learner_loop, self.inbox)
+    if not self.errors:
+      self.finish()  # on every learner process (a save over all of them), the final state
+      self.checkpointer.close()
     if self.is_lead and not self.errors:
       self.log.append({"kind": "done"})
     self.ferry.join()  # every copy up to "done" is issued: the samplers' last pulls can complete
@@ -290,6 +308,12 @@ class DistributedController(Controller):
     except Stopped:
       return  # the transfer thread failed; run() raises its error
     self.sampler = self.make_sampler(first)
+    resume = self.store.get("resume", timeout_s=60.0)  # set before the first weights were published
+    num = len(self.topology.sampler_processes)
+    self.record.next_group_id = -(-resume["next_group_id"] // num) * num + self.topology.sampler_rank
+    # As if this sampler had admitted exactly its share of the groups trained so far: the admission bound then
+    # counts from the resumed version.
+    self.ledger.groups_admitted = resume["version"] * self.policy.groups_per_step
     self._guarded("sampler", self._sampler_loop, self.outbox, self.poll_s)
     self.ferry.join()
 
@@ -302,7 +326,8 @@ class DistributedController(Controller):
     out = {"process": self.topology.process_id, "role": self.topology.name(self.topology.process_id),
            "ledger": self.ledger.to_json(), "samples_in_flight": self.samples_in_flight(), "busy": dict(self.busy)}
     if self.is_learner:
-      out.update(version=self.version, trained_staleness=self.trained_staleness)
+      out.update(version=self.version, trained_staleness=self.trained_staleness,
+                 resumed_from=getattr(self, "resumed_from", None))
     else:
       newest = self.received.take_newer(-1)
       out.update(sampler_version=newest.version if newest is not None else None,  # the newest params received

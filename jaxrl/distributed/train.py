@@ -6,7 +6,10 @@
 The learner mesh spans the first processes (mesh.sampler_devices, counted from the end, must cover whole
 processes); every later process is one sampler replica on its own devices, with mesh.sampler_axes and
 sampler.max_slots per replica. The lead learner (the first learner process) writes workdir/metrics.jsonl and
-workdir/summary.json. Checkpointing and resume are single-host only for now.
+workdir/summary.json. The learner processes checkpoint the train state together (each its own shards) into
+workdir/checkpoints, which all of them must see; the same command on a workdir with a checkpoint resumes from it
+(on the same or another split). Groups in flight at the checkpoint are not generated again: the samplers resume
+past every group admitted before it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
+from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
+from jaxrl.controller.loops import RunRecord
 from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
 from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher
@@ -107,6 +112,19 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
                                state_shardings=state_sh, batch_sharding=rows)
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
+  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
+                              every_steps=c.checkpoint.every_steps, processes=topology.learner_processes,
+                              primary=topology.lead)
+  record, resumed = RunRecord(), checkpointer.latest_step()
+  if resumed is not None:
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+    state, saved = checkpointer.restore(abstract_state)
+    record = RunRecord.from_json(saved)
+    # Groups in flight at the checkpoint are not generated again (the samplers start past every admitted group);
+    # what was generated and neither trained nor dropped is forgotten, as a single-host resume does.
+    record.pending_group_ids = []
+    record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
   batch_sh = batch_shardings(rows)
 
   def step(state, batch, key):
@@ -122,10 +140,14 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   store.barrier("learners_compiled", topology.learner_processes)
   metrics = None
   if lead:
-    print("jaxrl: multi-process runs do not checkpoint yet: checkpoint.* and log.trace are not used", file=sys.stderr)
-    metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps)
-  return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
-                               score=None, metrics=metrics, **common)
+    if c.log.trace:
+      print("jaxrl: log.trace is single-host only; a multi-process run writes no trace.jsonl", file=sys.stderr)
+    metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
+                            resume_step=resumed or 0)
+  ctl = DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
+                              score=None, metrics=metrics, checkpointer=checkpointer, record=record, **common)
+  ctl.resumed_from = resumed
+  return ctl
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
@@ -134,9 +156,11 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
   samplers = [parts[p] for p in topology.sampler_processes]
   ledger = dict(learner["ledger"])
   for key in ("groups_admitted", "samples_generated", "skipped_prompts"):
-    ledger[key] = sum(s["ledger"][key] for s in samplers)
+    # The learner's own count is the base a resume starts from (samples_generated = trained + dropped then).
+    ledger[key] = learner["ledger"][key] + sum(s["ledger"][key] for s in samplers)
   staleness = learner["trained_staleness"]
-  return {"mode": c.mode, "num_processes": len(parts), "learner_processes": list(topology.learner_processes),
+  return {"mode": c.mode, "resumed_from": learner.get("resumed_from"), "num_processes": len(parts),
+          "learner_processes": list(topology.learner_processes),
           "sampler_processes": list(topology.sampler_processes), "steps": learner["version"],
           "version": learner["version"], "ledger": ledger, "length_bias": Ledger.from_json(ledger).length_bias(),
           "samples_in_flight": learner["samples_in_flight"] + sum(s["samples_in_flight"] for s in samplers),
