@@ -52,17 +52,6 @@ def group_lengths(n: int, median: float, p99_ratio: float, max_len: int, seed: i
   return np.clip(np.rint(raw), 1, max_len).astype(np.int64)
 
 
-class UnversionedInsert(Engine):
-  """jaxrl.sampler.Engine whose jitted insert does not see the prefix's policy version.
-
-  Engine.insert passes the Prefix, whose `version` is static pytree metadata, into jit: every new policy version
-  retraces and recompiles insert (~1 s here), in both modes. Until the engine strips it, the bench does.
-  """
-
-  def insert(self, prefix, decode_state, slot, settings):
-    return super().insert(prefix.replace(version=0), decode_state, slot, settings)
-
-
 class ForcedLengths(Sampler):
   """A Sampler whose group g generates exactly lengths[g] tokens (EOS and stop ids ignored)."""
 
@@ -128,8 +117,7 @@ def setup(c, workdir) -> Bench:
   from jaxrl.train import build
 
   run = build(c, workdir)
-  engine = UnversionedInsert(run.model_config, run.meshes.sampler, max_slots=c.sampler.max_slots,
-                             max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call)
+  engine = run.engine  # the run's own engine: same executables as jaxrl-train's sampler
   b = c.bench
   prompt_len = len(run.controller.prompts(0)[0])
   lengths = group_lengths(b.max_groups, b.median, b.p99_ratio, c.sampler.max_len - prompt_len, c.seed)

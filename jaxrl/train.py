@@ -127,22 +127,15 @@ def build(c, workdir: str | Path) -> Run:
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
   state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner)
-  batch_size = c.rl.group_size * c.rl.groups_per_step
-  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=batch_size, seq_len=c.rl.seq_len,
+  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
                                state_shardings=state_sh,
                                batch_sharding=sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES))
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
 
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
                               every_steps=c.checkpoint.every_steps)
-  record, resumed_from = RunRecord(), checkpointer.latest_step()
-  if resumed_from is not None:
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
-    state, saved = checkpointer.restore(abstract)
-    record = RunRecord.from_json(saved)
-    # Samples finished but not trained at the checkpoint are forgotten; their groups are generated again.
-    led = record.ledger
-    led.samples_generated = led.samples_trained + led.samples_dropped
+  resumed_from = checkpointer.latest_step()
+  state, record = restore(checkpointer, state, state_sh)
 
   engine = Engine(model_cfg, meshes.sampler, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
                   steps_per_call=c.sampler.steps_per_call)
@@ -158,6 +151,20 @@ def build(c, workdir: str | Path) -> Run:
                           trace=trace)
   return Run(c, workdir, meshes, model_cfg, graphdef, tokenizer, engine, controller, checkpointer, metrics, task,
              resumed_from, trace)
+
+
+def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, RunRecord]:
+  """(state, run record) from the newest checkpoint, placed on `state_shardings`; (state, a new record) if none.
+
+  Samples finished but not trained at the checkpoint are forgotten: the ledger counts as generated only what was
+  trained or dropped, and the pending groups are generated again (single-host) or skipped (multi-process)."""
+  if checkpointer.latest_step() is None:
+    return state, RunRecord()
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
+  state, saved = checkpointer.restore(abstract)
+  record = RunRecord.from_json(saved)
+  record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
+  return state, record
 
 
 def run_spec(c) -> RunSpec:

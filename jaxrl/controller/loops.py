@@ -206,7 +206,7 @@ class Controller:
       if applied:
         self.ledger.trained(samples)
         for g in groups:
-          if self.policy.staleness(g, step) > self.spec.max_staleness:
+          if not self.policy.is_fresh(g, step):
             self.ledger.keep_stale(g)  # on_stale="keep": over the bound and trained
         self._failures.clear()
       else:

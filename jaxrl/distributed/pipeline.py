@@ -163,8 +163,9 @@ class DistributedController(Controller):
 
   def __init__(self, spec, *, topology, store, log: TransferLog, routes: list[WeightRoute], max_len: int,
                make_sampler: Callable[[Versioned], Any] | None = None, dump_dir: Path | None = None,
-               poll_s: float = 0.05, **kwargs):
+               poll_s: float = 0.05, resumed_from: int | None = None, **kwargs):
     super().__init__(spec, **kwargs)
+    self.resumed_from = resumed_from  # the checkpoint step the learners restored (None: a fresh run)
     self.topology, self.store, self.log, self.routes = topology, store, log, routes
     self.max_len, self.make_sampler, self.dump_dir, self.poll_s = max_len, make_sampler, dump_dir, poll_s
     self.is_learner = topology.role == "learner"
@@ -297,8 +298,8 @@ class DistributedController(Controller):
     if not self.errors:
       self.finish()  # on every learner process (a save over all of them), the final state
       self.checkpointer.close()
-    if self.is_lead and not self.errors:
-      self.log.append({"kind": "done"})
+      if self.is_lead:
+        self.log.append({"kind": "done"})
     self.ferry.join()  # every copy up to "done" is issued: the samplers' last pulls can complete
     self._leftover = self.inbox.drain()
 
@@ -326,8 +327,7 @@ class DistributedController(Controller):
     out = {"process": self.topology.process_id, "role": self.topology.name(self.topology.process_id),
            "ledger": self.ledger.to_json(), "samples_in_flight": self.samples_in_flight(), "busy": dict(self.busy)}
     if self.is_learner:
-      out.update(version=self.version, trained_staleness=self.trained_staleness,
-                 resumed_from=getattr(self, "resumed_from", None))
+      out.update(version=self.version, trained_staleness=self.trained_staleness, resumed_from=self.resumed_from)
     else:
       newest = self.received.take_newer(-1)
       out.update(sampler_version=newest.version if newest is not None else None,  # the newest params received

@@ -30,7 +30,6 @@ from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
-from jaxrl.controller.loops import RunRecord
 from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
 from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher
@@ -48,7 +47,7 @@ from jaxrl.metrics import MetricsWriter
 from jaxrl.models import hf
 from jaxrl.rollout import make_batch
 from jaxrl.sampler import Engine, Sampler
-from jaxrl.train import _load_params, _model_source, run_spec
+from jaxrl.train import _load_params, _model_source, restore, run_spec
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -116,15 +115,9 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
                               every_steps=c.checkpoint.every_steps, processes=topology.learner_processes,
                               primary=topology.lead)
-  record, resumed = RunRecord(), checkpointer.latest_step()
-  if resumed is not None:
-    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
-    state, saved = checkpointer.restore(abstract_state)
-    record = RunRecord.from_json(saved)
-    # Groups in flight at the checkpoint are not generated again (the samplers start past every admitted group);
-    # what was generated and neither trained nor dropped is forgotten, as a single-host resume does.
-    record.pending_group_ids = []
-    record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
+  resumed = checkpointer.latest_step()
+  state, record = restore(checkpointer, state, state_sh)
+  record.pending_group_ids = []  # not generated again: the samplers start past every group admitted before
   batch_sh = batch_shardings(rows)
 
   def step(state, batch, key):
@@ -144,10 +137,9 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
       print("jaxrl: log.trace is single-host only; a multi-process run writes no trace.jsonl", file=sys.stderr)
     metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
                             resume_step=resumed or 0)
-  ctl = DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
-                              score=None, metrics=metrics, checkpointer=checkpointer, record=record, **common)
-  ctl.resumed_from = resumed
-  return ctl
+  return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
+                               score=None, metrics=metrics, checkpointer=checkpointer, record=record,
+                               resumed_from=resumed, **common)
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
