@@ -81,11 +81,12 @@ def decode_times(engine, params: Versioned, batches, prompt_len: int, calls: int
 
 
 def admission_step_s(engine, params: Versioned, prompt_len: int, group_size: int, reps: int) -> tuple[float, int]:
-  """(median seconds of a Sampler.step() that admits a full pool of groups, samples admitted per step).
+  """(median seconds to submit a full pool of groups and run the Sampler.step() that admits them, samples
+  admitted per step).
 
   Each sample is allowed steps_per_call tokens, so the step's one decode call finishes them all and the next
   repetition finds every slot free. Minus a plain decode call this is the admission cost of the controller's path:
-  prefills, inserts and the host work around them.
+  submits, prefills, inserts and the host work around them.
   """
   n = min(group_size, engine.max_slots)
   groups = engine.max_slots // n
@@ -93,9 +94,9 @@ def admission_step_s(engine, params: Versioned, prompt_len: int, group_size: int
   prompt = np.arange(prompt_len) % engine.cfg.vocab_size
   times = []
   for r in range(reps + 1):
+    t0 = time.perf_counter()
     for g in range(groups):
       sampler.submit(prompt, r * groups + g, n, max_tokens=engine.steps_per_call, ignore_eos=True)
-    t0 = time.perf_counter()
     finished = sampler.step()
     times.append(time.perf_counter() - t0)
     if len(finished) != groups * n:
@@ -116,24 +117,40 @@ def full_rollouts(batch_size: int, seq_len: int, group_size: int, vocab_size: in
                   reward=float(i % 2)) for i in range(batch_size)]
 
 
-def train_times(train_step: Callable, state, rollouts: list[Rollout], seq_len: int, reps: int):
-  """(seconds of each of `reps` train steps, the state after them); the step donates its state.
+def train_times(train_step: Callable, state, rollouts: list[Rollout], seq_len: int, reps: int,
+                publish_to=None) -> tuple[list[float], list[float], object]:
+  """(seconds of each of `reps` learner steps, seconds of each publish, the state after them); the step donates
+  its state.
 
-  Each step assembles its batch from the rollouts and fetches the metrics, as the controller does.
+  Each step runs the controller's learner path: it reads the step counter, folds the step's key, assembles its
+  batch from the rollouts, trains, and fetches the new version and the metrics. With `publish_to` (an Engine) each
+  step's new params are then published as the controller publishes them: moved onto the sampler's shardings and
+  placed there, timed apart (the weight transfer). A transfer right after a train step costs about twice one
+  repeated back to back on the same params (measured on CPU: ~11 vs ~5 ms), so it is timed where the run pays it.
   """
-  times = []
-  key = jax.random.key(0)
+  times, publish = [], []
+  base = jax.random.key(0)
   for _ in range(reps):
     t0 = time.perf_counter()
+    key = jax.random.fold_in(base, int(jax.device_get(state.step)))
     state, metrics = train_step(state, make_batch(rollouts, len(rollouts), seq_len), key)
+    version = int(jax.device_get(state.version))
     jax.device_get(metrics)
     times.append(time.perf_counter() - t0)
-  return times, state
+    if publish_to is not None:
+      t0 = time.perf_counter()
+      moved = transfer(state.params, version, publish_to.param_shardings)
+      _ready(publish_to.place(moved.params, version).params)
+      publish.append(time.perf_counter() - t0)
+  return times, publish, state
 
 
 def transfer_s(params, engine, reps: int) -> tuple[float, float]:
   """(median seconds of a weight update's transfer, bytes moved): the publisher's move onto the sampler
-  shardings, then the sampler's own placement of what it takes (a no-op move that still walks every leaf)."""
+  shardings, then the sampler's own placement of what it takes (a no-op move that still walks every leaf).
+
+  Back to back on the same params, so a lower bound: `profile` times the transfer after each train step instead
+  (train_times with publish_to), where a run pays it."""
   times = []
   for v in range(1, reps + 1):
     t0 = time.perf_counter()
@@ -211,9 +228,10 @@ def profile(engine, train_step, state, *, batch_size: int, seq_len: int, group_s
   admit_step, admitted = admission_step_s(engine, params, prompt_len, group_size, reps=3)
   admission = max(admit_step - full_call_s, 0.0) / admitted
   rollouts = full_rollouts(batch_size, seq_len, group_size, engine.cfg.vocab_size, prompt_len)
-  times, state = train_times(train_step, state, rollouts, seq_len, train_reps + 1)
+  times, publish, state = train_times(train_step, state, rollouts, seq_len, train_reps + 1, publish_to=engine)
   train_s = statistics.median(times[1:])
-  move_s, weight_bytes = transfer_s(state.params, engine, reps=5)
+  move_s = statistics.median(publish[1:])
+  weight_bytes = float(sum(x.nbytes for x in jax.tree.leaves(params.params)))
   update = rebuild_s(engine, params, prompt_len, reps=3)
   sampler_devices = engine.mesh.size
   details = dict(train_step_s=train_s, transfer_s=move_s, update_s=update, admission_s_per_sample=admission,
@@ -233,7 +251,7 @@ def profile(engine, train_step, state, *, batch_size: int, seq_len: int, group_s
       return seconds
 
     def train_call():
-      t, box["train"] = train_times(train_step, box["train"], rollouts, seq_len, 1)
+      t, _, box["train"] = train_times(train_step, box["train"], rollouts, seq_len, 1)
       return t[0]
 
     decode_x, train_x, more = contention(decode_call, train_call, train_reps)
