@@ -36,7 +36,8 @@ class Checkpointer:
   """Saves (TrainState, record) every `every_steps` learner steps; keeps the newest `max_to_keep`."""
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, every_steps: int = 1,
-               async_save: bool = True, processes: Sequence[int] | None = None, primary: int = 0):
+               async_save: bool = True, processes: Sequence[int] | None = None, primary: int = 0,
+               read_only: bool = False):
     if every_steps < 1:
       raise ValueError(f"checkpoint every_steps must be >= 1, got {every_steps}")
     self.directory = Path(directory).absolute()
@@ -50,7 +51,8 @@ class Checkpointer:
       multiprocessing = ocp.options.MultiprocessingOptions(primary_host=primary, active_processes=set(processes),
                                                            barrier_sync_key_prefix="jaxrl-learners")
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                           create=create, multiprocessing_options=multiprocessing)
+                                           create=create and not read_only, read_only=read_only,
+                                           multiprocessing_options=multiprocessing)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:

@@ -1,12 +1,19 @@
 r"""Offline generation with the sampler engine: prompts in, completions (with behavior logprobs) out as JSON lines.
 
-  python -m jaxrl.generate --model_dir=~/.cache/jaxrl/smollm2-135m-instruct --prompt="What is 7 * 8?" \
+  jaxrl-generate --config=configs/default.py --workdir=runs/smollm2     # held-out eval of the trained policy
+  jaxrl-generate --config=configs/default.py --prompt="What is 7 * 8?"  # the config's base model and sampling
+  jaxrl-generate --model_dir=~/.cache/jaxrl/smollm2-135m-instruct --prompt="What is 7 * 8?" \
       --n=4 --max_tokens=128 --temperature=0.7
-  python -m jaxrl.generate --tiny --prompt_ids=1,2,3 --greedy --max_tokens=16   # random tiny model, no tokenizer
+  jaxrl-generate --tiny --prompt_ids=1,2,3 --greedy --max_tokens=16   # random tiny model, no tokenizer
 
-Prompts come from --prompt (text; the chat template applies unless --nochat), --prompt_ids (comma-separated token
-ids) or --prompts_file (JSON lines with a "prompt" or "prompt_ids" field). A progress line with tokens/s goes
-to stderr; one JSON object per sample goes to --output (default stdout).
+The model is a run config's (--config: its model, sampler sizes and sampling settings; with --workdir the newest
+checkpoint of that run, i.e. the trained policy), a Hugging Face folder (--model_dir) or a random tiny model
+(--tiny). Flags given explicitly override the config. Prompts come from --prompt (text; the chat template applies
+unless --nochat), --prompt_ids (comma-separated token ids) or --prompts_file (JSON lines with a "prompt" or
+"prompt_ids" field); with --config and no prompts, the config's task is evaluated: its first --num_examples
+held-out examples answered greedily and scored by the task's reward, exactly as jaxrl-train's eval does (a summary
+with the accuracy goes to stderr and to --summary_out). A progress line with tokens/s goes to stderr; one JSON
+object per sample goes to --output (default stdout).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 import jax
 from absl import app, flags
 from flax import nnx
+from ml_collections import config_flags
 
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.models.hf import load_config, load_params
@@ -27,6 +35,13 @@ from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Engine, Request, Sampler
 from jaxrl.sharding import make_mesh
 
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "run config (configs/<name>.py[:arg]): model, sampler sizes, sampling; without prompts its task's "
+    "held-out examples are evaluated", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "with --config: the newest checkpoint of this run (a trained policy)")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "with --config and no prompts: held-out examples to "
+                                     "evaluate (default: the config's eval.num_examples, or 64 if that is 0)")
+_SUMMARY_OUT = flags.DEFINE_string("summary_out", None, "with --config, no prompts: write the eval summary JSON here")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Hugging Face model directory (config, safetensors, tokenizer).")
 _TINY = flags.DEFINE_bool("tiny", False, "Use a random ModelConfig.tiny() model instead of --model_dir.")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "Prompt text (repeatable).")
@@ -119,28 +134,118 @@ def generate(sampler: Sampler, requests: Sequence[Request], out, progress=sys.st
   return rollouts
 
 
+def _given(flag) -> bool:
+  return flags.FLAGS[flag.name].present
+
+
+def _setting(flag, config_value):
+  """An explicitly given flag wins over the config's value."""
+  return flag.value if _given(flag) else config_value
+
+
+def _fail(message: str):
+  print(f"jaxrl-generate: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _open_output():
+  return open(_OUTPUT.value, "w") if _OUTPUT.value else sys.stdout
+
+
+def _from_config(c):
+  """(policy, engine settings, sampling, max_tokens, seed) of --config (and --workdir), flags overriding."""
+  from jaxrl import config as config_lib
+  from jaxrl.models import hf
+  from jaxrl.policy import load_policy
+
+  if _MODEL_DIR.value is not None or _TINY.value:
+    raise app.UsageError("give one of --config, --model_dir and --tiny")
+  if _given(_DTYPE):
+    raise app.UsageError("--dtype is for --model_dir and --tiny; with --config set --config.model.dtype")
+  try:
+    config_lib.validate(c)
+    policy = load_policy(c, _WORKDIR.value)
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+    _fail(str(e))
+  s = c.sampler
+  sampling = SamplingParams(temperature=_setting(_TEMPERATURE, s.temperature), top_k=_setting(_TOP_K, s.top_k),
+                            top_p=_setting(_TOP_P, s.top_p), greedy=_GREEDY.value)
+  sizes = dict(max_slots=_setting(_MAX_SLOTS, s.max_slots), max_len=_setting(_MAX_LEN, s.max_len),
+               steps_per_call=_setting(_STEPS_PER_CALL, s.steps_per_call))
+  return policy, sizes, sampling, _setting(_MAX_TOKENS, s.max_new_tokens), _setting(_SEED, c.seed)
+
+
+def _evaluate(c, policy, engine) -> None:
+  """The config's task on its held-out examples, greedy and scored, as jaxrl-train evaluates."""
+  from jaxrl.controller.data import evaluate_policy, make_prompt_source, make_scorer
+
+  task, _ = make_prompt_source(c, policy.tokenizer, policy.model_cfg)
+  num = _NUM_EXAMPLES.value if _NUM_EXAMPLES.value is not None else (c.eval.num_examples or 64)
+  if num < 1:
+    raise app.UsageError(f"--num_examples must be >= 1 (got {num})")
+  score = make_scorer(c, task, policy.tokenizer)
+  start = time.perf_counter()
+  try:
+    summary, rollouts = evaluate_policy(engine, task, score, policy.params, policy.version, num_examples=num,
+                                        max_new_tokens=_setting(_MAX_TOKENS, c.eval.max_new_tokens), seed=c.seed)
+  finally:
+    score.close()
+  out = _open_output()
+  try:
+    for r in rollouts:
+      out.write(json.dumps(dict(_record(r, policy.tokenizer), reward=r.reward), default=str) + "\n")
+  finally:
+    if out is not sys.stdout:
+      out.close()
+  summary.update(checkpoint_step=policy.checkpoint_step, workdir=_WORKDIR.value, task=c.task.name,
+                 seconds=round(time.perf_counter() - start, 2))
+  if _SUMMARY_OUT.value:
+    Path(_SUMMARY_OUT.value).write_text(json.dumps(summary, indent=2) + "\n")
+  accuracy = (f"{summary['num_correct']}/{summary['num_examples']} correct ({summary['accuracy']:.1%}), "
+              if "accuracy" in summary else "")
+  print(f"held-out {c.task.name} at version {policy.version}: {accuracy}mean reward {summary['reward_mean']:.4f} "
+        f"over {summary['num_examples']} examples", file=sys.stderr)
+  print(json.dumps(summary), file=sys.stderr)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  path = _model_dir()
-  tokenizer = _tokenizer(path)
-  prompts = _prompts(tokenizer)
-  cfg, params = _load_model(path)
-  sampling = SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-                            greedy=_GREEDY.value)
+  c = _CONFIG.value
+  if c is None:
+    if _WORKDIR.value is not None or _NUM_EXAMPLES.value is not None or _SUMMARY_OUT.value is not None:
+      raise app.UsageError("--workdir, --num_examples and --summary_out need --config")
+    path = _model_dir()
+    tokenizer = _tokenizer(path)
+    prompts = _prompts(tokenizer)
+    cfg, params = _load_model(path)
+    version = 0
+    sampling = SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+                              greedy=_GREEDY.value)
+    sizes = dict(max_slots=_MAX_SLOTS.value, max_len=_MAX_LEN.value, steps_per_call=_STEPS_PER_CALL.value)
+    max_tokens, seed = _MAX_TOKENS.value, _SEED.value
+  else:
+    policy, sizes, sampling, max_tokens, seed = _from_config(c)
+    cfg, params, version, tokenizer = policy.model_cfg, policy.params, policy.version, policy.tokenizer
+    prompts = _prompts(tokenizer) if (_PROMPT.value or _PROMPT_IDS.value or _PROMPTS_FILE.value) else None
+  devices = jax.devices()
+  if len(devices) % _TENSOR.value:
+    raise app.UsageError(f"--tensor={_TENSOR.value} does not divide the {len(devices)} devices")
+  mesh = make_mesh({"data": len(devices) // _TENSOR.value, "tensor": _TENSOR.value}, devices)
+  engine = Engine(cfg, mesh, **sizes)
+  if c is not None and prompts is None:
+    _evaluate(c, policy, engine)
+    return
   eos = set(cfg.eos_token_ids)
   if tokenizer is not None and tokenizer.eos_token_id is not None:
     eos.add(tokenizer.eos_token_id)
-  devices = jax.devices()
-  mesh = make_mesh({"data": len(devices) // _TENSOR.value, "tensor": _TENSOR.value}, devices)
-  engine = Engine(cfg, mesh, max_slots=_MAX_SLOTS.value, max_len=_MAX_LEN.value, steps_per_call=_STEPS_PER_CALL.value)
   detokenize = tokenizer.decode if tokenizer is not None else None
-  sampler = Sampler(engine, params, seed=_SEED.value, eos_token_ids=sorted(eos), detokenize=detokenize)
-  requests = [Request(ids, group_id=i, n=_N.value, sampling=sampling, max_tokens=_MAX_TOKENS.value,
+  sampler = Sampler(engine, params, version, seed=seed, eos_token_ids=sorted(eos), detokenize=detokenize)
+  requests = [Request(ids, group_id=i, n=_N.value, sampling=sampling, max_tokens=max_tokens,
                       stop_strings=tuple(_STOP.value), meta={} if text is None else {"prompt": text})
               for i, (text, ids) in enumerate(prompts)]
   start = time.perf_counter()
-  out = open(_OUTPUT.value, "w") if _OUTPUT.value else sys.stdout
+  out = _open_output()
   try:
     rollouts = generate(sampler, requests, out, tokenizer=tokenizer)
   finally:

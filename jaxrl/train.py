@@ -36,7 +36,8 @@ from jaxrl.controller.loops import Controller, RunRecord, RunSpec
 from jaxrl.controller.queue import WeightPublisher
 from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import ModelConfig, hf, init_params
+from jaxrl.models import ModelConfig, hf
+from jaxrl.policy import base_params, model_source
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Sampler
 
@@ -81,36 +82,10 @@ class TraceWriter:
     self._f.close()
 
 
-def _model_source(c):
-  """(model_config, tokenizer, HF folder or None): cheap, read before any params are loaded."""
-  overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
-  if c.model.source == "tiny":
-    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
-    return cfg, None, None
-  if c.model.source == "smollm2":
-    from jaxrl.assets import smollm2_path
-
-    path = smollm2_path()
-  else:
-    path = Path(c.model.source)
-  import transformers
-
-  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
-
-
-def _load_params(c, cfg, path, learner_param_shardings_fn):
-  """(model_config, graphdef, params on the learner mesh)."""
-  if path is None:
-    graphdef, params = init_params(cfg, c.seed)
-    return cfg, graphdef, jax.device_put(params, learner_param_shardings_fn(params))
-  abstract = hf.abstract_params(cfg)[1]
-  return hf.load_params(path, cfg, shardings=learner_param_shardings_fn(abstract))
-
-
 def build(c, workdir: str | Path) -> Run:
   workdir = Path(workdir)
   config_lib.validate(c, workdir, num_devices=len(jax.devices()))
-  model_cfg, tokenizer, path = _model_source(c)
+  model_cfg, tokenizer, path = model_source(c)
   # Task data, prompt rendering and reward fns are checked before any params are loaded or compiled.
   try:
     task, prompts = make_prompt_source(c, tokenizer, model_cfg)
@@ -121,7 +96,7 @@ def build(c, workdir: str | Path) -> Run:
   meshes = sharding.split_mesh(c.mesh.sampler_devices, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(),
                                devices)
   psh = lambda params: sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES)
-  model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
+  model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
 
   spec = run_spec(c)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)

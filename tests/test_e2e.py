@@ -31,13 +31,13 @@ def _config(mode, **overrides):
 @pytest.fixture(scope="module", params=["sync", "pipeline"])
 def tiny_run(request, tmp_path_factory):
   workdir = tmp_path_factory.mktemp(request.param)
-  c = _config(request.param)
+  c = _config(request.param, **{"eval.num_examples": 8})
   summary = train(c, workdir)
-  return c, summary, read_jsonl(workdir / "metrics.jsonl")
+  return c, summary, read_jsonl(workdir / "metrics.jsonl"), workdir
 
 
 def test_reward_rises(tiny_run):
-  c, summary, records = tiny_run
+  c, summary, records, _ = tiny_run
   rewards = [r["reward_mean"] for r in records]
   assert len(rewards) == c.num_steps == summary["steps"]
   first, last = np.mean(rewards[:2]), np.mean(rewards[-3:])
@@ -45,7 +45,7 @@ def test_reward_rises(tiny_run):
 
 
 def test_every_trained_sample_obeys_the_staleness_bound(tiny_run):
-  c, summary, records = tiny_run
+  c, summary, records, _ = tiny_run
   bound = 0 if c.mode == "sync" else c.rl.max_staleness
   # Host side (min token version per sample) and learner side (per-token versions inside the step).
   assert 0 <= summary["staleness_max"] <= bound
@@ -55,11 +55,95 @@ def test_every_trained_sample_obeys_the_staleness_bound(tiny_run):
 
 
 def test_counts_add_up(tiny_run):
-  c, summary, records = tiny_run
+  c, summary, records, _ = tiny_run
   led = summary["ledger"]
   dropped = sum(led["dropped"].values())
   assert led["samples_trained"] == c.num_steps * c.rl.group_size * c.rl.groups_per_step
   assert led["samples_generated"] == led["samples_trained"] + dropped + summary["samples_in_flight"]
+
+
+def _cli(module_main, argv):
+  """Runs an absl CLI's main in-process (config overrides are read from sys.argv, as absl.app.run would leave it)."""
+  import sys
+
+  from absl import flags
+
+  saved = sys.argv
+  sys.argv = ["cli", *argv]
+  try:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(sys.argv)
+    module_main(["cli"])
+  finally:
+    flags.FLAGS.unparse_flags()
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:  # overrides are defined while parsing
+      delattr(flags.FLAGS, name)
+    sys.argv = saved
+
+
+def test_the_trained_policy_evaluates_as_the_run_did_and_exports_to_a_hf_folder(tiny_run, tmp_path):
+  """jaxrl-generate --config --workdir scores the newest checkpoint on the held-out examples exactly as the run's own
+  eval after training; jaxrl-export writes those params as a HF folder that loads back bitwise."""
+  from jaxrl import generate
+  from jaxrl.models import hf
+  from jaxrl.policy import export_main, load_policy
+
+  c, summary, _, workdir = tiny_run
+  config = [f"--config={REPO / 'configs' / 'tiny.py'}:{c.mode}", "--config.eval.num_examples=8"]
+  out, summary_out = tmp_path / "eval.jsonl", tmp_path / "eval.json"
+  _cli(generate.main, [*config, f"--workdir={workdir}", f"--output={out}", f"--summary_out={summary_out}"])
+  got = json.loads(summary_out.read_text())
+  after = summary["eval_after"]
+  assert (got["version"], got["checkpoint_step"], got["num_examples"]) == (c.num_steps, c.num_steps, 8)
+  assert got["reward_mean"] == pytest.approx(after["reward_mean"], abs=1e-12)
+  assert got["reward_mean"] > summary["eval_before"]["reward_mean"]  # it is the trained policy, not the base one
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["group_id"] for r in rows] == list(range(8))
+  assert np.mean([r["reward"] for r in rows]) == pytest.approx(got["reward_mean"], abs=1e-12)
+
+  policy = load_policy(c, workdir)
+  hf_dir = tmp_path / "hf"
+  export_main(["jaxrl-export", *config, f"--workdir={workdir}", f"--out={hf_dir}"])
+  cfg, _, back = hf.load_params(hf_dir)
+  assert (cfg.num_layers, cfg.vocab_size) == (policy.model_cfg.num_layers, policy.model_cfg.vocab_size)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(policy.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  step, saved = _params(workdir)
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(policy.params)[0]), np.asarray(jax.tree.leaves(saved)[0]))
+
+
+def test_a_workdir_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+  from jaxrl import generate
+  from jaxrl.policy import export_main
+
+  config = f"--config={REPO / 'configs' / 'tiny.py'}"
+  with pytest.raises(SystemExit) as exit_:
+    _cli(generate.main, [config, f"--workdir={tmp_path / 'none'}"])
+  assert exit_.value.code == 2
+  assert f"no checkpoint in {tmp_path / 'none'}" in capsys.readouterr().err
+  (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(SystemExit) as exit_:
+    export_main(["jaxrl-export", config, f"--workdir={tmp_path / 'empty'}", f"--out={tmp_path / 'hf'}"])
+  assert exit_.value.code == 2
+  assert "no checkpoint in" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+  with pytest.raises(SystemExit) as exit_:
+    export_main(["jaxrl-export", config, f"--out={tmp_path / 'hf'}"])
+  assert exit_.value.code == 2 and "--workdir required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tiny", "--workdir=/x", "--prompt_ids=1"], "need --config"),
+    (["--config=configs/tiny.py", "--tiny"], "one of --config, --model_dir and --tiny"),
+    (["--config=configs/tiny.py", "--dtype=bfloat16"], "--config.model.dtype"),
+])
+def test_generate_usage_errors_with_a_config(argv, match):
+  from absl import app
+
+  from jaxrl import generate
+
+  argv = [a.replace("configs/", f"{REPO / 'configs'}/") for a in argv]
+  with pytest.raises(app.UsageError, match=match):
+    _cli(generate.main, argv)
 
 
 def _params(workdir):

@@ -68,25 +68,36 @@ def make_scorer(c, task, tokenizer) -> Scorer:
 def evaluate(run, params, version: int) -> dict[str, float]:
   """Greedy completions of the first c.eval.num_examples held-out examples: mean reward and accuracy."""
   c = run.config
-  sampler = Sampler(run.engine, params, version, seed=c.seed)
+  return evaluate_policy(run.engine, run.task, run.controller.score, params, version,
+                         num_examples=c.eval.num_examples, max_new_tokens=c.eval.max_new_tokens, seed=c.seed)[0]
+
+
+def evaluate_policy(engine, task, score, params, version: int, *, num_examples: int, max_new_tokens: int,
+                    seed: int = 0, eos_token_ids=None) -> tuple[dict[str, float], list[Rollout]]:
+  """(summary, rollouts): greedy completions of the task's first `num_examples` held-out examples, scored.
+
+  The summary has the examples scored (those the prompt renderer skips are left out), the version, the mean reward
+  and, for rewards that mark right answers, the accuracy and the number correct."""
+  sampler = Sampler(engine, params, version, seed=seed, eos_token_ids=eos_token_ids)
   greedy = SamplingParams(greedy=True)
   n = 0
-  for i, example in enumerate(run.task.eval_examples(c.eval.num_examples)):
+  for i, example in enumerate(task.eval_examples(num_examples)):
     try:
-      prompt = run.task.renderer(example)
+      prompt = task.renderer(example)
     except SkipExample:
       continue
     sampler.submit(prompt.tokens, i, 1, meta={"prompt_text": prompt.text, "reward_meta": example.reward_meta},
-                   sampling=greedy, max_tokens=c.eval.max_new_tokens)
+                   sampling=greedy, max_tokens=max_new_tokens)
     n += 1
   rollouts = []
   while sampler.num_active or sampler.num_waiting:
     rollouts += sampler.step()
-  run.controller.score(rollouts)
+  rollouts.sort(key=lambda r: r.group_id)
+  score(rollouts)
   rewards = np.array([r.reward for r in rollouts], np.float64)
   out = {"num_examples": n, "version": version, "reward_mean": float(np.nanmean(rewards)) if n else float("nan")}
   correct = [r.meta["correct"] for r in rollouts if "correct" in r.meta]
   if correct:
     out["accuracy"] = float(np.mean(correct))
     out["num_correct"] = int(np.sum(correct))
-  return out
+  return out, rollouts

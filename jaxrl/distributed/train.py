@@ -45,9 +45,10 @@ from jaxrl.learner import (
 )
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import hf
+from jaxrl.policy import base_params, model_source
 from jaxrl.rollout import make_batch
 from jaxrl.sampler import Engine, Sampler
-from jaxrl.train import _load_params, _model_source, restore, run_spec
+from jaxrl.train import restore, run_spec
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -64,7 +65,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   if c.mesh.num_devices not in (-1, len(jax.devices())):
     raise config_lib.ConfigError(f"config: mesh.num_devices={c.mesh.num_devices}: a multi-process run uses every "
                                  f"device of the job ({len(jax.devices())}); set it to -1")
-  model_cfg, tokenizer, path = _model_source(c)
+  model_cfg, tokenizer, path = model_source(c)
   abstract = hf.abstract_params(model_cfg)[1]
   replicas = []
   for devices in topology.sampler_devices:
@@ -103,7 +104,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
 
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
   psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)
-  model_cfg, graphdef, params = _load_params(c, model_cfg, path, psh)
+  model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
   state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh)

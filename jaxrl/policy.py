@@ -1,0 +1,146 @@
+r"""A config's policy: the model a run starts from, or the newest version a run trained (its workdir's checkpoint).
+
+  jaxrl-export --config=configs/default.py --workdir=runs/smollm2 --out=runs/smollm2/hf
+
+`load_policy` is what jaxrl-generate uses to generate with (and evaluate) a trained policy; `jaxrl-export` writes
+one as a Hugging Face folder (config.json, model.safetensors, the base model's tokenizer files and chat template)
+that transformers and vLLM open. A checkpoint is read, never written: a run may still be training in that workdir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxrl import config as config_lib
+from jaxrl import sharding
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.learner import init_train_state, make_optimizer, train_state_shardings
+from jaxrl.models import ModelConfig, hf
+
+
+@dataclasses.dataclass
+class Policy:
+  model_cfg: ModelConfig
+  graphdef: Any
+  params: Any  # nnx.State on `mesh`
+  version: int  # learner updates in these params (0: the base model)
+  tokenizer: Any  # transformers tokenizer, or None (a random tiny model)
+  source_dir: Path | None  # the base model's HF folder (tokenizer files), None for a tiny model
+  mesh: Any
+  checkpoint_step: int | None = None  # the checkpoint the params came from
+
+
+def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
+  """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
+  overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
+  if c.model.source == "tiny":
+    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
+    return cfg, None, None
+  if c.model.source == "smollm2":
+    from jaxrl.assets import smollm2_path
+
+    path = smollm2_path()
+  else:
+    path = Path(c.model.source).expanduser()
+  import transformers
+
+  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+
+
+def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
+  """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from."""
+  from jaxrl.models import init_params
+
+  if path is None:
+    graphdef, params = init_params(cfg, c.seed)
+    return cfg, graphdef, jax.device_put(params, shardings_fn(params))
+  abstract = hf.abstract_params(cfg)[1]
+  return hf.load_params(path, cfg, shardings=shardings_fn(abstract))
+
+
+def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Policy:
+  """The base model of config `c`, or with `workdir` the params of its newest checkpoint, sharded FSDP-style
+  over `devices` (default: all). A workdir without a checkpoint is an error (FileNotFoundError naming it)."""
+  devices = list(jax.devices() if devices is None else devices)
+  mesh = sharding.make_mesh({"data": len(devices)}, devices)
+  shardings_fn = lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
+  cfg, tokenizer, path = model_source(c)
+  if workdir is None:
+    cfg, graphdef, params = base_params(c, cfg, path, shardings_fn)
+    return Policy(cfg, graphdef, params, 0, tokenizer, path, mesh)
+  directory = Path(workdir).expanduser() / "checkpoints"
+  if not directory.is_dir():
+    raise FileNotFoundError(f"no checkpoint in {Path(workdir).expanduser()}: {directory} does not exist")
+  checkpointer = Checkpointer(directory, read_only=True)
+  try:
+    step = checkpointer.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {directory}")
+    graphdef, abstract_params = hf.abstract_params(cfg)
+    # The saved TrainState holds the optimizer moments too: restored as the run saved them, then dropped.
+    optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+    state_sh = train_state_shardings(abstract_params, optimizer, shardings_fn(abstract_params), mesh)
+    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed), abstract_params)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
+    try:
+      state, _ = checkpointer.restore(abstract, step)
+    except (ValueError, KeyError, TypeError) as e:  # a checkpoint of another model or optimizer
+      raise hf.CheckpointError(f"checkpoint {directory / str(step)} does not match config model "
+                               f"{c.model.source!r} and its optimizer: {e}") from e
+  finally:
+    checkpointer.close()
+  return Policy(cfg, graphdef, state.params, int(jax.device_get(state.version)), tokenizer, path, mesh, step)
+
+
+def export(policy: Policy, out: str | os.PathLike) -> Path:
+  """Writes the policy as a Hugging Face folder (atomically); the base model's tokenizer files go with it."""
+  return hf.save_params(Path(out).expanduser(), policy.model_cfg, policy.params, tokenizer_dir=policy.source_dir)
+
+
+def export_main(argv=None):
+  """Console entry point (jaxrl-export)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "the run's config, e.g. configs/default.py[:arg]",
+                                  flag_values=flag_values, lock_config=True)
+  flags.DEFINE_string("workdir", None, "the run's folder (its newest checkpoint is exported)", flag_values=flag_values)
+  flags.DEFINE_string("out", None, "Hugging Face folder to write (replaced atomically if it exists)",
+                      flag_values=flag_values)
+  argv = sys.argv if argv is None else list(argv)
+  saved, sys.argv = sys.argv, argv  # ml_collections reads --config.* overrides from sys.argv
+  try:
+    rest = flag_values(argv)
+    missing = [name for name in ("config", "workdir", "out") if flag_values[name].value is None]
+    if missing:
+      raise flags.Error(f"--{', --'.join(missing)} required")
+    if len(rest) > 1:
+      raise flags.Error(f"unexpected arguments: {rest[1:]}")
+  except (AttributeError, KeyError) as e:
+    print(f"jaxrl-export: unknown config key {str(e).strip(chr(34))}", file=sys.stderr)
+    sys.exit(2)
+  except (flags.Error, TypeError, ValueError) as e:
+    print(f"jaxrl-export: bad flag: {e}", file=sys.stderr)
+    sys.exit(2)
+  finally:
+    sys.argv = saved
+  c = flag_values.config
+  try:
+    config_lib.validate(c)
+    policy = load_policy(c, flag_values.workdir)
+    path = export(policy, flag_values.out)
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+    print(f"jaxrl-export: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"jaxrl-export: version {policy.version} (checkpoint step {policy.checkpoint_step}) -> {path}")
+
+
+if __name__ == "__main__":
+  export_main()
