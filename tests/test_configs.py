@@ -87,3 +87,17 @@ def test_override_sets_dotted_fields_and_names_a_missing_one():
     config_lib.override(c, **{"num_steps.x": 2})
   with pytest.raises(TypeError):  # ConfigDict still checks the type
     config_lib.override(c, num_steps="many")
+
+
+def test_every_cli_module_imports_next_to_the_others():
+  """Console scripts share absl's global FLAGS: importing them all in one process (a notebook, a test session) must
+  define no flag twice."""
+  import tomllib
+
+  scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+  modules = sorted({t.split(":")[0] for t in scripts.values()} | {"bench.pipeline", "jaxrl.distributed.train"})
+  code = ("import importlib, sys\nfor m in sys.argv[1:]:\n  importlib.import_module(m)\n"
+          "print('imported', len(sys.argv) - 1)")
+  out = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == f"imported {len(modules)}"

@@ -22,9 +22,6 @@ from jaxrl.sim.calibrate import Calibration
 from jaxrl.sim.hardware import preset
 from jaxrl.sim.simulate import RunSpec
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/plan_<name>.py", lock_config=True)
-_OUTDIR = flags.DEFINE_string("outdir", None, "where the PNGs go (default: config.outdir)")
-
 
 def build(config) -> dict:
   """Costs, workload and planner arguments from a plan config (importable for notebooks and tests)."""
@@ -72,8 +69,8 @@ def length_sweep(b: dict, best: planner.PlanRow, factors) -> tuple[list[float], 
 
 def _main(argv):
   del argv
-  config = _CONFIG.value
-  outdir = _OUTDIR.value or config.outdir
+  config = flags.FLAGS.config
+  outdir = flags.FLAGS.outdir or config.outdir
   os.makedirs(outdir, exist_ok=True)
   t0 = time.perf_counter()
   b = build(config)
@@ -109,6 +106,9 @@ def _main(argv):
 
 def main():
   """Console-script entry point (jaxrl-plan = "jaxrl.sim.plan:main")."""
+  # Defined here, not at import, so that importing this module next to other CLIs defines no clashing flags.
+  config_flags.DEFINE_config_file("config", None, "configs/plan_<name>.py", lock_config=True)
+  flags.DEFINE_string("outdir", None, "where the PNGs go (default: config.outdir)")
   app.run(_main)
 
 
