@@ -13,7 +13,9 @@
 # Cross-host copies use the TPU runtime's own transfers; if yours lacks them, set TRANSFER_PORT to use JAX's
 # socket transfers instead (each host then listens on <its IP>:TRANSFER_PORT).
 # The lead learner (worker 0) writes metrics.jsonl and summary.json under WORKDIR on its own disk. To stop a run
-# early, end any one of its processes: the watchdog stops all the others within --heartbeat_timeout_s.
+# early with a checkpoint, send SIGTERM to any one of its processes (a preempted host gets one): every process
+# stops after the learners' current step and exits 143; `run` again resumes. A process that dies (SIGKILL, crash)
+# makes the watchdog stop all the others within --heartbeat_timeout_s; the job resumes from its last checkpoint.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 REMOTE_DIR=${REMOTE_DIR:-jaxrl}

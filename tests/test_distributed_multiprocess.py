@@ -6,6 +6,8 @@
    learners' last checkpoint, bit for bit, and trains on.
 2. Sync mode, two learner processes + one sampler process, against the single-host run of the same config and
    seed (one process, 3 devices): the same params, bit for bit; and every sample is accounted for.
+3. SIGTERM to one process (a preempted host) stops every process after the same learner step, with a checkpoint
+   and exit status 143; the same command resumes the job and logs every step once.
 """
 
 import json
@@ -164,3 +166,47 @@ def test_sync_multiprocess_equals_single_host(tmp_path):
       summary["samples_in_flight"]
   assert summary["sampler_versions"] == [steps]
   _assert_weights_arrived_bitwise(workdir / "weights", range(steps + 1), learners=(0, 1), samplers=(2,))
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_host_stops_the_whole_job_with_a_checkpoint_and_it_resumes(tmp_path):
+  workdir, log = tmp_path / "run", tmp_path / "launch.log"
+  args = ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.mesh.sampler_devices=1"]
+  proc = _launch(3, [*args, "--config.num_steps=1000"], log)  # learners: processes 0, 1; sampler: process 2
+  try:
+    deadline = time.monotonic() + 300
+    while not (workdir / "metrics.jsonl").exists() or len(read_jsonl(workdir / "metrics.jsonl")) < 3:
+      assert proc.poll() is None, f"the job ended early:\n{log.read_text()[-5000:]}"
+      assert time.monotonic() < deadline, f"fewer than 3 steps in 300 s:\n{log.read_text()[-5000:]}"
+      time.sleep(0.2)
+    pids = {int(i): int(p) for i, p in re.findall(r"jaxrl.launch: process (\d) pid (\d+)", log.read_text())}
+    os.kill(pids[2], signal.SIGTERM)  # the sampler's host: the learners hear of it through the store
+    sent_at = time.monotonic()
+    code = proc.wait(timeout=120)
+    stopped_after = time.monotonic() - sent_at
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = log.read_text()
+  assert code == 143, out[-3000:]
+  assert "process 0: exit status 143, process 1: exit status 143, process 2: exit status 143" in out, out[-3000:]
+  assert "killing process" not in out and "heartbeat" not in out  # a clean stop, not a failure
+  assert stopped_after < 30, stopped_after
+  summary = json.loads((workdir / "summary.json").read_text())
+  stopped_at = summary["steps"]
+  assert summary["stopped_by"] == "SIGTERM" and 3 <= stopped_at < 1000
+  for p in range(3):
+    assert re.search(rf"\[p{p} +[\d.]+s\] jaxrl: process {p}: stopped by SIGTERM", out), out[-3000:]
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved[-1] == stopped_at, saved  # the last step trained, saved by both learners together
+  assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, stopped_at + 1))
+
+  target = stopped_at + 2
+  log = tmp_path / "resume.log"
+  code = _launch(3, [*args, f"--config.num_steps={target}"], log).wait(timeout=300)
+  out = log.read_text()
+  assert code == 0, out[-5000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["resumed_from"] == stopped_at and summary["steps"] == target and "stopped_by" not in summary
+  assert summary["ledger"]["samples_trained"] == target * 16  # before and after the stop, none twice
+  assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, target + 1))

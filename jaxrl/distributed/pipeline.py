@@ -9,6 +9,11 @@ One Ferry thread per process follows the transfer log and issues every copy in o
 (groups taken by the learner, groups dropped per sampler, sampler versions) go through the store.
 Sync mode is this same pipeline with max_staleness 0: a sampler admits a step's groups only once it holds the
 params of that step, which is the single-host sync schedule.
+
+A stop request (a preemption's SIGTERM on any process: `request_job_stop`) must end every learner process after the
+same step, or the others would wait in a collective for ever: before every step the lead decides, from the store,
+whether to go on, and the other learners wait for that decision (one store round trip a step). The learners then
+checkpoint together and end the job as at its last step.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from jaxrl.distributed import packets
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, copy_packet, save_local_shards
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned
+
+
+def request_job_stop(store, reason: str) -> None:
+  """Asks the job (from any of its processes) to stop after the learners' current step, with a checkpoint."""
+  store.set("stop_request", reason)
 
 
 class Inbox:
@@ -189,6 +199,33 @@ class DistributedController(Controller):
       self.publisher = self.received
     self.ferry = threading.Thread(target=self._guarded, args=("transfer", self._follow_log), name="jaxrl-ferry",
                                   daemon=True)
+    self._rounds = 0  # learner loop iterations: the same on every learner process (they run in lock step)
+
+  # ---- stopping early, on every process at the same step -----------------------------------------------------------
+
+  def _done(self) -> bool:
+    if super()._done():
+      return True
+    self._rounds += 1
+    key = f"go_on/{self._rounds}"
+    if self.is_lead:
+      reason = self.store.try_get("stop_request")
+      if reason is not None:
+        # Before "done": every process reads it once its loop has ended.
+        self.store.set("stopped_by", reason)
+      self.store.set(key, reason)
+    else:
+      while True:
+        try:
+          reason = self.store.get(key, timeout_s=20 * self.poll_s)
+          break
+        except TimeoutError:
+          if self._abort.is_set() or self.stop.is_set():
+            raise Stopped from None
+    if reason is not None:
+      self.stop_reason = reason
+      return True
+    return False
 
   # ---- the Controller's pieces, extended -------------------------------------------------------------------------
 
@@ -325,7 +362,8 @@ class DistributedController(Controller):
 
   def process_summary(self) -> dict[str, Any]:
     out = {"process": self.topology.process_id, "role": self.topology.name(self.topology.process_id),
-           "ledger": self.ledger.to_json(), "samples_in_flight": self.samples_in_flight(), "busy": dict(self.busy)}
+           "ledger": self.ledger.to_json(), "samples_in_flight": self.samples_in_flight(), "busy": dict(self.busy),
+           "stopped_by": self.store.try_get("stopped_by")}
     if self.is_learner:
       out.update(version=self.version, trained_staleness=self.trained_staleness, resumed_from=self.resumed_from)
     else:

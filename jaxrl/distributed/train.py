@@ -10,12 +10,18 @@ workdir/summary.json. The learner processes checkpoint the train state together 
 workdir/checkpoints, which all of them must see; the same command on a workdir with a checkpoint resumes from it
 (on the same or another split). Groups in flight at the checkpoint are not generated again: the samplers resume
 past every group admitted before it.
+
+SIGTERM on any process (a preempted TPU VM, a Slurm time limit) stops the whole job after the learners' current
+step, with a checkpoint: every process exits with status 143 and the same command resumes. A second SIGTERM gets
+the default handler (the process dies; the others stop as on any failure).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -32,7 +38,7 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
-from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher
+from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher, request_job_stop
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import (
@@ -160,12 +166,31 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
           "staleness_max": max(staleness, default=0),
           "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
           "sampler_versions": [s["sampler_version"] for s in samplers],
-          "busy": {"learner": learner["busy"]["learner"], "samplers": [s["busy"]["sampler"] for s in samplers]}}
+          "busy": {"learner": learner["busy"]["learner"], "samplers": [s["busy"]["sampler"] for s in samplers]},
+          **({"stopped_by": learner["stopped_by"]} if learner.get("stopped_by") else {})}
+
+
+def _stop_on_signals(store, signals: tuple[int, ...]) -> None:
+  """The first of `signals` asks the job to stop after the learners' current step (request_job_stop; the store is
+  written from a thread, not from inside the handler)."""
+  previous = {s: signal.getsignal(s) for s in signals}
+
+  def handler(signum, frame):
+    name = signal.Signals(signum).name
+    print(f"jaxrl: process {jax.process_index()}: {name}: the job stops after the learners' current step, with a "
+          "checkpoint", file=sys.stderr, flush=True)
+    for s, h in previous.items():
+      signal.signal(s, h)
+    threading.Thread(target=request_job_stop, args=(store, name), name="jaxrl-stop-request", daemon=True).start()
+
+  for s in signals:
+    signal.signal(s, handler)
 
 
 def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
           summary_timeout_s: float = 120.0) -> dict[str, Any]:
-  """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own."""
+  """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own
+  (`stopped_by` in either: the job was stopped early by that signal, after a checkpoint)."""
   workdir = Path(workdir)
   ctl = build(c, workdir, topology, store, dump_dir=dump_dir)
   t0 = time.perf_counter()
@@ -215,6 +240,7 @@ def main(argv=None):
       hard_exit(2)
     watchdog = Watchdog(store, me, topology.name, jax.process_count(),
                         timeout_s=flags_def.heartbeat_timeout_s).start()
+    _stop_on_signals(store, (signal.SIGTERM,))
     workdir = Path(flags_def.workdir)
     try:
       summary = train(c, workdir, topology, store, dump_dir=workdir / "weights" if flags_def.dump_weights else None)
@@ -230,6 +256,11 @@ def main(argv=None):
     jax.distributed.shutdown()
     if me == topology.lead:
       print(json.dumps(summary, indent=2, default=str))
+    stopped_by = summary.get("stopped_by")
+    if stopped_by:
+      print(f"jaxrl: process {me}: stopped by {stopped_by}; the learners saved a checkpoint; the same command "
+            "resumes the job", file=sys.stderr, flush=True)
+      sys.exit(128 + getattr(signal, stopped_by, signal.SIGTERM))
 
   app.run(_main, argv=argv)
 
