@@ -5,10 +5,14 @@ The multi-process runs themselves are in test_distributed_multiprocess.py.
 
 import collections
 import dataclasses
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -262,6 +266,34 @@ def test_launcher_kills_the_rest_after_a_failure_and_reports_it(tmp_path, monkey
   assert "killing process 0, still running 1s after the failure" in out
   assert "process 0: killed by SIGKILL, process 1: exit status 5, process 2: killed by SIGKILL" in out
   assert "] process 2 of 3 at 127.0.0.1:" in out
+
+
+def test_launcher_passes_a_sigterm_on_to_every_process(tmp_path, monkeypatch, capsys):
+  (tmp_path / "graceful.py").write_text(textwrap.dedent("""
+      import os, pathlib, signal, sys, time
+      me = os.environ["JAXRL_PROCESS_ID"]
+      def stop(signum, frame):
+        print(f"process {me}: SIGTERM, stopping", flush=True)
+        sys.exit(143)
+      signal.signal(signal.SIGTERM, stop)
+      pathlib.Path(sys.argv[1], f"ready{me}").touch()
+      time.sleep(600)
+  """))
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+  def preempt():  # what a cluster does to the launcher once every process is up
+    while len(list(tmp_path.glob("ready*"))) < 2:
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  before = signal.getsignal(signal.SIGTERM)
+  threading.Thread(target=preempt, daemon=True).start()
+  assert launch.main(["--num_processes=2", "--module=graceful", "--grace_s=30", "--", str(tmp_path)]) == 143
+  out = capsys.readouterr().out
+  assert "jaxrl.launch: SIGTERM: passing it on to every process" in out
+  assert "] process 0: SIGTERM, stopping" in out and "] process 1: SIGTERM, stopping" in out
+  assert "process 0: exit status 143, process 1: exit status 143" in out and "killing" not in out
+  assert signal.getsignal(signal.SIGTERM) is before  # the launcher's handler is gone with the job
 
 
 def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):

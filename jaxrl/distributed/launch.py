@@ -7,6 +7,8 @@ JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; 
 [pN <seconds since launch>].
 When a process fails, the others get --grace_s to stop on their own (their watchdog does it within its heartbeat
 timeout), then are killed; the launcher exits with the first failure's status (128 + signal if it was killed).
+A SIGTERM to the launcher is passed on to every process, as a cluster's preemption would signal each host: the job
+stops after the learners' current step with a checkpoint, and the launcher exits 143.
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
     threading.Thread(target=_pump, args=(proc, f"p{i}", start), daemon=True).start()
     procs.append(proc)
 
+  def forward(signum, frame):
+    print(f"jaxrl.launch: {signal.Signals(signum).name}: passing it on to every process", flush=True)
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+
+  previous = None
+  if threading.current_thread() is threading.main_thread():
+    previous = signal.signal(signal.SIGTERM, forward)
   failed, failed_at, killed = None, None, set()
   try:
     while None in [p.poll() for p in procs]:  # a list, not any(): every process must be polled
@@ -86,6 +97,9 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
       if p.poll() is None:
         p.kill()
     raise
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
   codes = [p.wait() for p in procs]
   if failed is None:
     failed = next((i for i, c in enumerate(codes) if c != 0), None)
