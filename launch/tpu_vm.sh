@@ -7,8 +7,8 @@
 #
 # What it runs: configs/default.py (pipeline RL of SmolLM2-135M-Instruct on two-digit addition), sized for the
 # slice instead of a laptop: every chip is used (mesh.num_devices=-1), the last SAMPLER_CHIPS chips (whole hosts:
-# 4 per v5e/v4 host) are sampler replicas, one per host, and the rest is one FSDP learner mesh; no held-out eval
-# (single-host only). On a v5e-16 (4 hosts x 4 chips) the defaults give a learner on hosts 0-1 (8 chips) and two
+# 4 per v5e/v4 host) are sampler replicas, one per host, and the rest is one FSDP learner mesh; the first sampler
+# replica scores the 64 held-out problems before and after training (summary.json). On a v5e-16 (4 hosts x 4 chips) the defaults give a learner on hosts 0-1 (8 chips) and two
 # sampler replicas of 4 chips on hosts 2-3, with 4 GRPO groups per step (2 per replica).
 # Cross-host copies use the TPU runtime's own transfers; if yours lacks them, set TRANSFER_PORT to use JAX's
 # socket transfers instead (each host then listens on <its IP>:TRANSFER_PORT).
@@ -47,7 +47,7 @@ case "${1:-}" in
     fi
     gcloud_tpu ssh "$TPU_NAME" --command="cd $REMOTE_DIR && $env_prefix .venv/bin/python -m jaxrl.distributed.train \
       --config=$CONFIG --workdir=$WORKDIR --config.mesh.num_devices=-1 --config.mesh.sampler_devices=$SAMPLER_CHIPS \
-      --config.rl.groups_per_step=$GROUPS_PER_STEP --config.eval.num_examples=0 $*"
+      --config.rl.groups_per_step=$GROUPS_PER_STEP $*"
     ;;
   *)
     echo "usage: TPU_NAME=... ZONE=... $0 setup|run [extra flags for run]" >&2

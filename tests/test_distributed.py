@@ -316,7 +316,6 @@ def _tiny(**overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"eval.num_examples": 4}, "held-out evaluation is single-host only; set --config.eval.num_examples=0"),
     ({"mesh.num_devices": 6}, "a multi-process run uses every device of the job"),
     ({"mesh.sampler_axes": {"data": -1, "tensor": 4}}, r"mesh.sampler_axes on a sampler replica of 2 device\(s\)"),
     ({"rl.groups_per_step": 3}, "rl.groups_per_step=3 does not split evenly over the 2 sampler replicas"),

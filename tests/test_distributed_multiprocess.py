@@ -5,7 +5,8 @@
    on its own within seconds, each naming learner 1; the same command (with one sampler process) resumes from the
    learners' last checkpoint, bit for bit, and trains on.
 2. Sync mode, two learner processes + one sampler process, against the single-host run of the same config and
-   seed (one process, 3 devices): the same params, bit for bit; and every sample is accounted for.
+   seed (one process, 3 devices): the same params, bit for bit, the same held-out eval before and after training
+   (the sampler process's), and every sample is accounted for.
 3. SIGTERM to one process (a preempted host) stops every process after the same learner step, with a checkpoint
    and exit status 143; the same command resumes the job and logs every step once.
 """
@@ -131,7 +132,8 @@ def test_sync_multiprocess_equals_single_host(tmp_path):
   import orbax.checkpoint as ocp
 
   steps = 4
-  flags = ["--config=configs/tiny.py:sync", f"--config.num_steps={steps}", "--config.mesh.sampler_devices=1"]
+  flags = ["--config=configs/tiny.py:sync", f"--config.num_steps={steps}", "--config.mesh.sampler_devices=1",
+           "--config.eval.num_examples=6"]
   workdir, log = tmp_path / "mp", tmp_path / "launch.log"
   proc = _launch(3, [*flags, f"--workdir={workdir}"], log)
   # Same device count in the reference process: XLA:CPU numerics can depend on it (with 8 devices, one matrix of
@@ -158,6 +160,10 @@ def test_sync_multiprocess_equals_single_host(tmp_path):
     assert single[name].dtype == multi[name].dtype and single[name].tobytes() == multi[name].tobytes(), name
 
   summary = json.loads((workdir / "summary.json").read_text())
+  reference = json.loads((tmp_path / "single" / "summary.json").read_text())
+  for when, version in (("eval_before", 0), ("eval_after", steps)):
+    assert summary[when] == reference[when] and summary[when]["version"] == version, (when, summary[when])
+  assert summary["eval_after"]["reward_mean"] != summary["eval_before"]["reward_mean"]  # another policy
   led = summary["ledger"]
   c = tiny.get_config("sync")
   assert summary["steps"] == steps and summary["staleness_max"] == 0

@@ -173,8 +173,13 @@ class DistributedController(Controller):
 
   def __init__(self, spec, *, topology, store, log: TransferLog, routes: list[WeightRoute], max_len: int,
                make_sampler: Callable[[Versioned], Any] | None = None, dump_dir: Path | None = None,
-               poll_s: float = 0.05, resumed_from: int | None = None, **kwargs):
+               poll_s: float = 0.05, resumed_from: int | None = None,
+               evaluate: Callable[[Any, int], dict] | None = None, **kwargs):
     super().__init__(spec, **kwargs)
+    # The held-out eval (a sampler process's, on its own engine): before training on a fresh run, after on a
+    # finished one, as single-host jaxrl-train does.
+    self.evaluate = evaluate
+    self.evals: dict[str, dict] = {}
     self.resumed_from = resumed_from  # the checkpoint step the learners restored (None: a fresh run)
     self.topology, self.store, self.log, self.routes = topology, store, log, routes
     self.max_len, self.make_sampler, self.dump_dir, self.poll_s = max_len, make_sampler, dump_dir, poll_s
@@ -329,7 +334,8 @@ class DistributedController(Controller):
   def _run_learner(self) -> None:
     self._log_start("distributed")
     if self.is_lead:  # where the samplers start: past every group admitted before the checkpoint resumed from
-      self.store.set("resume", {"next_group_id": self.record.next_group_id, "version": self.version})
+      self.store.set("resume", {"next_group_id": self.record.next_group_id, "version": self.version,
+                                "fresh": self.resumed_from is None})
     self.publisher.publish(self.state.params, self.version)
     self._guarded("learner", self._learner_loop, self.inbox)
     if not self.errors:
@@ -347,6 +353,8 @@ class DistributedController(Controller):
       return  # the transfer thread failed; run() raises its error
     self.sampler = self.make_sampler(first)
     resume = self.store.get("resume", timeout_s=60.0)  # set before the first weights were published
+    if self.evaluate is not None and resume["fresh"]:
+      self.evals["eval_before"] = self.evaluate(first.params, first.version)
     num = len(self.topology.sampler_processes)
     self.record.next_group_id = -(-resume["next_group_id"] // num) * num + self.topology.sampler_rank
     # As if this sampler had admitted exactly its share of the groups trained so far: the admission bound then
@@ -354,6 +362,9 @@ class DistributedController(Controller):
     self.ledger.groups_admitted = resume["version"] * self.policy.groups_per_step
     self._guarded("sampler", self._sampler_loop, self.outbox, self.poll_s)
     self.ferry.join()
+    if self.evaluate is not None and not self.errors and self.store.try_get("stopped_by") is None:
+      final = self.received.take_newer(-1)  # every version up to "done" has arrived: the trained policy
+      self.evals["eval_after"] = self.evaluate(final.params, final.version)
 
   def samples_in_flight(self) -> int:
     """This process's share: open groups and unsent packets (sampler), received and untrained groups (learner)."""
@@ -369,6 +380,7 @@ class DistributedController(Controller):
     else:
       newest = self.received.take_newer(-1)
       out.update(sampler_version=newest.version if newest is not None else None,  # the newest params received
-                 generated_tokens=self.sampler.stats.generated_tokens if self.sampler is not None else 0)
+                 generated_tokens=self.sampler.stats.generated_tokens if self.sampler is not None else 0,
+                 **self.evals)
     return out
 

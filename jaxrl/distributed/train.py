@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.controller.data import make_prompt_source, make_scorer
+from jaxrl.controller.data import evaluate_policy, make_prompt_source, make_scorer
 from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
 from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher, request_job_stop
@@ -65,9 +65,6 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   workdir = Path(workdir)
   lead = topology.process_id == topology.lead
   config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
-  if c.eval.num_examples:
-    raise config_lib.ConfigError(f"config: eval.num_examples={c.eval.num_examples}: held-out evaluation is single-host "
-                                 "only; set --config.eval.num_examples=0 for a multi-process run")
   if c.mesh.num_devices not in (-1, len(jax.devices())):
     raise config_lib.ConfigError(f"config: mesh.num_devices={c.mesh.num_devices}: a multi-process run uses every "
                                  f"device of the job ({len(jax.devices())}); set it to -1")
@@ -105,8 +102,15 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
       return Sampler(engine, first.params, first.version, seed=c.seed, on_update=c.sampler.on_update,
                      detokenize=detok)
 
+    evaluate = None
+    if c.eval.num_examples and topology.sampler_rank == 0:  # the first replica scores the held-out examples
+
+      def evaluate(params, version):
+        return evaluate_policy(engine, task, score, params, version, num_examples=c.eval.num_examples,
+                               max_new_tokens=c.eval.max_new_tokens, seed=c.seed)[0]
+
     return DistributedController(spec, sampler=None, train_step=None, state=None, publisher=None, prompts=prompts,
-                                 score=score, make_sampler=make_sampler, **common)
+                                 score=score, make_sampler=make_sampler, evaluate=evaluate, **common)
 
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
   psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)
@@ -153,6 +157,7 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
   """The job's summary from every process's own: the lead learner's ledger plus the samplers' counts."""
   learner = parts[topology.lead]
   samplers = [parts[p] for p in topology.sampler_processes]
+  evals = {k: samplers[0][k] for k in ("eval_before", "eval_after") if k in samplers[0]}
   ledger = dict(learner["ledger"])
   for key in ("groups_admitted", "samples_generated", "skipped_prompts"):
     # The learner's own count is the base a resume starts from (samples_generated = trained + dropped then).
@@ -167,7 +172,7 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
           "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
           "sampler_versions": [s["sampler_version"] for s in samplers],
           "busy": {"learner": learner["busy"]["learner"], "samplers": [s["busy"]["sampler"] for s in samplers]},
-          **({"stopped_by": learner["stopped_by"]} if learner.get("stopped_by") else {})}
+          **evals, **({"stopped_by": learner["stopped_by"]} if learner.get("stopped_by") else {})}
 
 
 def _stop_on_signals(store, signals: tuple[int, ...]) -> None:
@@ -206,7 +211,10 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   store.set(f"summary/{topology.process_id}", own)
   if topology.process_id != topology.lead:
     return own
-  parts = {p: store.get(f"summary/{p}", summary_timeout_s) for p in range(jax.process_count())}
+  # The first sampler posts its summary after the held-out eval of the trained policy, which can take a while; the
+  # watchdog, not this timeout, catches a process that died meanwhile.
+  timeout_s = max(summary_timeout_s, 3600.0) if c.eval.num_examples else summary_timeout_s
+  parts = {p: store.get(f"summary/{p}", timeout_s) for p in range(jax.process_count())}
   summary = summarize(c, parts, topology)
   summary["train_seconds"] = own["train_seconds"]
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
