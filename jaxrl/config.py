@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import math
 import os
+import sys
 from pathlib import Path
 
 import ml_collections
@@ -109,6 +110,32 @@ def override(c: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDic
         node = node[part]
     node[path[-1]] = value
   return c
+
+
+def parse_cli(prog: str, argv=None, flag_values=None) -> None:
+  """Parses a CLI's absl flags, ml_collections config overrides (--config.<key>=...) included. A bad flag (unknown
+  config key, wrong type, missing value) or a stray argument ends the process with one line `prog: ...` and exit
+  status 2, before any work."""
+  from absl import flags
+
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  argv = list(sys.argv if argv is None else argv)
+  saved, sys.argv = sys.argv, argv  # ml_collections reads the --config.* overrides from sys.argv
+  try:
+    rest = flag_values(argv)
+  except (AttributeError, KeyError) as e:  # ml_collections: a --config.<key> the config does not have
+    _cli_error(prog, f"unknown config key {str(e).strip(chr(34))}")
+  except (flags.Error, TypeError, ValueError) as e:
+    _cli_error(prog, f"bad flag: {e}")
+  finally:
+    sys.argv = saved
+  if len(rest) > 1:
+    _cli_error(prog, f"unexpected arguments: {rest[1:]}")
+
+
+def _cli_error(prog: str, message: str):
+  print(f"{prog}: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def _is_int(v) -> bool:

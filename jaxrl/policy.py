@@ -114,23 +114,11 @@ def export_main(argv=None):
   flags.DEFINE_string("workdir", None, "the run's folder (its newest checkpoint is exported)", flag_values=flag_values)
   flags.DEFINE_string("out", None, "Hugging Face folder to write (replaced atomically if it exists)",
                       flag_values=flag_values)
-  argv = sys.argv if argv is None else list(argv)
-  saved, sys.argv = sys.argv, argv  # ml_collections reads --config.* overrides from sys.argv
-  try:
-    rest = flag_values(argv)
-    missing = [name for name in ("config", "workdir", "out") if flag_values[name].value is None]
-    if missing:
-      raise flags.Error(f"--{', --'.join(missing)} required")
-    if len(rest) > 1:
-      raise flags.Error(f"unexpected arguments: {rest[1:]}")
-  except (AttributeError, KeyError) as e:
-    print(f"jaxrl-export: unknown config key {str(e).strip(chr(34))}", file=sys.stderr)
+  config_lib.parse_cli("jaxrl-export", argv, flag_values)
+  missing = [name for name in ("config", "workdir", "out") if flag_values[name].value is None]
+  if missing:
+    print(f"jaxrl-export: bad flag: --{', --'.join(missing)} required", file=sys.stderr)
     sys.exit(2)
-  except (flags.Error, TypeError, ValueError) as e:
-    print(f"jaxrl-export: bad flag: {e}", file=sys.stderr)
-    sys.exit(2)
-  finally:
-    sys.argv = saved
   c = flag_values.config
   try:
     config_lib.validate(c)

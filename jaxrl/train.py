@@ -230,18 +230,7 @@ def main(argv=None):
   from absl import logging as absl_logging
 
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
-  argv = sys.argv if argv is None else argv
-  try:  # bad flags (unknown config key, wrong type) end here with one line, before any work
-    rest = flags_def(argv)
-  except (AttributeError, KeyError) as e:  # ml_collections: a --config.<key> the config does not have
-    print(f"jaxrl-train: unknown config key {str(e).strip(chr(34))}", file=sys.stderr)
-    sys.exit(2)
-  except (flags.Error, TypeError, ValueError) as e:
-    print(f"jaxrl-train: bad flag: {e}", file=sys.stderr)
-    sys.exit(2)
-  if len(rest) > 1:
-    print(f"jaxrl-train: unexpected arguments: {rest[1:]}", file=sys.stderr)
-    sys.exit(2)
+  config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
     summary = train(flags_def.config, flags_def.workdir)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:

@@ -52,26 +52,34 @@ def _assert_weights_arrived_bitwise(weights: Path, versions, learners, samplers)
         assert sent[name].dtype == got[name].dtype and sent[name].tobytes() == got[name].tobytes(), (v, p, name)
 
 
+def _signal_after_steps(proc: subprocess.Popen, workdir: Path, log: Path, steps: int, timeout_s: float,
+                        process: int, sig: signal.Signals) -> tuple[int, float]:
+  """Waits until the job has logged `steps` steps, sends `sig` to one of its processes, and waits for the launcher:
+  (its exit status, seconds from the signal to the job's end). The job is killed if anything goes wrong."""
+  try:
+    deadline = time.monotonic() + timeout_s
+    while not (workdir / "metrics.jsonl").exists() or len(read_jsonl(workdir / "metrics.jsonl")) < steps:
+      assert proc.poll() is None, f"the job ended early:\n{log.read_text()[-5000:]}"
+      assert time.monotonic() < deadline, f"fewer than {steps} steps in {timeout_s} s:\n{log.read_text()[-5000:]}"
+      time.sleep(0.2)
+    pids = {int(i): int(p) for i, p in re.findall(r"jaxrl.launch: process (\d) pid (\d+)", log.read_text())}
+    os.kill(pids[process], sig)
+    sent_at = time.monotonic()
+    code = proc.wait(timeout=120)
+    return code, time.monotonic() - sent_at
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
 @pytest.mark.slow
 def test_two_learners_two_samplers_learn_and_die_together(tmp_path):
   workdir, log = tmp_path / "run", tmp_path / "launch.log"
   steps = 12
   proc = _launch(4, ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.num_steps=1000",
                      "--config.mesh.sampler_devices=2"], log)
-  try:
-    deadline = time.monotonic() + 420
-    while not (workdir / "metrics.jsonl").exists() or len(read_jsonl(workdir / "metrics.jsonl")) < steps:
-      assert proc.poll() is None, f"the job ended early:\n{log.read_text()[-5000:]}"
-      assert time.monotonic() < deadline, f"fewer than {steps} steps in 420 s:\n{log.read_text()[-5000:]}"
-      time.sleep(0.5)
-    pids = {int(i): int(p) for i, p in re.findall(r"jaxrl.launch: process (\d) pid (\d+)", log.read_text())}
-    os.kill(pids[1], signal.SIGKILL)  # learner 1: learner 0 is left inside a collective with a dead peer
-    killed_at = time.monotonic()
-    code = proc.wait(timeout=120)
-    stopped_after = time.monotonic() - killed_at
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  # Learner 1: learner 0 is left inside a collective with a dead peer.
+  code, stopped_after = _signal_after_steps(proc, workdir, log, steps, 420, process=1, sig=signal.SIGKILL)
   out = log.read_text()
 
   records = read_jsonl(workdir / "metrics.jsonl")[:steps]
@@ -179,20 +187,8 @@ def test_sigterm_on_one_host_stops_the_whole_job_with_a_checkpoint_and_it_resume
   workdir, log = tmp_path / "run", tmp_path / "launch.log"
   args = ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.mesh.sampler_devices=1"]
   proc = _launch(3, [*args, "--config.num_steps=1000"], log)  # learners: processes 0, 1; sampler: process 2
-  try:
-    deadline = time.monotonic() + 300
-    while not (workdir / "metrics.jsonl").exists() or len(read_jsonl(workdir / "metrics.jsonl")) < 3:
-      assert proc.poll() is None, f"the job ended early:\n{log.read_text()[-5000:]}"
-      assert time.monotonic() < deadline, f"fewer than 3 steps in 300 s:\n{log.read_text()[-5000:]}"
-      time.sleep(0.2)
-    pids = {int(i): int(p) for i, p in re.findall(r"jaxrl.launch: process (\d) pid (\d+)", log.read_text())}
-    os.kill(pids[2], signal.SIGTERM)  # the sampler's host: the learners hear of it through the store
-    sent_at = time.monotonic()
-    code = proc.wait(timeout=120)
-    stopped_after = time.monotonic() - sent_at
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  # The sampler's host: the learners hear of it through the store.
+  code, stopped_after = _signal_after_steps(proc, workdir, log, 3, 300, process=2, sig=signal.SIGTERM)
   out = log.read_text()
   assert code == 143, out[-3000:]
   assert "process 0: exit status 143, process 1: exit status 143, process 2: exit status 143" in out, out[-3000:]
