@@ -53,7 +53,7 @@ def test_mission_doubling_samplers_wastes_devices(mission):
   # Timing only: the doubled split may leave the learner short of memory, which the planner drops anyway.
   r2 = planner.plan(b["costs"], b["workload"], b["pool"], staleness_bound=1, ks=(1,), splits=(doubled,))
   twice = r2.rows[0]
-  assert twice.step_time_s > 1.2 * best.step_time_s
+  assert twice.step_time_s > 1.1 * best.step_time_s
   assert twice.sampler_idle > best.sampler_idle + 0.2  # the extra sampler devices mostly wait
   assert twice.staleness_mean >= best.staleness_mean - 0.01  # staleness stays pinned at the bound
   # In this model the learner is not what idles more: with fewer devices it becomes the bottleneck.
