@@ -39,6 +39,9 @@ def build(config) -> dict:
         max_batch_cap=config.max_batch_cap, train_overhead_s=config.train_overhead_s,
         sync_overhead_s=config.sync_overhead_s, mfu_by_devices=dict(config.mfu_by_devices),
         sync_mfu_by_devices=dict(config.sync_mfu_by_devices), extra_forward_passes=config.extra_forward_passes)
+  if config.train_tps_by_devices or config.sync_train_tps_by_devices:
+    costs = costs.replace(train_scaling=tuple(map(tuple, config.train_tps_by_devices)),
+                          sync_train_scaling=tuple(map(tuple, config.sync_train_tps_by_devices)))
   lengths = lengths_lib.from_config(config.lengths.to_dict())
   workload = RunSpec(sampler_devices=1, learner_devices=1, batch_size=config.batch_sizes[0],
                      group_size=config.group_size, max_staleness=config.ks[0], lengths=lengths,
@@ -94,6 +97,15 @@ def _main(argv):
   print(f"\nsync on all {b['pool']} devices: {sync.step_time_s:.2f} s/step; best pipeline: {best.sampler_devices} "
         f"sampler + {best.learner_devices} learner devices, k={best.max_staleness}: {best.step_time_s:.2f} s/step, "
         f"speedup {best.speedup:.3f}x (sweep took {time.perf_counter() - t0:.1f} s)")
+  pub = config.published
+  if pub.sync_step_s:
+    row = next((r for r in p.rows if r.feasible and r.sampler_devices == pub.sampler_devices
+                and r.batch_size == best.batch_size), None)
+    if row is not None:
+      print(f"published ({pub.source}): sync {pub.sync_step_s:.4g} s/step, pipeline on {pub.sampler_devices} sampler "
+            f"devices {pub.pipeline_step_s:.4g} s/step ({pub.sync_step_s / pub.pipeline_step_s:.3f}x); predicted "
+            f"{row.sync_step_time_s:.4g} ({row.sync_step_time_s / pub.sync_step_s - 1:+.1%}) and {row.step_time_s:.4g} "
+            f"({row.step_time_s / pub.pipeline_step_s - 1:+.1%}), {row.speedup:.3f}x")
   if config.seeds > 1:
     spec = b["workload"].replace(sampler_devices=best.sampler_devices, learner_devices=best.learner_devices,
                                  batch_size=best.batch_size, max_staleness=best.max_staleness)

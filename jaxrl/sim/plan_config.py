@@ -24,6 +24,8 @@ def base() -> ml_collections.ConfigDict:
   c.mfu = 0.4  # learner model-FLOPs utilisation (6 N FLOPs per trained token; N active for an MoE)
   c.mfu_by_devices = ()  # ((devices, mfu), ...) measured at several learner sizes; replaces mfu (log-interpolated)
   c.sync_mfu_by_devices = ()  # the same for the colocated sync baseline's learner; empty: as mfu_by_devices
+  c.train_tps_by_devices = ()  # ((devices, tokens/s per device), ...) measured; replaces the MFU tables
+  c.sync_train_tps_by_devices = ()  # the same for the colocated sync baseline's learner
   c.extra_forward_passes = 0  # learner forward passes besides the trained one (old log-probs, reference model)
   c.overhead_s = 0.005  # fixed cost of one decode step (sampling, host loop, launch)
   c.knee_sharpness = math.inf  # smoothing of the roofline knee (inf: hard max)
@@ -45,5 +47,11 @@ def base() -> ml_collections.ConfigDict:
   c.seed = 0
   c.seeds = 1  # > 1: also print the best configuration's step time as an interval over this many seeds
   c.length_factors = ()  # scale every length by these for the speedup-vs-length plot; empty: skip
+  # A published run to compare with (jaxrl-plan prints the errors; bench/sim_published.py fits the lengths and
+  # learner rates from the phase times): step times of its synchronous baseline (colocated on the whole pool)
+  # and of its pipeline at `sampler_devices`; the sync generation phase and the learner phases per mode.
+  c.published = ml_collections.ConfigDict(dict(
+      source="", sync_step_s=0.0, pipeline_step_s=0.0, sampler_devices=0, sync_gen_s=0.0, sync_train_s=0.0,
+      pipeline_train_s=0.0))
   c.outdir = "/tmp/jaxrl-plan"
   return c
