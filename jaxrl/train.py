@@ -1,4 +1,4 @@
-"""jaxrl-train: builds a run from a config and drives it with the sync or pipeline controller.
+"""jaxrl-train: builds a run from a config and drives it with the controller (sync mode: max_staleness 0).
 
   jaxrl-train --config=configs/tiny.py --workdir=/tmp/jaxrl-tiny
   jaxrl-train --config=configs/default.py --config.mode=sync --workdir=runs/smollm2-sync
@@ -139,6 +139,7 @@ def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, Ru
   state, saved = checkpointer.restore(abstract)
   record = RunRecord.from_json(saved)
   record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
+  record.ledger.tokens_generated = record.ledger.tokens_trained + sum(record.ledger.dropped_tokens.values())
   return state, record
 
 
@@ -147,7 +148,7 @@ def run_spec(c) -> RunSpec:
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
                  seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
-                 on_stale=c.rl.on_stale, queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens,
+                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens,
                  sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
 
 
@@ -191,10 +192,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   finished = False
   try:
     with _stop_on_signals(ctl, stop_signals):
-      if c.mode == "sync":
-        ctl.run_sync()
-      else:
-        ctl.run_pipeline()
+      ctl.run_pipeline()  # sync mode is this loop with max_staleness 0 (run_spec)
     finished = ctl.stop_reason is None
   finally:
     ctl.finish()

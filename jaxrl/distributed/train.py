@@ -159,7 +159,7 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
   samplers = [parts[p] for p in topology.sampler_processes]
   evals = {k: samplers[0][k] for k in ("eval_before", "eval_after") if k in samplers[0]}
   ledger = dict(learner["ledger"])
-  for key in ("groups_admitted", "samples_generated", "skipped_prompts"):
+  for key in ("groups_admitted", "samples_generated", "tokens_generated", "skipped_prompts"):
     # The learner's own count is the base a resume starts from (samples_generated = trained + dropped then).
     ledger[key] = learner["ledger"][key] + sum(s["ledger"][key] for s in samplers)
   staleness = learner["trained_staleness"]
