@@ -69,9 +69,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.group_size = 4  # samples per prompt (GRPO group)
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
-  # k: every trained token has staleness <= k (pipeline mode; sync is k = 0). A group admitted at sampler version
-  # v is trained by step v + k, late or not: nothing is dropped for staleness (controller.assembly)
-  c.rl.max_staleness = 1
+  # A group admitted at sampler version v is trained by step v + k, late or not: nothing is dropped for staleness
+  c.rl.max_staleness = 1  # k: every trained token has staleness <= k (pipeline mode; sync is k = 0)
   c.rl.queue_groups = 8  # rollout queue capacity, in groups (back-pressure beyond)
   # Skipped prompts + dropped groups + skipped updates in a row (no applied update between) before the run stops
   c.rl.max_failures_in_a_row = 100  # with an error: broken data or rewards fail loudly instead of looping forever

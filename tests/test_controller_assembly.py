@@ -122,6 +122,27 @@ def test_skipped_updates_and_discards_give_the_room_back():
   assert book.step == 0 and book.room(0) == 2
 
 
+def test_nothing_is_admitted_past_the_last_step():
+  book = DeadlineBook(2, 3, base_step=4, end_step=6)
+  assert book.room(4) == 2 * 3  # steps 4 and 5, though k = 2 would allow step 6 too
+  book.admit(0, 4)
+  assert book.room(5) == 5
+
+
+def test_finished_groups_waiting_for_the_learner_stop_admission():
+  book = DeadlineBook(5, 2, max_finished=3)
+  for gid in range(4):
+    book.admit(gid, 0)
+  book.finish(_group(0, 1))
+  book.finish(_group(1, 1))
+  assert book.room(0) == 8
+  book.finish(_group(2, 1))
+  assert book.room(0) == 0  # three wait
+  book.take()
+  assert book.room(0) == (0 + 5 - 1 + 1) * 2 - 2  # the share left (step 1); one waits, one generates
+  assert DeadlineBook(0, 4, max_finished=1).max_finished == 4  # never below a share
+
+
 def test_admission_without_room_and_unknown_groups_are_errors():
   book = DeadlineBook(0, 1)
   book.admit(0, 0)

@@ -37,12 +37,16 @@ class DeadlineBook:
   handed out, minus the learner's skipped updates (a skipped update trains no version, so the steps after it come
   one version earlier, which only lowers staleness)."""
 
-  def __init__(self, max_staleness: int, groups_per_step: int, base_step: int = 0):
+  def __init__(self, max_staleness: int, groups_per_step: int, base_step: int = 0, end_step: int | None = None,
+               max_finished: int | None = None):
     if max_staleness < 0:
       raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if groups_per_step < 1:
       raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
-    self.k, self.gb, self.base = max_staleness, groups_per_step, base_step
+    self.k, self.gb, self.base, self.end = max_staleness, groups_per_step, base_step, end_step
+    # Back-pressure: no admission while this many finished groups wait for the learner (never fewer than a share,
+    # or a share could wait for groups that nothing generates).
+    self.max_finished = max(groups_per_step, max_finished or 0) if max_finished is not None else None
     self.deadline: dict[int, int] = {}  # open group -> the step that must train it
     self.finished: list[list[Rollout]] = []  # open and finished, in completion order
     self.shares = 0  # shares handed out
@@ -53,8 +57,12 @@ class DeadlineBook:
     return self.base + self.shares - self.skipped
 
   def room(self, version: int) -> int:
-    """Groups that may still be admitted at sampler version `version` (all due at version + k)."""
-    return max(0, (version + self.k - self.step + 1) * self.gb - len(self.deadline))
+    """Groups that may still be admitted at sampler version `version` (all due at version + k); none past what the
+    steps before end_step (the run's last) will train, and none while max_finished groups wait."""
+    if self.max_finished is not None and len(self.finished) >= self.max_finished:
+      return 0
+    last = version + self.k if self.end is None else min(version + self.k, self.end - 1)
+    return max(0, (last - self.step + 1) * self.gb - len(self.deadline))
 
   def admit(self, group_id: int, version: int) -> int:
     """Opens a group admitted at sampler version `version`; returns its deadline."""

@@ -288,7 +288,8 @@ class Controller:
 
   def run_pipeline(self, poll_s: float = 0.05, join_timeout_s: float = 60.0) -> None:
     self._log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
-    self.book = DeadlineBook(self.spec.max_staleness, self.spec.groups_per_step, self.version)
+    self.book = DeadlineBook(self.spec.max_staleness, self.spec.groups_per_step, self.version, self.spec.num_steps,
+                             self.spec.queue_groups)
     rollout_queue = RolloutQueue(self.spec.queue_groups, self.stop, poll_s)
     self.queue = rollout_queue
     self._wake = threading.Event()

@@ -354,7 +354,8 @@ class DistributedController(Controller):
       self.evals["eval_before"] = self.evaluate(first.params, first.version)
     num = len(self.topology.sampler_processes)
     self.record.next_group_id = -(-resume["next_group_id"] // num) * num + self.topology.sampler_rank
-    self.book = DeadlineBook(self.spec.max_staleness, self.share, resume["version"])
+    self.book = DeadlineBook(self.spec.max_staleness, self.share, resume["version"], self.spec.num_steps,
+                             self.spec.queue_groups // len(self.topology.sampler_processes))
     self.ledger.groups_admitted = resume["version"] * self.share  # as if it had admitted its share of each step
     self._guarded("sampler", self._sampler_loop, self.outbox, self.poll_s)
     self.ferry.join()
