@@ -1,12 +1,14 @@
 """The single-host Controller, one role per process: learner processes run its learner loop (SPMD over the learner
-mesh, in lock step), every sampler process runs its sampler loop on its own devices. The queue, staleness policy,
-batch assembly, train step and versions are the Controller's own code; what changes is the wiring:
+mesh, in lock step), every sampler process runs its sampler loop on its own devices. Admission, deadline-based
+batch assembly (each sampler assembles its share of every step from its own groups), the train step and versions
+are the Controller's own code; what changes is the wiring:
 
   sampler loop --Outbox--> transfer log --(cross-host copy of a packet)--> Inbox --> learner loop
   learner loop --LearnerPublisher--> transfer log --(cross-host copy of the params)--> ReceivedWeights --> sampler
 
 One Ferry thread per process follows the transfer log and issues every copy in order. Counters that cross
-(groups taken by the learner, groups dropped per sampler, sampler versions) go through the store.
+(groups taken by the learner, shares the learner asked for, updates it skipped, sampler versions) go through the
+store. The learners take share after share, sampler by sampler, so every learner process builds the same batch.
 Sync mode is this same pipeline with max_staleness 0: a sampler admits a step's groups only once it holds the
 params of that step, which is the single-host sync schedule.
 
