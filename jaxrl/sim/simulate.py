@@ -10,7 +10,8 @@ Controller (the same for both modes; sync is the k = 0 case):
   trained on by learner step v + k. Admission holds while open groups (started, not yet trained on) number at
   most (v + k - s + 1) * groups_per_step, s being the next learner step; this makes every deadline feasible,
   so no sample is ever dropped and staleness never exceeds k. A bounded queue (`queue_groups`) also stops
-  admission while that many finished groups wait.
+  admission while max(queue_groups, groups_per_step) finished groups wait.
+  This is the real controller's rule too (jaxrl/controller/assembly.py), so predictions describe the real loop.
 - Complete-group rule: a group reaches the queue when its last sample finishes.
 - Learner step s takes the groups whose deadlines force them into step s (waiting for any that are still
   generating), then fills the batch with finished groups in completion order.
@@ -243,7 +244,8 @@ class _Sim:
           return
       elif self.n_open + 1 > (self.version + self.k - s_next + 1) * self.gb:
         return
-      if self.spec.queue_groups and len(self.finished_fifo) >= self.spec.queue_groups:
+      # The controller's rule (controller.assembly): never below a step's groups, or the batch could wait for ever.
+      if self.spec.queue_groups and len(self.finished_fifo) >= max(self.spec.queue_groups, self.gb):
         return
       free = [e for e in self.engines if e.max_batch - e.load >= need]
       if not free:
