@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl import config as config_lib
@@ -101,11 +102,14 @@ def build(c, workdir: str | Path) -> Run:
   spec = run_spec(c)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
-  state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner)
+  state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner, with_ref=loss_cfg.kl_coef > 0)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                               num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,
                                state_shardings=state_sh,
                                batch_sharding=sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES))
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  # The KL reference is the initial policy, frozen.
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh,
+                           ref_params=jax.tree.map(jnp.copy, params) if loss_cfg.kl_coef > 0 else None)
 
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
                               every_steps=c.checkpoint.every_steps)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, StalenessPolicy, Stopped, WeightPublisher
-from jaxrl.rollout import Rollout, make_batch
+from jaxrl.rollout import Rollout, check_sampling, make_batch
 
 
 class SkipPrompt(Exception):
@@ -191,6 +191,7 @@ class Controller:
     """One train step on the groups; an update the learner skipped (non-finite) drops them, counted."""
     samples = [r for g in groups for r in g]
     step = self.version
+    check_sampling(samples, self.spec.sampling)
     batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
     train_step = int(jax.device_get(self.state.step))
     key = jax.random.fold_in(self._base_key, train_step)

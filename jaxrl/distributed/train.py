@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -117,11 +118,14 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
-  state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh)
+  state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh, with_ref=loss_cfg.kl_coef > 0)
   rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                               num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,
                                state_shardings=state_sh, batch_sharding=rows)
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  # The KL reference is the initial policy, frozen.
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh,
+                           ref_params=jax.tree.map(jnp.copy, params) if loss_cfg.kl_coef > 0 else None)
   # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
                               every_steps=c.checkpoint.every_steps, processes=topology.learner_processes,
