@@ -66,7 +66,12 @@ def base() -> ml_collections.ConfigDict:
   c.rl.group_size = 4  # samples per prompt (GRPO group)
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
-  c.rl.max_staleness = 1  # k: no sample is trained with staleness above k (pipeline mode), in learner steps
+  # k: no sample is trained with staleness above k (pipeline mode), in learner steps. "auto": admission moves k
+  # within [auto_staleness.k_min, auto_staleness.k_max] from the measured drift (jaxrl/controller/adaptive.py);
+  # k_max stays the hard bound at batch assembly
+  c.rl.max_staleness = ml_collections.FieldReference(1, field_type=object)  # an int >= 0 or "auto"
+  c.rl.auto_staleness = ml_collections.ConfigDict(dict(
+      k_min=0, k_max=4, ess_low=0.7, ess_high=0.9, kl_high=0.05, window=3))  # see AutoStaleness
   # Optimizer updates per learner step: each epoch splits the batch into num_minibatches disjoint mini-batches.
   # A step makes one policy version however many updates it runs. With loss.proximal="recompute", updates after
   # the first are clipped against the pre-step policy (decoupled PPO): 2 makes the trust region act.
@@ -155,7 +160,7 @@ def _is_real(v) -> bool:
 
 # (field, smallest allowed value) of every integer field.
 _INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_step", 1), ("rl.seq_len", 2),
-         ("rl.queue_groups", 1), ("rl.max_staleness", 0), ("rl.max_failures_in_a_row", 1),
+         ("rl.queue_groups", 1), ("rl.max_failures_in_a_row", 1),
          ("rl.num_minibatches", 1), ("rl.num_epochs", 1), ("sampler.max_slots", 1),
          ("sampler.max_len", 2), ("sampler.steps_per_call", 1), ("sampler.max_new_tokens", 1), ("sampler.top_k", 0),
          ("task.max_prompt_tokens", 1), ("checkpoint.every_steps", 1), ("checkpoint.max_to_keep", 1),
@@ -203,6 +208,10 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
        f"sampler.max_new_tokens={c.sampler.max_new_tokens} leaves no room for a prompt in max_len={c.sampler.max_len}")
   need(c.sampler.max_len <= c.rl.seq_len,
        f"sampler.max_len={c.sampler.max_len} exceeds rl.seq_len={c.rl.seq_len}: samples would not fit the batch")
+  k = get("rl.max_staleness")
+  need(k == "auto" or _is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
+  if k == "auto":
+    auto_staleness(c)
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % c.rl.num_minibatches == 0,
        f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
@@ -211,6 +220,18 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
   _validate_mesh(c, need, get, num_devices)
   if workdir is not None:
     _check_writable(Path(workdir))
+
+
+def auto_staleness(c):
+  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int."""
+  from jaxrl.controller.adaptive import AutoStaleness
+
+  if c.rl.max_staleness != "auto":
+    return None
+  try:
+    return AutoStaleness(**c.rl.auto_staleness.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config: rl.auto_staleness: {e}") from None
 
 
 def _validate_objective(c) -> None:

@@ -146,11 +146,19 @@ def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, Ru
   return state, record
 
 
+def max_staleness(c) -> int:
+  """The hard staleness bound of a config: 0 in sync mode, auto_staleness.k_max under "auto"."""
+  if c.mode != "pipeline":
+    return 0
+  return c.rl.auto_staleness.k_max if c.rl.max_staleness == "auto" else c.rl.max_staleness
+
+
 def run_spec(c) -> RunSpec:
   """The loop sizes of a config (sync mode is the pipeline's bookkeeping with max_staleness 0)."""
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
-                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
+                 seq_len=c.rl.seq_len, max_staleness=max_staleness(c),
+                 auto_staleness=config_lib.auto_staleness(c) if c.mode == "pipeline" else None,
                  on_stale=c.rl.on_stale, queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens,
                  sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
 

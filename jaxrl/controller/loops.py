@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, StalenessPolicy, Stopped, WeightPublisher
 from jaxrl.rollout import Rollout, check_sampling, make_batch
 
@@ -61,6 +62,7 @@ class RunSpec:
   stop_token_ids: tuple[int, ...] = ()
   seed: int = 0
   max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
+  auto_staleness: Any = None  # jaxrl.controller.adaptive.AutoStaleness: k adapts below max_staleness; None: fixed
 
   @property
   def batch_size(self) -> int:
@@ -82,6 +84,9 @@ class Controller:
     self.record = record or RunRecord()
     self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
     self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step, spec.on_stale)
+    self.adaptive = None if spec.auto_staleness is None else AdaptiveStaleness(spec.auto_staleness)
+    if self.adaptive is not None:
+      self.policy = dataclasses.replace(self.policy, admit_staleness=self.adaptive.k)
     self.assembler = GroupAssembler()
     self._resubmit = list(self.record.pending_group_ids)  # in flight at the checkpoint: generate again
     self._live: set[int] = set()
@@ -242,6 +247,10 @@ class Controller:
     version = self.version
     self.publisher.publish(self.state.params, version)
     self.step_times.append(step_time)
+    if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
+      k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
+      self.policy = dataclasses.replace(self.policy, admit_staleness=k)
+      metrics["admit_staleness"] = k
     metrics.update(step_time_s=step_time, version=version, samples_generated=self.ledger.samples_generated,
                    samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped,
                    updates_skipped_total=self.ledger.skipped_updates,

@@ -34,6 +34,9 @@ class StalenessPolicy:
   max_staleness: int
   groups_per_step: int
   on_stale: str = "drop"
+  # Bound used for admission only (rl.max_staleness="auto" moves it within [k_min, max_staleness]); None: the
+  # same as max_staleness. Batch assembly always checks max_staleness, the hard bound.
+  admit_staleness: int | None = None
 
   def __post_init__(self):
     if self.max_staleness < 0:
@@ -45,7 +48,8 @@ class StalenessPolicy:
 
   def may_admit(self, groups_live: int, sampler_version: int) -> bool:
     """groups_live: groups admitted so far minus groups dropped (the ones the learner will consume)."""
-    return groups_live < (sampler_version + self.max_staleness + 1) * self.groups_per_step
+    k = self.max_staleness if self.admit_staleness is None else self.admit_staleness
+    return groups_live < (sampler_version + k + 1) * self.groups_per_step
 
   @staticmethod
   def staleness(group: list[Rollout], learner_step: int) -> int:
