@@ -83,7 +83,8 @@ def _sample(ctl, sampler, group_ids):
 def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
   """Per k: final-policy reward and trained-sample reward (means over seeds) of one objective."""
   with tempfile.TemporaryDirectory() as workdir:
-    run = build(_config(**OBJECTIVES[objective]), workdir)
+    # The learning-rate schedule decays over num_steps: the run's length.
+    run = build(_config(**OBJECTIVES[objective], num_steps=steps), workdir)
     ctl = run.controller
     init = _copy(ctl.state)  # the train step donates its state: every run starts from a fresh copy
     spec, out = ctl.spec, {}

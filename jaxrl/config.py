@@ -88,10 +88,11 @@ def base() -> ml_collections.ConfigDict:
   # corrected for staleness by truncated token IS weights prox / mu.
   c.loss = ml_collections.ConfigDict(dict(
       advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
-      proximal="recompute", is_level="token", is_cap=2.0, kl_coef=0.0, entropy_coef=0.0))
+      proximal="recompute", is_level="token", is_cap=2.0, is_ess_min=None, kl_coef=0.0, kl_estimator="k2",
+      entropy_coef=0.0))
 
   c.optimizer = ml_collections.ConfigDict(dict(
-      learning_rate=3e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0))  # see make_optimizer
+      learning_rate=3e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0))  # see make_optimizer; warmup in steps
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 5  # save every N learner steps (and at the end)

@@ -36,6 +36,15 @@ class Policy:
   checkpoint_step: int | None = None  # the checkpoint the params came from
 
 
+def run_optimizer(c):
+  """The optimizer of a run config. Its schedule counts optimizer updates, rl.num_minibatches * rl.num_epochs per
+  learner step, so warmup and decay (in learner steps in the config) are scaled to updates here."""
+  per_step = c.rl.num_minibatches * c.rl.num_epochs
+  options = c.optimizer.to_dict()
+  options["warmup_steps"] = options.get("warmup_steps", 0) * per_step
+  return make_optimizer(**options, decay_steps=c.num_steps * per_step)
+
+
 def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
   """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
   overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
@@ -84,9 +93,11 @@ def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Po
       raise FileNotFoundError(f"no checkpoint in {directory}")
     graphdef, abstract_params = hf.abstract_params(cfg)
     # The saved TrainState holds the optimizer moments too: restored as the run saved them, then dropped.
-    optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
-    state_sh = train_state_shardings(abstract_params, optimizer, shardings_fn(abstract_params), mesh)
-    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed), abstract_params)
+    optimizer = run_optimizer(c)
+    with_ref = c.loss.kl_coef > 0  # the state then holds the frozen KL reference too
+    state_sh = train_state_shardings(abstract_params, optimizer, shardings_fn(abstract_params), mesh, with_ref)
+    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed, ref_params=p if with_ref else None),
+                              abstract_params)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
     try:
       state, _ = checkpointer.restore(abstract, step)

@@ -35,10 +35,10 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import evaluate, make_prompt_source, make_scorer
 from jaxrl.controller.loops import Controller, RunRecord, RunSpec
 from jaxrl.controller.queue import WeightPublisher
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+from jaxrl.learner import LossConfig, init_train_state, make_train_step, train_state_shardings
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
-from jaxrl.policy import base_params, model_source
+from jaxrl.policy import base_params, model_source, run_optimizer
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Sampler
 
@@ -101,7 +101,7 @@ def build(c, workdir: str | Path) -> Run:
 
   spec = run_spec(c)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
-  optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+  optimizer = run_optimizer(c)
   state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner, with_ref=loss_cfg.kl_coef > 0)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
                                num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,

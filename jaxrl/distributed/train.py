@@ -46,13 +46,12 @@ from jaxrl.learner import (
   LossConfig,
   batch_shardings,
   init_train_state,
-  make_optimizer,
   make_train_step,
   train_state_shardings,
 )
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import hf
-from jaxrl.policy import base_params, model_source
+from jaxrl.policy import base_params, model_source, run_optimizer
 from jaxrl.rollout import make_batch
 from jaxrl.sampler import Engine, Sampler
 from jaxrl.train import restore, run_spec
@@ -119,7 +118,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)
   model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
-  optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+  optimizer = run_optimizer(c)
   state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh, with_ref=loss_cfg.kl_coef > 0)
   rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
