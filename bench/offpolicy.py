@@ -28,6 +28,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxrl.config import override
+from jaxrl.controller.adaptive import AdaptiveStaleness, AutoStaleness
 from jaxrl.rollout import make_batch
 from jaxrl.sampler import Sampler
 from jaxrl.train import build
@@ -36,9 +37,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "configs"))
 import tiny  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 20, "learner steps per forced-staleness run")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "seeds (sampling and prompt streams) per objective and k")
-_KS = flags.DEFINE_list("ks", ["0", "2", "4"], "forced staleness values")
-_AUTO_STEPS = flags.DEFINE_integer("auto_steps", 20, "learner steps of each real-pipeline run (0: skip)")
+_SEEDS = flags.DEFINE_integer("seeds", 2, "seeds (sampling and prompt streams) per objective and k")
+_KS = flags.DEFINE_list("ks", ["0", "2", "4", "auto"], "forced staleness values; auto: AdaptiveStaleness "
+                        "(rl.auto_staleness, k_max 4) picks k each step from the step's measured drift")
+_AUTO_STEPS = flags.DEFINE_integer("auto_steps", 16, "learner steps of each real-pipeline run (0: skip)")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "offpolicy.json"), "JSON path.")
 
 # Decoupled PPO is the run config's default loss; "ppo_mu" anchors the ratio at mu and has no IS weight.
@@ -90,30 +92,39 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
     spec, out = ctl.spec, {}
     for k in ks:
       finals, trained, wall = [], [], 0.0
+      mean_ks = []
       for seed in range(seeds):
+        adaptive = AdaptiveStaleness(AutoStaleness(**run.config.rl.auto_staleness)) if k == "auto" else None
         ctl.state = _copy(init)
         history = [jax.tree.map(jnp.copy, ctl.state.params)]
         sampler = Sampler(run.engine, history[0], 0, seed=1000 + seed)
         rewards = []
         start = time.perf_counter()
+        used_ks = []
         for s in range(steps):
-          v = max(0, s - k)
+          k_now = adaptive.k if adaptive else k
+          used_ks.append(k_now)
+          v = max(0, s - k_now, sampler.version)  # versions never go back (k may fall by one)
           if v > sampler.version:
             sampler.update_params(history[v], v)
           gids = [seed * 10**6 + s * spec.groups_per_step + i for i in range(spec.groups_per_step)]
           batch = make_batch(_sample(ctl, sampler, gids), spec.batch_size, spec.seq_len)
           ctl.state, m = ctl.train_step(ctl.state, batch, jax.random.fold_in(jax.random.key(seed), s))
           rewards.append(float(m["reward_mean"]))
+          if adaptive:
+            adaptive.observe(m["ess_applied_frac"], m["kl_behavior"])
           history.append(jax.tree.map(jnp.copy, ctl.state.params))
         wall += time.perf_counter() - start
         sampler.update_params(history[-1], len(history) - 1)
         fresh = _sample(ctl, sampler, [seed * 10**6 + 900_000 + i for i in range(EVAL_GROUPS)])
         finals.append(float(np.mean([r.reward for r in fresh])))
         trained.append(float(np.mean(rewards)))
+        mean_ks.append(float(np.mean(used_ks)))
       out[k] = {"final_reward": float(np.mean(finals)), "final_reward_per_seed": finals,
-                "trained_reward": float(np.mean(trained)), "seconds": wall}
+                "trained_reward": float(np.mean(trained)), "mean_k": float(np.mean(mean_ks)), "seconds": wall}
       print(f"{objective:>10} k={k}: final reward {out[k]['final_reward']:.3f} (per seed "
-            f"{', '.join(f'{x:.3f}' for x in finals)}), trained-sample reward {out[k]['trained_reward']:.3f}",
+            f"{', '.join(f'{x:.3f}' for x in finals)}), trained-sample reward {out[k]['trained_reward']:.3f}, "
+            f"mean k {out[k]['mean_k']:.2f}",
             flush=True)
     run.controller.score.close()
   return out
@@ -140,7 +151,7 @@ def pipeline_run(max_staleness, steps: int) -> dict:
 
 
 def main(_):
-  ks = [int(k) for k in _KS.value]
+  ks = [k if k == "auto" else int(k) for k in _KS.value]
   load = os.getloadavg()
   result = {"steps": _STEPS.value, "seeds": _SEEDS.value, "eval_samples_per_seed": EVAL_GROUPS * 4,
             "loadavg_before": load, "forced": {}, "pipeline": {}}
