@@ -213,12 +213,12 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
   need(k == "auto" or _is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
   if k == "auto":
     auto_staleness(c)
-  batch = c.rl.group_size * c.rl.groups_per_step
-  need(batch % c.rl.num_minibatches == 0,
-       f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
   _validate_objective(c)
   _validate_model_and_task(c, need, get)
   _validate_mesh(c, need, get, num_devices)
+  batch = c.rl.group_size * c.rl.groups_per_step
+  need(batch % c.rl.num_minibatches == 0,
+       f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
   if workdir is not None:
     _check_writable(Path(workdir))
 

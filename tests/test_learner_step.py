@@ -289,3 +289,19 @@ def test_timed_step_reports_throughput():
   step, state, batch = run()
   state, m = timed_step(step, state, batch, jax.random.key(0))
   assert m["step_time_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["num_tokens"] / m["step_time_s"])
+
+
+def test_a_fault_in_one_minibatch_skips_the_whole_step_and_padding_is_a_no_op():
+  """Two mini-batches: NaN in one row rolls the other update back too (no version); a mini-batch of padding only
+  is skipped without failing the step."""
+  step, state, batch = run(DECOUPLED["recompute"], opt="sgd2", num_minibatches=2)
+  before = np.asarray(state.params["w"])
+  behavior = batch.behavior_logprobs_BxL.copy()
+  behavior[0, batch.loss_mask_BxL[0] > 0] = np.nan
+  state, m = step(state, batch.replace(behavior_logprobs_BxL=behavior), jax.random.key(1))
+  assert (int(state.version), int(state.skipped)) == (0, 1)
+  assert m["updates_applied"] == 0 and m["updates_skipped"] == 2 and m["skip/nonfinite"] == 1
+  np.testing.assert_array_equal(state.params["w"], before)
+  state, m = step(state, batch_of(rollouts(params0()["w"], n=1)), jax.random.key(1))  # 1 real row of 8
+  assert (int(state.version), int(state.skipped)) == (1, 1)
+  assert m["updates_applied"] == 1 and m["updates_skipped"] == 1 and m["skip/empty"] == 0

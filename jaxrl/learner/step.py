@@ -4,8 +4,9 @@ One call is one learner step and makes one policy version, whatever the mini-bat
 `num_epochs * num_minibatches` optimizer updates (PPO-style: each epoch a fresh permutation of the rows split into
 mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned in order. The version goes up by
 one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds it.
-Every update either applies in full or is skipped (params and optimizer state untouched, skip counted) when its
-loss or gradient is non-finite, a valid sample's reward is non-finite, or it has no completion tokens.
+A step applies in full or is skipped (params and optimizer state as before it, version not bumped, skip counted)
+when any of its updates has a non-finite loss or gradient, a valid sample's reward is non-finite, or it has no
+completion tokens at all (a mini-batch of padding rows only is a no-op).
 """
 
 from __future__ import annotations
@@ -204,16 +205,29 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-      state = state.replace(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
-                            skipped=state.skipped + (~ok).astype(jnp.int32))
+      state = state.replace(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
       reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
                  "skip/nonfinite": rewards_ok & has_tokens & ~finite}
       return (state, n_applied + ok.astype(jnp.int32)), {"loss": loss, "grad_norm": grad_norm, "applied": ok,
                                                           **reasons, **stats}
 
-    (state, n_applied), per_update = jax.lax.scan(update, (state, jnp.int32(0)), parts)
-    state = state.replace(step=state.step + 1, version=v0 + (n_applied > 0).astype(jnp.int32))
+    start = state
+    (state, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), parts)
+    # A step applies in full or not at all: a version is the result of all its updates (and a batch is trained on
+    # whole or its groups are dropped, counted). A mini-batch of padding rows only is a no-op, not a fault. The
+    # pre-step state is kept for this only when there are 2+ updates.
+    any_of = lambda name: jnp.any(per_update[name])
+    reasons = {"skip/reward": any_of("skip/reward"), "skip/nonfinite": any_of("skip/nonfinite"),
+               "skip/empty": jnp.all(per_update["skip/empty"])}
+    step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
+    if updates_per_step > 1:
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(step_ok, a, b), new, old)
+      state = state.replace(params=keep(state.params, start.params), opt_state=keep(state.opt_state, start.opt_state))
+    state = state.replace(step=start.step + 1, version=v0 + step_ok.astype(jnp.int32),
+                          skipped=start.skipped + (~step_ok).astype(jnp.int32))
+    per_update["applied"] = per_update["applied"] & step_ok
     metrics = _summarise(per_update, batch, v0, valid_B, staleness_bins)
+    metrics.update({name: flag.astype(jnp.float32) for name, flag in reasons.items()})  # why the step was skipped
     if cfg.is_cap is not None or cfg.is_ess_min is not None:
       metrics["is_cap"] = jnp.min(per_update["is_cap_min"])  # the smallest truncation applied this step
     metrics["kl_reward_mean"] = jnp.sum(jnp.where(valid_B, kl_reward_B, 0.0)) / jnp.maximum(valid_B.sum(), 1)
@@ -247,10 +261,7 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
       "loss/entropy": jnp.mean(per_update["loss/entropy"]),
       "grad_norm": jnp.mean(per_update["grad_norm"]),
       "updates_applied": total("applied"),
-      "updates_skipped": total("skip/reward") + total("skip/empty") + total("skip/nonfinite"),
-      "skip/reward": total("skip/reward"),
-      "skip/empty": total("skip/empty"),
-      "skip/nonfinite": total("skip/nonfinite"),
+      "updates_skipped": jnp.sum(1.0 - per_update["applied"].astype(jnp.float32)),
       "clip_frac_low": per_token("clip_low"),
       "clip_frac_high": per_token("clip_high"),
       "clip_frac_dual": per_token("clip_dual"),
