@@ -69,18 +69,31 @@ def base() -> ml_collections.ConfigDict:
   c.rl.group_size = 4  # samples per prompt (GRPO group)
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
-  # A group admitted at sampler version v is trained by step v + k, late or not: nothing is dropped for staleness
-  c.rl.max_staleness = 1  # k: every trained token has staleness <= k (pipeline mode; sync is k = 0)
+  # k: a group admitted at sampler version v is trained by step v + k, late or not (nothing is dropped for
+  # staleness): every trained token has staleness <= k, in learner steps (pipeline mode; sync is k = 0). "auto":
+  # admission moves k within [auto_staleness.k_min, auto_staleness.k_max] from the measured drift
+  # (jaxrl/controller/adaptive.py); k_max stays the hard bound
+  c.rl.max_staleness = ml_collections.FieldReference(1, field_type=object)  # an int >= 0 or "auto"
+  c.rl.auto_staleness = ml_collections.ConfigDict(dict(
+      k_min=0, k_max=4, ess_low=0.7, ess_high=0.9, kl_high=0.05, window=3))  # see AutoStaleness
+  # Optimizer updates per learner step: each epoch splits the batch into num_minibatches disjoint mini-batches.
+  # A step makes one policy version however many updates it runs. With loss.proximal="recompute", updates after
+  # the first are clipped against the pre-step policy (decoupled PPO): 2 makes the trust region act.
+  c.rl.num_minibatches = 2  # optimizer updates per epoch of a learner step (see above)
+  c.rl.num_epochs = 1  # PPO epochs: passes over the batch per learner step
   c.rl.queue_groups = 8  # rollout queue capacity, in groups (back-pressure beyond)
   # Skipped prompts + dropped groups + skipped updates in a row (no applied update between) before the run stops
   c.rl.max_failures_in_a_row = 100  # with an error: broken data or rewards fail loudly instead of looping forever
 
+  # See LossConfig. Default: decoupled PPO (clip-higher, dual clip for A < 0) against the pre-step policy,
+  # corrected for staleness by truncated token IS weights prox / mu.
   c.loss = ml_collections.ConfigDict(dict(
-      advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_low=0.2, clip_high=0.28,
-      proximal="recompute", is_level="token", is_cap=2.0, kl_coef=0.0, entropy_coef=0.0))  # see LossConfig
+      advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
+      proximal="recompute", is_level="token", is_cap=2.0, is_ess_min=None, kl_coef=0.0, kl_estimator="k2",
+      entropy_coef=0.0))
 
   c.optimizer = ml_collections.ConfigDict(dict(
-      learning_rate=3e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0))  # see make_optimizer
+      learning_rate=3e-3, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0))  # see make_optimizer; warmup in steps
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 5  # save every N learner steps (and at the end)
@@ -152,7 +165,8 @@ def _is_real(v) -> bool:
 
 # (field, smallest allowed value) of every integer field.
 _INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_step", 1), ("rl.seq_len", 2),
-         ("rl.queue_groups", 1), ("rl.max_staleness", 0), ("rl.max_failures_in_a_row", 1), ("sampler.max_slots", 1),
+         ("rl.queue_groups", 1), ("rl.max_failures_in_a_row", 1),
+         ("rl.num_minibatches", 1), ("rl.num_epochs", 1), ("sampler.max_slots", 1),
          ("sampler.max_len", 2), ("sampler.steps_per_call", 1), ("sampler.max_new_tokens", 1), ("sampler.top_k", 0),
          ("task.max_prompt_tokens", 1), ("checkpoint.every_steps", 1), ("checkpoint.max_to_keep", 1),
          ("eval.num_examples", 0), ("eval.max_new_tokens", 1), ("optimizer.warmup_steps", 0))
@@ -202,11 +216,30 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
        f"sampler.max_new_tokens={c.sampler.max_new_tokens} leaves no room for a prompt in max_len={c.sampler.max_len}")
   need(c.sampler.max_len <= c.rl.seq_len,
        f"sampler.max_len={c.sampler.max_len} exceeds rl.seq_len={c.rl.seq_len}: samples would not fit the batch")
+  k = get("rl.max_staleness")
+  need(k == "auto" or _is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
+  if k == "auto":
+    auto_staleness(c)
   _validate_objective(c)
   _validate_model_and_task(c, need, get)
   _validate_mesh(c, need, get, num_devices)
+  batch = c.rl.group_size * c.rl.groups_per_step
+  need(batch % c.rl.num_minibatches == 0,
+       f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
   if workdir is not None:
     _check_writable(Path(workdir))
+
+
+def auto_staleness(c):
+  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int."""
+  from jaxrl.controller.adaptive import AutoStaleness
+
+  if c.rl.max_staleness != "auto":
+    return None
+  try:
+    return AutoStaleness(**c.rl.auto_staleness.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config: rl.auto_staleness: {e}") from None
 
 
 def _validate_objective(c) -> None:
@@ -285,6 +318,9 @@ def _validate_mesh(c, need, get, num_devices: int | None) -> None:
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % shards == 0, f"the batch of rl.group_size * rl.groups_per_step = {batch} rows is not divisible by "
                             f"the {shards} learner devices it is split over (mesh.learner_axes)")
+  need(batch % (shards * c.rl.num_minibatches) == 0,
+       f"each of rl.num_minibatches={c.rl.num_minibatches} mini-batches of the {batch}-row batch must split evenly "
+       f"over the {shards} learner devices (mesh.learner_axes)")
 
 
 def _check_writable(workdir: Path) -> None:

@@ -65,6 +65,18 @@ class Rollout:
     return len(self.prompt_tokens) + len(self.completion_tokens)
 
 
+def check_sampling(rollouts: Sequence[Rollout], sampling: SamplingParams) -> None:
+  """Raises ValueError naming the first rollout drawn with other sampling settings than the learner scores.
+
+  The learner scores every token under one SamplingParams (LossConfig.sampling); a rollout drawn under another
+  would get importance ratios that are not 1 on-policy, silently.
+  """
+  for r in rollouts:
+    if r.sampling != sampling:
+      raise ValueError(f"rollout (group {r.group_id}, sample {r.sample_index}) was drawn with {r.sampling}; the "
+                       f"learner scores tokens under {sampling}")
+
+
 @flax.struct.dataclass
 class Batch:
   """Fixed-shape learner input; rows are right-padded samples (segment id 0 marks padding)."""

@@ -397,7 +397,9 @@ TRAIN_STEP = [
     model_config = ModelConfig.tiny(vocab_size=32)
     graphdef, params = nnx.split(Decoder(model_config, nnx.Rngs(SEED)))
     sampling = SamplingParams(temperature=1.0)
-    # Decoupled PPO with token-level truncated importance weights, as jaxrl.config.base() trains.
+    # Decoupled PPO with token-level truncated importance weights. jaxrl.config.base() also adds a dual clip and
+    # makes two mini-batch updates per step (num_minibatches=2), so that the clip acts from the second one on;
+    # with the single update here the ratio to the pre-step policy is 1 and only the IS weights correct staleness.
     loss_config = LossConfig(advantage="grpo", policy_loss="ppo", proximal="recompute", is_level="token", is_cap=2.0,
                              sampling=sampling)
     optimizer = make_optimizer(1e-2)

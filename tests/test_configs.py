@@ -68,6 +68,7 @@ def test_unwritable_workdir(tmp_path):
     ("--config.num_steps=abc", "num_steps"),
     ("--config.rl.max_staleness=-2", "max_staleness"),
     ("--config.rl.on_stale=keep", "--config.rl.on_stale was removed: batch assembly is deadline-based"),
+    ("--config.rl.max_staleness=often", "max_staleness"),  # a string reaches validation: "auto" is the one allowed
 ])
 def test_cli_rejects_bad_flags_with_one_clear_line(flag, message, tmp_path):
   cmd = [sys.executable, "-m", "jaxrl.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}", flag]

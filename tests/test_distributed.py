@@ -318,7 +318,8 @@ def _tiny(**overrides):
 @pytest.mark.parametrize("overrides, message", [
     ({"mesh.num_devices": 6}, "a multi-process run uses every device of the job"),
     ({"mesh.sampler_axes": {"data": -1, "tensor": 4}}, r"mesh.sampler_axes on a sampler replica of 2 device\(s\)"),
-    ({"rl.groups_per_step": 3}, "rl.groups_per_step=3 does not split evenly over the 2 sampler replicas"),
+    ({"rl.groups_per_step": 3, "rl.num_minibatches": 1},  # 12 rows: one mini-batch over 4 learner devices
+     "rl.groups_per_step=3 does not split evenly over the 2 sampler replicas"),
 ])
 def test_bad_multiprocess_configs_fail_before_any_work(tmp_path, overrides, message):
   topology = Topology.split(4, _devices(4, 2), process_id=0)
@@ -330,7 +331,7 @@ def test_a_replica_larger_than_the_learner_is_a_config_error(tmp_path):
   devices = [FakeDevice(0, 0), *_devices(4, 2)[2:]]  # learner: 1 device; sampler replicas: 2 devices each
   topology = Topology.split(6, devices, process_id=0)
   with pytest.raises(config_lib.ConfigError, match="a sampler replica of 2 devices needs as many learner devices"):
-    build(_tiny(**{"rl.groups_per_step": 3}), tmp_path, topology, store=None)
+    build(_tiny(**{"rl.groups_per_step": 3, "rl.num_minibatches": 1}), tmp_path, topology, store=None)  # 12 rows
 
 
 @pytest.mark.parametrize("script", ["local.sh", "tpu_vm.sh", "slurm_gpu.sbatch"])

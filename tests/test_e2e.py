@@ -47,6 +47,9 @@ def test_reward_rises(tiny_run):
 def test_every_trained_sample_obeys_the_staleness_bound(tiny_run):
   c, summary, records, _ = tiny_run
   bound = 0 if c.mode == "sync" else c.rl.max_staleness
+  # Two optimizer updates per learner step, one version per step: staleness is counted in the unit it is bounded in.
+  assert c.rl.num_minibatches == 2 and all(r["updates_applied"] == 2 for r in records)
+  assert [r["version"] for r in records] == list(range(1, c.num_steps + 1))
   # Host side (min token version per sample) and learner side (per-token versions inside the step).
   assert 0 <= summary["staleness_max"] <= bound
   assert all(r["staleness_max"] <= bound for r in records)

@@ -13,7 +13,8 @@ from jaxrl.learner import (
     dr_grpo_advantages,
     grpo_advantages,
     gspo_surrogate,
-    kl_penalty,
+    kl_k2,
+    kl_k3,
     pg_surrogate,
     policy_objective,
     ppo_surrogate,
@@ -81,7 +82,8 @@ def _value_and_grad(f, x, *args):
 def test_ppo_surrogate_values_gradients_and_clip_flags():
   u = np.array([1.5, 0.5, 0.5, 1.5, 1.1], np.float32)
   adv = np.array([1.0, 1.0, -1.0, -1.0, 2.0], np.float32)
-  loss, low, high = ppo_surrogate(np.log(u), adv, 0.2, 0.28)
+  loss, low, high, dual = ppo_surrogate(np.log(u), adv, 0.2, 0.28)
+  assert not dual.any()
   np.testing.assert_allclose(loss, [-1.28, -0.5, 0.8, 1.5, -2.2], rtol=1e-6)
   assert low.tolist() == [False, False, True, False, False]
   assert high.tolist() == [True, False, False, False, False]
@@ -100,7 +102,7 @@ def test_gspo_sequence_ratio():
   log_ratio = np.array([[0.1, 0.3], [0.5, 9.0]], np.float32)
   mask = np.array([[1, 1], [1, 0]], bool)  # row 1's second entry is not a token
   adv = np.ones((2, 2), np.float32)
-  loss, _, high = gspo_surrogate(log_ratio, adv, mask, 0.2, 0.28)
+  loss, _, high, _ = gspo_surrogate(log_ratio, adv, mask, 0.2, 0.28)
   np.testing.assert_allclose(loss, [[-np.exp(0.2)] * 2, [-1.28] * 2], rtol=1e-6)
   assert high.tolist() == [[False, False], [True, True]]
   grad = jax.grad(lambda lr: gspo_surrogate(lr, adv, mask, 0.2, 0.28)[0][:, 0].sum())(jnp.asarray(log_ratio))
@@ -112,14 +114,15 @@ def test_behavior_weights_token_and_sequence():
   behavior = np.zeros((1, 3), np.float32)
   mask = np.array([[True, True, True]])
   cfg = LossConfig(proximal="recompute", is_level="token", is_cap=2.0, is_mask_low=0.6)
-  w, keep, trunc = behavior_weights(prox, behavior, mask, cfg)
+  w, keep, trunc, cap = behavior_weights(prox, behavior, mask, cfg)
+  assert cap == 2.0
   np.testing.assert_allclose(w, [[2.0, 0.5, 1.5]], rtol=1e-6)
   assert keep.tolist() == [[True, False, True]] and trunc.tolist() == [[True, False, False]]
   seq = cfg.replace(is_level="sequence", is_cap=None, is_mask_low=None, is_mask_high=2.0)
-  w, keep, _ = behavior_weights(prox, behavior, np.array([[True, True, False]]), seq)
+  w, keep, _, _ = behavior_weights(prox, behavior, np.array([[True, True, False]]), seq)
   np.testing.assert_allclose(w, [[1.5, 1.5, 1.5]], rtol=1e-6)  # 3 * 0.5; the third entry is not a token
   assert keep.all()
-  w, keep, _ = behavior_weights(prox, behavior, mask, seq)  # 3 * .5 * 1.5 = 2.25 > 2: the sample is dropped
+  w, keep, _, _ = behavior_weights(prox, behavior, mask, seq)  # 3 * .5 * 1.5 = 2.25 > 2: the sample is dropped
   np.testing.assert_allclose(w, [[2.25] * 3], rtol=1e-6)
   assert not keep.any()
 
@@ -127,11 +130,11 @@ def test_behavior_weights_token_and_sequence():
 def test_kl_estimators():
   logp = np.array([-1.0, -0.5], np.float32)
   ref = np.array([-2.0, -0.5], np.float32)
-  np.testing.assert_allclose(kl_penalty(logp, ref, "k1"), [1.0, 0.0])
-  np.testing.assert_allclose(kl_penalty(logp, ref, "k3"), [np.exp(-1.0), 0.0], rtol=1e-6)
-  # k3 gradient wrt logp: 1 - exp(ref - logp).
-  grad = jax.grad(lambda x: kl_penalty(x, ref, "k3").sum())(jnp.asarray(logp))
-  np.testing.assert_allclose(grad, [1 - np.exp(-1.0), 0.0], rtol=1e-6)
+  np.testing.assert_allclose(kl_k2(logp, ref), [0.5, 0.0])
+  np.testing.assert_allclose(kl_k3(logp, ref), [np.exp(-1.0), 0.0], rtol=1e-6)
+  # k2 gradient wrt logp: log pi - log ref.
+  grad = jax.grad(lambda x: kl_k2(x, ref).sum())(jnp.asarray(logp))
+  np.testing.assert_allclose(grad, [1.0, 0.0], rtol=1e-6)
 
 
 def _np_support(x, top_k, top_p):
@@ -155,7 +158,7 @@ def test_token_logprobs_under_sampling_support(top_k, top_p):
   logits = rng.normal(size=(2, 5, 9)).astype(np.float32) * 2
   tokens = rng.integers(0, 9, size=(2, 5)).astype(np.int32)
   sampling = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
-  logp, in_support, entropy = token_logprobs(logits, tokens, sampling, renormalize=True)
+  logp, in_support, entropy = token_logprobs(logits, tokens, sampling)
   assert logp[:, 0].tolist() == [0, 0] and in_support[:, 0].all()
   masks = np.asarray(support_mask(jnp.asarray(logits / 0.7), top_k, top_p))
   for b in range(2):
@@ -170,29 +173,19 @@ def test_token_logprobs_under_sampling_support(top_k, top_p):
         np.testing.assert_allclose(logp[b, t], np.log(p[tokens[b, t]]), rtol=1e-5, atol=1e-6)
       np.testing.assert_allclose(entropy[b, t], -np.sum(p[s] * np.log(p[s])), rtol=1e-5, atol=1e-6)
   # Gradient of a renormalised logprob: (onehot(y) - p * support) / T, zero off the support.
-  grad = jax.grad(lambda z: token_logprobs(z, tokens, sampling, True)[0][0, 1])(jnp.asarray(logits))
+  grad = jax.grad(lambda z: token_logprobs(z, tokens, sampling)[0][0, 1])(jnp.asarray(logits))
   x = logits[0, 0] / 0.7
   s = _np_support(x, top_k, top_p)
   p = np.where(s, np.exp(x - x.max()), 0.0)
   p /= p.sum()
   np.testing.assert_allclose(grad[0, 0], (np.eye(9)[tokens[0, 1]] - p) / 0.7, atol=1e-6)
-  assert np.isfinite(jax.grad(lambda z: token_logprobs(z, tokens, sampling, True)[2].sum())(jnp.asarray(logits))).all()
-
-
-def test_token_logprobs_plain_ignores_support():
-  logits = np.random.default_rng(1).normal(size=(1, 3, 5)).astype(np.float32)
-  tokens = np.array([[0, 4, 2]], np.int32)
-  logp, in_support, _ = token_logprobs(logits, tokens, SamplingParams(temperature=2.0, top_k=1), renormalize=False)
-  x = logits[0] / 2.0
-  ref = x - np.log(np.exp(x).sum(-1, keepdims=True))
-  np.testing.assert_allclose(logp[0, 1:], [ref[0, 4], ref[1, 2]], rtol=1e-6)
-  assert in_support.all()
+  assert np.isfinite(jax.grad(lambda z: token_logprobs(z, tokens, sampling)[2].sum())(jnp.asarray(logits))).all()
 
 
 def test_policy_objective_decoupled_ppo_with_tis_kl_entropy():
   """The full objective against a term-by-term reference, values and gradient wrt the current logprobs."""
   cfg = LossConfig(policy_loss="ppo", proximal="recompute", is_level="token", is_cap=1.5, clip_low=0.2,
-                   clip_high=0.3, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+                   clip_high=0.3, kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01)
   logp = np.array([[0.0, -1.0, -0.5, -2.0]], np.float32)
   prox = np.array([[0.0, -1.5, -0.5, -1.0]], np.float32)
   behavior = np.array([[0.0, -2.0, -0.4, np.nan]], np.float32)  # the NaN entry is not a token
@@ -210,13 +203,14 @@ def test_policy_objective_decoupled_ppo_with_tis_kl_entropy():
   # Token 2: u = 1, surrogate -2 (gradient -2); w = e^-0.1.
   w1, w2 = 1.5, np.exp(-0.1)
   policy = 0.5 * (w1 * -2.6) + 0.5 * (w2 * -2.0)
-  k3 = lambda d: np.exp(d) - d - 1
-  kl = 0.1 * 0.5 * (k3(-0.2) + k3(0.2))
+  # KL: k2 = 0.5 (logp - ref)^2 weighted by pi / mu capped at 1.5: e^1 -> 1.5 on token 1, e^-0.1 on token 2.
+  kw1, kw2 = 1.5, np.exp(-0.1)
+  kl = 0.1 * 0.5 * (kw1 * 0.5 * 0.2**2 + kw2 * 0.5 * 0.2**2)
   ent = -0.01 * 0.5 * (1.0 + 2.0)
   np.testing.assert_allclose(loss, policy + kl + ent, rtol=1e-6)
   np.testing.assert_allclose(stats["loss/policy"], policy, rtol=1e-6)
-  dkl = lambda d: 1 - np.exp(d)  # d k3(ref - logp) / d logp
-  np.testing.assert_allclose(grad, [[0.0, 0.1 * 0.5 * dkl(-0.2), 0.5 * w2 * -2.0 + 0.1 * 0.5 * dkl(0.2), 0.0]],
+  # d k2 / d logp = logp - ref: 0.2 on token 1, -0.2 on token 2.
+  np.testing.assert_allclose(grad, [[0.0, 0.1 * 0.5 * kw1 * 0.2, 0.5 * w2 * -2.0 + 0.1 * 0.5 * kw2 * -0.2, 0.0]],
                              rtol=1e-5)
   assert stats["tokens"] == 2 and stats["clip_high"] == 1 and stats["is_truncated"] == 1
   np.testing.assert_allclose(stats["ratio_sum"], np.exp(1.0) + np.exp(-0.1), rtol=1e-6)  # pi / mu
@@ -257,7 +251,7 @@ def test_renormalised_logprobs_match_the_sampler(top_k, top_p):
   logits = np.round(rng.normal(size=(3, 7, 12)) * 2).astype(np.float32)  # integer logits: many ties
   tokens = rng.integers(0, 12, size=(3, 7)).astype(np.int32)
   params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p)
-  ours, in_support, _ = token_logprobs(logits, tokens, params, renormalize=True)
+  ours, in_support, _ = token_logprobs(logits, tokens, params)
   theirs = np.asarray(sampling_logprobs(logits[:, :-1], tokens[:, 1:], params))
   np.testing.assert_array_equal(in_support[:, 1:], np.isfinite(theirs))
   np.testing.assert_allclose(np.where(in_support[:, 1:], ours[:, 1:], 0.0), np.where(np.isfinite(theirs), theirs, 0.0),

@@ -145,7 +145,7 @@ def test_bad_shapes_raise_clear_errors():
 
 @pytest.mark.parametrize("cfg", [
     LossConfig(),
-    LossConfig(advantage="dr_grpo", aggregation="seq_sum_norm", policy_loss="gspo", clip_low=3e-4, clip_high=4e-4),
+    LossConfig(advantage="dr_grpo", aggregation="seq_mean", policy_loss="gspo", clip_low=3e-4, clip_high=4e-4),
     LossConfig(advantage="rloo", aggregation="seq_mean", proximal="recompute", is_level="sequence", is_cap=2.0,
                entropy_coef=0.01),
 ])
@@ -205,7 +205,7 @@ def test_decoupled_ppo_on_policy_equals_standard_ppo(proximal):
     step, state, batch = run(c, opt="sgd2", num_minibatches=2)
     state, m = step(state, batch, jax.random.key(7))
     results.append((np.asarray(state.params["w"]), float(m["clip_frac_low"] + m["clip_frac_high"])))
-    assert int(state.version) == 2 and m["updates_applied"] == 2
+    assert int(state.version) == 1 and m["updates_applied"] == 2  # one version per learner step
   np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
   assert results[0][1] > 0  # the trust region clipped something in the second update
 
@@ -271,11 +271,11 @@ def test_kl_to_reference_params():
 
 
 def test_out_of_support_tokens_are_dropped_and_counted():
-  cfg = LossConfig(sampling=SamplingParams(top_k=2), renormalize_support=True)
+  cfg = LossConfig(sampling=SamplingParams(top_k=2))
   step, state, batch = run(cfg)
   # Recompute the behavior logprobs under the same support, as the sampler would report them.
   logits = bigram(state.params, batch.tokens_BxL, None, None)
-  lp, in_support, _ = token_logprobs(logits, batch.tokens_BxL, cfg.sampling, True)
+  lp, in_support, _ = token_logprobs(logits, batch.tokens_BxL, cfg.sampling)
   batch = batch.replace(behavior_logprobs_BxL=np.where(batch.loss_mask_BxL > 0, np.asarray(lp), 0.0))
   trained = batch.loss_mask_BxL > 0
   outside = float((trained & ~np.asarray(in_support)).sum())
@@ -289,3 +289,19 @@ def test_timed_step_reports_throughput():
   step, state, batch = run()
   state, m = timed_step(step, state, batch, jax.random.key(0))
   assert m["step_time_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["num_tokens"] / m["step_time_s"])
+
+
+def test_a_fault_in_one_minibatch_skips_the_whole_step_and_padding_is_a_no_op():
+  """Two mini-batches: NaN in one row rolls the other update back too (no version); a mini-batch of padding only
+  is skipped without failing the step."""
+  step, state, batch = run(DECOUPLED["recompute"], opt="sgd2", num_minibatches=2)
+  before = np.asarray(state.params["w"])
+  behavior = batch.behavior_logprobs_BxL.copy()
+  behavior[0, batch.loss_mask_BxL[0] > 0] = np.nan
+  state, m = step(state, batch.replace(behavior_logprobs_BxL=behavior), jax.random.key(1))
+  assert (int(state.version), int(state.skipped)) == (0, 1)
+  assert m["updates_applied"] == 0 and m["updates_skipped"] == 2 and m["skip/nonfinite"] == 1
+  np.testing.assert_array_equal(state.params["w"], before)
+  state, m = step(state, batch_of(rollouts(params0()["w"], n=1)), jax.random.key(1))  # 1 real row of 8
+  assert (int(state.version), int(state.skipped)) == (1, 1)
+  assert m["updates_applied"] == 1 and m["updates_skipped"] == 1 and m["skip/empty"] == 0

@@ -111,7 +111,7 @@ def test_learner_recomputes_the_same_logprobs(sp):
   logits = _rows(2 * 7, 30, seed=5).reshape(2, 7, 30)
   tokens = jax.random.randint(jax.random.key(6), (2, 7), 0, 30)
   ours = jax.jit(sampling_logprobs, static_argnums=2)(logits[:, :-1], tokens[:, 1:], sp)
-  learner, in_support, _ = jax.jit(token_logprobs, static_argnums=(2, 3))(logits, tokens, sp, True)
+  learner, in_support, _ = jax.jit(token_logprobs, static_argnums=2)(logits, tokens, sp)
   inside = np.asarray(in_support[:, 1:])
   np.testing.assert_array_equal(inside, np.isfinite(ours))
   np.testing.assert_allclose(np.asarray(learner[:, 1:])[inside], np.asarray(ours)[inside], atol=1e-5)

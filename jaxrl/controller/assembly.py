@@ -44,6 +44,9 @@ class DeadlineBook:
     if groups_per_step < 1:
       raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
     self.k, self.gb, self.base, self.end = max_staleness, groups_per_step, base_step, end_step
+    # The bound new groups are admitted under (rl.max_staleness="auto" moves it within [k_min, k]); None: k. A
+    # smaller bound only makes the room stricter, so the deadlines of groups already open stay feasible.
+    self.admit_k: int | None = None
     # Back-pressure: no admission while this many finished groups wait for the learner (never fewer than a share,
     # or a share could wait for groups that nothing generates).
     self.max_finished = max(groups_per_step, max_finished or 0) if max_finished is not None else None
@@ -51,6 +54,10 @@ class DeadlineBook:
     self.finished: list[list[Rollout]] = []  # open and finished, in completion order
     self.shares = 0  # shares handed out
     self.skipped = 0  # learner updates skipped so far (known to this side)
+
+  @property
+  def admit_bound(self) -> int:
+    return self.k if self.admit_k is None else min(self.admit_k, self.k)
 
   @property
   def step(self) -> int:
@@ -61,7 +68,8 @@ class DeadlineBook:
     steps before end_step (the run's last) will train, and none while max_finished groups wait."""
     if self.max_finished is not None and len(self.finished) >= self.max_finished:
       return 0
-    last = version + self.k if self.end is None else min(version + self.k, self.end - 1)
+    k = self.admit_bound
+    last = version + k if self.end is None else min(version + k, self.end - 1)
     return max(0, (last - self.step + 1) * self.gb - len(self.deadline))
 
   def admit(self, group_id: int, version: int) -> int:
@@ -71,8 +79,8 @@ class DeadlineBook:
                          f"{len(self.deadline)} open): its deadline could not be met")
     if group_id in self.deadline:
       raise ValueError(f"group {group_id} is already open")
-    self.deadline[group_id] = version + self.k
-    return version + self.k
+    self.deadline[group_id] = version + self.admit_bound
+    return self.deadline[group_id]
 
   def finish(self, group: list[Rollout]) -> None:
     """A group whose samples are all done (and scored), ready for a share."""

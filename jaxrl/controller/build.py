@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
@@ -50,11 +51,19 @@ def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[M
   return hf.load_params(path, cfg, shardings=shardings_fn(abstract))
 
 
+def max_staleness(c) -> int:
+  """The hard staleness bound of a config: 0 in sync mode, auto_staleness.k_max under "auto"."""
+  if c.mode != "pipeline":
+    return 0
+  return c.rl.auto_staleness.k_max if c.rl.max_staleness == "auto" else c.rl.max_staleness
+
+
 def run_spec(c) -> RunSpec:
   """The loop sizes of a config (sync mode is the pipeline with max_staleness 0)."""
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
-                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
+                 seq_len=c.rl.seq_len, max_staleness=max_staleness(c),
+                 auto_staleness=config_lib.auto_staleness(c) if c.mode == "pipeline" else None,
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
 
@@ -85,27 +94,41 @@ def _param_shardings(mesh):
   return lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
 
 
-def _optimizer(c):
-  return make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+def run_optimizer(c):
+  """The optimizer of a run config. Its schedule counts optimizer updates, rl.num_minibatches * rl.num_epochs per
+  learner step, so warmup and decay (in learner steps in the config) are scaled to updates here."""
+  per_step = c.rl.num_minibatches * c.rl.num_epochs
+  options = c.optimizer.to_dict()
+  options["warmup_steps"] = options.get("warmup_steps", 0) * per_step
+  return make_optimizer(**options, decay_steps=c.num_steps * per_step)
+
+
+def _with_ref(c) -> bool:
+  return c.loss.kl_coef > 0  # the state then holds the frozen KL reference (the initial policy) too
 
 
 def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
   model_cfg, graphdef, params = base_params(c, model_cfg, path, _param_shardings(mesh))
-  optimizer = _optimizer(c)
-  state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh)
+  optimizer = run_optimizer(c)
+  state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh, with_ref=_with_ref(c))
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                               num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,
                                state_shardings=state_sh, batch_sharding=rows)
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh,
+                           ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
   return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)
 
 
 def abstract_train_state(c, abstract_params, mesh):
   """The shapes and shardings of a run's TrainState on `mesh` (what a checkpoint of the run restores into)."""
-  optimizer = _optimizer(c)
-  state_sh = train_state_shardings(abstract_params, optimizer, _param_shardings(mesh)(abstract_params), mesh)
-  abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed), abstract_params)
+  optimizer = run_optimizer(c)
+  with_ref = _with_ref(c)
+  state_sh = train_state_shardings(abstract_params, optimizer, _param_shardings(mesh)(abstract_params), mesh,
+                                   with_ref)
+  abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed, ref_params=p if with_ref else None),
+                            abstract_params)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
 
 

@@ -20,9 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import DeadlineBook, reject_reason
 from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, Stopped, WeightPublisher
-from jaxrl.rollout import Rollout, make_batch
+from jaxrl.rollout import Rollout, check_sampling, make_batch
 
 
 class SkipPrompt(Exception):
@@ -61,6 +62,7 @@ class RunSpec:
   stop_token_ids: tuple[int, ...] = ()
   seed: int = 0
   max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
+  auto_staleness: Any = None  # jaxrl.controller.adaptive.AutoStaleness: k adapts below max_staleness; None: fixed
 
   @property
   def batch_size(self) -> int:
@@ -84,6 +86,9 @@ class Controller:
     self.book: DeadlineBook | None = None  # the sampler side's batch assembly, made when the sampler loop starts
     self._asked = 0  # shares the learner has asked for (it asks for the next one before taking it)
     self._skipped_at_start = self.ledger.skipped_updates
+    # rl.max_staleness="auto": the admission bound moves within [k_min, k_max] from the measured drift; the book's
+    # deadlines use it, and k_max (spec.max_staleness) stays the hard bound checked at every train step.
+    self.adaptive = None if spec.auto_staleness is None else AdaptiveStaleness(spec.auto_staleness)
     self.assembler = GroupAssembler()
     self._resubmit = list(self.record.pending_group_ids)  # in flight at the checkpoint: generate again
     self._live: set[int] = set()
@@ -191,6 +196,7 @@ class Controller:
     if over:
       raise RuntimeError(f"staleness invariant broken at step {step}: (group, staleness) {over[:4]} over "
                          f"max_staleness={self.spec.max_staleness}")
+    check_sampling(samples, self.spec.sampling)
     batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
     train_step = int(jax.device_get(self.state.step))
     key = jax.random.fold_in(self._base_key, train_step)
@@ -238,6 +244,11 @@ class Controller:
     version = self.version
     self.publisher.publish(self.state.params, version)
     self.step_times.append(step_time)
+    if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
+      k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
+      if self.book is not None:
+        self.book.admit_k = k  # deadlines of groups admitted from now on (an int store: no lock needed)
+      metrics["admit_staleness"] = k
     metrics.update(step_time_s=step_time, version=version, samples_generated=self.ledger.samples_generated,
                    samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped,
                    updates_skipped_total=self.ledger.skipped_updates,
@@ -290,6 +301,8 @@ class Controller:
     self._log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
     self.book = DeadlineBook(self.spec.max_staleness, self.spec.groups_per_step, self.version, self.spec.num_steps,
                              self.spec.queue_groups)
+    if self.adaptive is not None:
+      self.book.admit_k = self.adaptive.k
     rollout_queue = RolloutQueue(self.spec.queue_groups, self.stop, poll_s)
     self.queue = rollout_queue
     self._wake = threading.Event()

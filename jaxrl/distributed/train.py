@@ -77,6 +77,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   except ValueError as e:
     raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
   spec = build_lib.run_spec(c)
+  if spec.auto_staleness is not None:  # sampler processes would not hear of k's changes
+    raise config_lib.ConfigError("config: rl.max_staleness='auto' is single-host only (jaxrl-train)")
   log = TransferLog(store)
   common = dict(topology=topology, store=store, log=log, routes=routes, max_len=c.sampler.max_len, dump_dir=dump_dir)
 

@@ -17,13 +17,17 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce")
 AGGREGATIONS = ("token_mean", "seq_mean", "seq_sum_norm")
 POLICY_LOSSES = ("pg", "ppo", "gspo")
 PROXIMALS = ("behavior", "recompute", "interpolate")
-IS_LEVELS = ("none", "token", "sequence")
-KL_ESTIMATORS = ("k1", "k3")
+IS_LEVELS = ("none", "token", "sequence", "sequence_mean")
+KL_ESTIMATORS = ("k2", "k1_reward")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """The RL objective. Defaults: GRPO advantages, token-mean PPO-clip with clip-higher against the behavior."""
+  """The RL objective. Defaults: GRPO advantages, token-mean PPO-clip with clip-higher against the behavior.
+
+  The run config's default (jaxrl/config.py c.loss) is decoupled PPO instead: proximal="recompute",
+  is_level="token", is_cap=2, dual_clip=3, with rl.num_minibatches=2 so that the clip acts.
+  """
 
   # Advantage of sample i from the rewards of its group (samples sharing a group id):
   #   grpo:      (r_i - mean_g) / (std_g + adv_eps), std over the group with ddof=0
@@ -43,16 +47,22 @@ class LossConfig:
   # Surrogate per token, with ratio u = pi / anchor (anchor = mu, or prox when proximal != "behavior"):
   #   pg:   -u * A (no trust region; gradient u * grad log pi * A)
   #   ppo:  -min(u * A, clip(u, 1 - clip_low, 1 + clip_high) * A) (clip_high > clip_low is DAPO's clip-higher)
-  #   gspo: as ppo with the sequence ratio exp(mean_t log u_t) in place of u (GSPO; use clips of ~3e-4..4e-4)
+  #   gspo: as ppo with the sequence ratio exp(mean_t log u_t) in place of u, one loss per sample averaged over
+  #         samples as in the GSPO paper (needs aggregation="seq_mean"; use clips of ~3e-4..4e-4)
   policy_loss: str = "ppo"
   clip_low: float = 0.2
   clip_high: float = 0.28
+  # Dual clip (Ye et al. 2020) for A < 0: the loss is at most -dual_clip * A, so a token whose ratio u grew
+  # past dual_clip (a stale, now much likelier token) stops pushing; None: off. Must be > 1 + clip_high.
+  dual_clip: float | None = None
 
   # The anchor of the ratio u and the source of prox:
   #   behavior:    anchor = mu (standard PPO/GRPO: the clipped ratio itself corrects for staleness)
   #   recompute:   anchor = prox, the policy at the start of the step (decoupled PPO, AReaL). With one update
-  #                per step it is the current params (no extra pass); with num_minibatches > 1 an extra
-  #                forward pass over the batch computes it before the first update.
+  #                per step it is the current params (no extra pass): u = 1 and the clip never acts (the
+  #                objective is then truncated-IS REINFORCE). With num_minibatches * num_epochs > 1 an extra
+  #                forward pass over the batch computes it before the first update, and every update after the
+  #                first is clipped against it: a real trust region (the run config's default).
   #   interpolate: anchor = prox approximated without the extra pass, linearly in log space between the
   #                token's behavior version v_t and the current version v: log prox = log mu + a (log pi - log
   #                mu), a = (v0 - v_t) / (v - v_t) (a = 1 when v = v_t). Equals recompute for the first update.
@@ -63,26 +73,43 @@ class LossConfig:
   #   none:     w = 1 (ignores the behavior policy: biased when mu != prox)
   #   token:    w_t = prox(y_t) / mu(y_t)
   #   sequence: w_i = prod_t prox(y_t) / mu(y_t), the same for every token of sample i
+  #   sequence_mean: w_i = exp(mean_t log(prox(y_t) / mu(y_t))), the length-normalised (geometric mean)
+  #             sequence weight: biased, but its variance does not grow with the length
   is_level: str = "none"
   is_cap: float | None = None  # truncated IS (TIS): w <- min(w, is_cap)
+  # Cap from measured drift: per micro-batch, w <- min(w, c) with the largest c >= 1 for which the Kish
+  # effective sample size (sum w)^2 / (n sum w^2) of the weights applied is >= is_ess_min * n (ESS falls as c
+  # grows, so c is found by bisection). None: off. Both caps may be set; the smaller acts.
+  is_ess_min: float | None = None
   # Masked IS: tokens (or whole samples, at sequence level) whose w lies outside [is_mask_low, is_mask_high]
   # are dropped from the loss (they still count in the aggregation denominator).
   is_mask_low: float | None = None
   is_mask_high: float | None = None
 
-  kl_coef: float = 0.0  # weight of KL(pi || ref) to frozen reference params (TrainState.ref_params)
-  kl_estimator: str = "k3"  # k1: log pi - log ref; k3: ref/pi - log(ref/pi) - 1 (unbiased, >= 0)
+  # KL(pi || ref) to frozen reference params (TrainState.ref_params), weighted by kl_coef, estimated as:
+  #   k2:        a loss term sg(w_t) * 0.5 (log pi(y_t) - log ref(y_t))^2 with w_t = pi/mu (truncated at is_cap
+  #              when set): on tokens drawn from mu its expected gradient is the gradient of the per-token
+  #              reverse KL(pi || ref) (k1 as a loss has zero expected gradient; k3 as a loss follows the
+  #              gradient of KL(ref || pi)).
+  #   k1_reward: no loss term: each sample's reward becomes r_i - kl_coef * sum_t (log mu(y_t) - log ref(y_t))
+  #              before advantages, a single-sample estimate of KL(mu || ref) of its sequence; no gradient
+  #              flows through it (the RLHF "KL in the reward").
+  kl_coef: float = 0.0
+  kl_estimator: str = "k2"
   entropy_coef: float = 0.0  # weight of the entropy bonus: loss -= entropy_coef * entropy
 
-  # The distribution the sampler drew from; the learner scores tokens under the same one.
+  # The distribution the sampler drew from (the run's sampler settings). The learner scores every token under
+  # exactly this distribution: softmax(logits / temperature) renormalised over the top-k/top-p support, as
+  # the sampler's behavior logprobs are; tokens outside the support are dropped and counted. There is no
+  # other choice, so on-policy ratios are 1. Greedy is rejected: a point mass has no gradient to train on.
   sampling: SamplingParams = SamplingParams()
-  # True: logprobs renormalised over the sampler's top-k/top-p support (tokens outside it are dropped and
-  # counted); False: logprobs of the full softmax(logits / temperature).
-  renormalize_support: bool = False
 
   log_ratio_clamp: float = 20.0  # log-ratios are clamped to +-this before exp, against overflow
 
   def __post_init__(self):
+    if self.kl_estimator in ("k1", "k3"):
+      raise ValueError(f"kl_estimator={self.kl_estimator!r} is gone: as a loss k1 has zero expected gradient and "
+                       "k3 follows KL(ref || pi); use 'k2' (a loss) or 'k1_reward' (in the reward)")
     for name, allowed in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS),
                           ("policy_loss", POLICY_LOSSES), ("proximal", PROXIMALS), ("is_level", IS_LEVELS),
                           ("kl_estimator", KL_ESTIMATORS)):
@@ -102,7 +129,15 @@ class LossConfig:
     if self.norm_length < 0:
       raise ValueError(f"norm_length must be >= 0 (got {self.norm_length})")
     if self.sampling.greedy:
-      raise ValueError("greedy sampling has no logprobs to correct; train on temperature sampling")
+      raise ValueError("greedy sampling draws from a point mass on the argmax, which has no gradient: train on "
+                       "temperature sampling (greedy is for evaluation)")
+    if self.policy_loss == "gspo" and self.aggregation != "seq_mean":
+      raise ValueError(f"policy_loss='gspo' has one loss per sample, averaged over samples: set "
+                       f"aggregation='seq_mean' (got {self.aggregation!r}, which would weight samples by length)")
+    if self.dual_clip is not None and not self.dual_clip > 1.0 + self.clip_high:
+      raise ValueError(f"dual_clip must be > 1 + clip_high = {1.0 + self.clip_high} (got {self.dual_clip})")
+    if self.is_ess_min is not None and (self.is_level == "none" or not 0 < self.is_ess_min <= 1):
+      raise ValueError(f"is_ess_min needs is_level != 'none' and a value in (0, 1] (got {self.is_ess_min})")
     if self.kl_coef < 0 or self.entropy_coef < 0:
       raise ValueError(f"kl_coef and entropy_coef must be >= 0 (got {self.kl_coef}, {self.entropy_coef})")
     if not self.log_ratio_clamp > 0:

@@ -39,19 +39,25 @@ def support_mask(scaled_logits_xV: jax.Array, top_k: int, top_p: float) -> jax.A
   return keep
 
 
-def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array, sampling: SamplingParams = _PLAIN,
-                   renormalize: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(logprobs_BxL, in_support_BxL, entropy_BxL) of each token under softmax(logits / temperature).
+def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array,
+                   sampling: SamplingParams = _PLAIN) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(logprobs_BxL, in_support_BxL, entropy_BxL) of each token under the distribution `sampling` draws from.
 
-  With renormalize, the distribution is restricted to the sampler's top-k/top-p support and renormalised;
-  a token outside that support (possible when the policy moved since sampling) gets in_support False and a
-  finite logprob that callers must drop. Entropy is that of the predicting distribution at t - 1.
+  That is softmax(logits / temperature) restricted to the top-k/top-p support and renormalised, exactly what
+  the sampler reports as behavior logprobs, so on-policy ratios are 1 by construction. A token outside the
+  support (possible when the policy moved since sampling) gets in_support False and a finite logprob that
+  callers must drop. Greedy is the point mass on the argmax (logprob 0, entropy 0, no gradient): it can be
+  scored but not trained on (LossConfig rejects it). Entropy is that of the predicting distribution at t - 1.
   """
+  if sampling.greedy:
+    targets_BxL = tokens_BxL[:, 1:]
+    in_support = jnp.argmax(logits_BxLxV[:, :-1], axis=-1) == targets_BxL
+    zeros = jnp.zeros(targets_BxL.shape, jnp.float32)
+    return _front(zeros, 0.0), _front(in_support, True), _front(zeros, 0.0)
   x_BxLxV = logits_BxLxV[:, :-1].astype(jnp.float32) / sampling.temperature
   targets_BxL = tokens_BxL[:, 1:]
   target_logit = jnp.take_along_axis(x_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
-  filtered = renormalize and (sampling.top_k > 0 or sampling.top_p < 1.0)
-  if filtered:
+  if sampling.top_k > 0 or sampling.top_p < 1.0:
     keep_BxLxV = jax.lax.stop_gradient(support_mask(x_BxLxV, sampling.top_k, sampling.top_p))
     in_support = jnp.take_along_axis(keep_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
     log_z = jax.nn.logsumexp(jnp.where(keep_BxLxV, x_BxLxV, -jnp.inf), axis=-1)
@@ -64,8 +70,9 @@ def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array, sampling: Sam
     probs = jnp.exp(x_BxLxV - log_z[..., None])
   logp = target_logit - log_z
   entropy = log_z - jnp.sum(probs * x_BxLxV, axis=-1)
+  return _front(logp, 0.0), _front(in_support, True), _front(entropy, 0.0)
 
-  def front(a, fill):
-    return jnp.concatenate([jnp.full((a.shape[0], 1), fill, a.dtype), a], axis=1)
 
-  return front(logp, 0.0), front(in_support, True), front(entropy, 0.0)
+def _front(a, fill):
+  """Prepends entry 0 (never a target) to a [B, L - 1] array."""
+  return jnp.concatenate([jnp.full((a.shape[0], 1), fill, a.dtype), a], axis=1)

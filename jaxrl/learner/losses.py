@@ -14,7 +14,7 @@ from jaxrl.learner.config import LossConfig
 
 # Stats reduced by max / min across micro-batches; every other stat is a sum.
 MAX_STATS = ("ratio_max",)
-MIN_STATS = ("ratio_min",)
+MIN_STATS = ("ratio_min", "is_cap_min")
 
 
 def aggregation_weights(loss_mask_BxL, sample_mask_B, aggregation: str, norm_length: int = 0):
@@ -35,50 +35,96 @@ def pg_surrogate(log_ratio_BxL, adv_BxL):
   return -jnp.exp(log_ratio_BxL) * adv_BxL
 
 
-def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float):
-  """PPO-clip with an asymmetric band [1 - clip_low, 1 + clip_high]; returns (loss, clipped_low, clipped_high).
+def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float, dual_clip: float | None = None):
+  """PPO-clip with an asymmetric band [1 - clip_low, 1 + clip_high] and an optional dual clip.
 
-  clipped_low / clipped_high mark tokens whose gradient the clip removes (A < 0 below the band, A > 0 above).
+  Returns (loss, clipped_low, clipped_high, clipped_dual): tokens whose gradient a clip removes (A < 0 below
+  the band, A > 0 above it, A < 0 with u > dual_clip where the loss is held at -dual_clip * A).
   """
   u = jnp.exp(log_ratio_BxL)
   loss = -jnp.minimum(u * adv_BxL, jnp.clip(u, 1.0 - clip_low, 1.0 + clip_high) * adv_BxL)
-  return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high)
+  dual = jnp.zeros(loss.shape, bool)
+  if dual_clip is not None:
+    dual = (adv_BxL < 0) & (u > dual_clip)
+    loss = jnp.where(adv_BxL < 0, jnp.minimum(loss, -dual_clip * adv_BxL), loss)
+  return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high), dual
 
 
-def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float):
-  """GSPO: PPO-clip on the sequence ratio exp(mean over the sample's tokens of log u), broadcast to tokens."""
+def sequence_mean(x_BxL, mask_BxL):
+  """Mean over each row's masked entries, [B, 1] (0 for a row without any)."""
   mask = mask_BxL.astype(jnp.float32)
-  seq_log_ratio = (log_ratio_BxL * mask).sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1.0)
-  loss, low, high = ppo_surrogate(seq_log_ratio, adv_BxL[:, :1], clip_low, clip_high)
-  shape = log_ratio_BxL.shape
-  return jnp.broadcast_to(loss, shape), jnp.broadcast_to(low, shape), jnp.broadcast_to(high, shape)
+  return (x_BxL * mask).sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1.0)
+
+
+def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float,
+                   dual_clip: float | None = None):
+  """GSPO: PPO-clip on the sequence ratio exp(mean over the sample's tokens of log u), broadcast to tokens.
+
+  Every token of a sample carries the sample's loss; seq_mean aggregation (LossConfig requires it) then counts
+  each sample once, whatever its length.
+  """
+  out = ppo_surrogate(sequence_mean(log_ratio_BxL, mask_BxL), adv_BxL[:, :1], clip_low, clip_high, dual_clip)
+  return tuple(jnp.broadcast_to(x, log_ratio_BxL.shape) for x in out)
+
+
+def ess_fraction(w_BxL, valid_BxL):
+  """Kish effective sample size of the weights on valid entries, as a fraction of their number."""
+  x = jnp.where(valid_BxL, w_BxL, 0.0)
+  n = jnp.sum(valid_BxL.astype(jnp.float32))
+  return jnp.sum(x) ** 2 / jnp.maximum(n * jnp.sum(x * x), 1e-30)
+
+
+def ess_cap(w_BxL, valid_BxL, ess_min: float, max_log_cap: float, iterations: int = 40):
+  """The largest cap c in [1, e^max_log_cap] with ess_fraction(min(w, c)) >= ess_min (1 if none).
+
+  Raising the cap never raises the ESS (d log ESS / dc has the sign of sum min(w,c)(min(w,c) - c) <= 0), so
+  bisection on log c finds it.
+  """
+  ok = lambda log_c: ess_fraction(jnp.minimum(w_BxL, jnp.exp(log_c)), valid_BxL) >= ess_min
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    good = ok(mid)
+    return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, iterations, halve, (jnp.float32(0.0), jnp.float32(max_log_cap)))
+  return jnp.exp(jnp.where(ok(jnp.float32(max_log_cap)), max_log_cap, lo))
 
 
 def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig):
   """Importance weights prox / mu at token or sequence level, truncated and masked as cfg says.
 
-  Returns (w_BxL, keep_BxL, truncated_BxL); w carries no gradient.
+  Returns (w_BxL, keep_BxL, truncated_BxL, cap); w carries no gradient; cap is the truncation applied (inf
+  when none).
   """
   log_w = jnp.where(mask_BxL, prox_logp_BxL - behavior_logp_BxL, 0.0)
   if cfg.is_level == "sequence":
     log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+  elif cfg.is_level == "sequence_mean":
+    log_w = jnp.broadcast_to(sequence_mean(log_w, mask_BxL), log_w.shape)
   w = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_w), -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
   keep = jnp.ones(w.shape, bool)
   if cfg.is_mask_low is not None:
     keep &= w >= cfg.is_mask_low
   if cfg.is_mask_high is not None:
     keep &= w <= cfg.is_mask_high
-  truncated = jnp.zeros(w.shape, bool)
-  if cfg.is_cap is not None:
-    truncated = w > cfg.is_cap
-    w = jnp.minimum(w, cfg.is_cap)
-  return w, keep, truncated
+  cap = jnp.float32(jnp.inf if cfg.is_cap is None else cfg.is_cap)
+  if cfg.is_ess_min is not None:
+    cap = jnp.minimum(cap, ess_cap(w, mask_BxL & keep, cfg.is_ess_min, cfg.log_ratio_clamp))
+  truncated = w > cap
+  return jnp.minimum(w, cap), keep, truncated, cap
 
 
-def kl_penalty(logp_BxL, ref_logp_BxL, estimator: str):
-  """Per-token estimate of KL(pi || ref) from tokens sampled (approximately) from pi."""
-  if estimator == "k1":
-    return logp_BxL - ref_logp_BxL
+def kl_k2(logp_BxL, ref_logp_BxL):
+  """0.5 (log pi - log ref)^2 per token: its gradient (log pi - log ref) grad log pi has, on tokens drawn from
+  pi, the expectation grad KL(pi || ref) of the token's distribution."""
+  return 0.5 * jnp.square(logp_BxL - ref_logp_BxL)
+
+
+def kl_k3(logp_BxL, ref_logp_BxL):
+  """ref/pi - log(ref/pi) - 1 per token: an unbiased, non-negative estimate of KL(pi || ref) on tokens from pi
+  (a metric here; as a loss its gradient is that of the other direction)."""
   d = ref_logp_BxL - logp_BxL
   return jnp.exp(d) - d - 1.0
 
@@ -87,7 +133,8 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
                      ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None):
   """(loss, stats) of one micro-batch: sum over tokens of weights * (w * surrogate + KL term - entropy bonus).
 
-  prox_logp_BxL is required unless cfg.proximal == "behavior"; ref_logp_BxL when cfg.kl_coef > 0;
+  prox_logp_BxL is required unless cfg.proximal == "behavior"; ref_logp_BxL when cfg.kl_coef > 0 (with
+  kl_estimator="k1_reward" it only feeds the kl_ref metric: the penalty is in the advantages already);
   entropy_BxL when cfg.entropy_coef > 0. Tokens with weight 0 or outside the sampling support do not count.
   """
   clamp = cfg.log_ratio_clamp
@@ -110,26 +157,36 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
 
   no_clip = jnp.zeros(logp_BxL.shape, bool)
   if cfg.policy_loss == "pg":
-    surrogate, clip_lo, clip_hi = pg_surrogate(log_ratio, adv_BxL), no_clip, no_clip
+    surrogate, clip_lo, clip_hi, clip_dual = pg_surrogate(log_ratio, adv_BxL), no_clip, no_clip, no_clip
   elif cfg.policy_loss == "ppo":
-    surrogate, clip_lo, clip_hi = ppo_surrogate(log_ratio, adv_BxL, cfg.clip_low, cfg.clip_high)
+    surrogate, clip_lo, clip_hi, clip_dual = ppo_surrogate(log_ratio, adv_BxL, cfg.clip_low, cfg.clip_high,
+                                                           cfg.dual_clip)
   else:
-    surrogate, clip_lo, clip_hi = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low, cfg.clip_high)
+    surrogate, clip_lo, clip_hi, clip_dual = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low,
+                                                            cfg.clip_high, cfg.dual_clip)
 
+  cap = jnp.float32(jnp.inf)
   if cfg.is_level == "none":
     w, keep, truncated = jnp.ones(logp_BxL.shape), jnp.ones(logp_BxL.shape, bool), no_clip
   else:
-    w, keep, truncated = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg)
+    w, keep, truncated, cap = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg)
   active = counted & keep
   policy_loss = jnp.sum(weights_BxL * jnp.where(active, w * surrogate, 0.0))
+
+  # Drift from the behavior policy at the current params: ratio pi / mu and the k3 estimate of KL(mu || pi).
+  log_r = jnp.clip(jax.lax.stop_gradient(logp_BxL) - behavior_logp_BxL, -clamp, clamp)
+  r = jnp.exp(log_r)
 
   kl_loss = kl_sum = jnp.float32(0.0)
   if cfg.kl_coef > 0:
     if ref_logp_BxL is None:
       raise ValueError("kl_coef > 0 needs ref_logp_BxL (TrainState.ref_params)")
-    kl = jnp.where(counted, kl_penalty(logp_BxL, jax.lax.stop_gradient(ref_logp_BxL), cfg.kl_estimator), 0.0)
-    kl_loss = cfg.kl_coef * jnp.sum(weights_BxL * kl)
-    kl_sum = jnp.sum(jax.lax.stop_gradient(kl))
+    ref_logp_BxL = jax.lax.stop_gradient(jnp.where(counted, ref_logp_BxL, 0.0))
+    # Tokens come from mu: pi / mu makes the per-token terms expectations under pi.
+    kl_w = r if cfg.is_cap is None else jnp.minimum(r, cfg.is_cap)
+    if cfg.kl_estimator == "k2":
+      kl_loss = cfg.kl_coef * jnp.sum(weights_BxL * jnp.where(counted, kl_w * kl_k2(logp_BxL, ref_logp_BxL), 0.0))
+    kl_sum = jnp.sum(jnp.where(counted, kl_w * kl_k3(jax.lax.stop_gradient(logp_BxL), ref_logp_BxL), 0.0))
 
   ent_loss = ent_sum = jnp.float32(0.0)
   if entropy_BxL is not None:
@@ -138,9 +195,7 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
     if cfg.entropy_coef > 0:
       ent_loss = -cfg.entropy_coef * jnp.sum(weights_BxL * ent)
 
-  # Drift from the behavior policy at the current params: ratio pi / mu and the k3 estimate of KL(mu || pi).
-  log_r = jnp.clip(jax.lax.stop_gradient(logp_BxL) - behavior_logp_BxL, -clamp, clamp)
-  r = jnp.exp(log_r)
+  applied_w = jnp.where(active, w, 0.0)  # the weights the loss actually used (0 where masked)
   f32 = lambda m: jnp.sum(m.astype(jnp.float32))
   stats = {
       "loss/policy": jax.lax.stop_gradient(policy_loss),
@@ -150,8 +205,12 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
       "out_of_support": f32((weights_BxL > 0) & ~counted),
       "clip_low": f32(counted & clip_lo),
       "clip_high": f32(counted & clip_hi),
+      "clip_dual": f32(counted & clip_dual),
       "is_truncated": f32(counted & truncated),
       "is_masked": f32(counted & ~keep),
+      "is_cap_min": cap,
+      "w_sum": jnp.sum(applied_w),
+      "w_sq_sum": jnp.sum(applied_w * applied_w),
       "ratio_sum": jnp.sum(jnp.where(counted, r, 0.0)),
       "ratio_sq_sum": jnp.sum(jnp.where(counted, r * r, 0.0)),
       "ratio_max": jnp.max(jnp.where(counted, r, -jnp.inf)),

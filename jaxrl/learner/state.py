@@ -14,13 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 @flax.struct.dataclass
 class TrainState:
-  """Learner state. `version` is the policy version: the number of applied optimizer updates."""
+  """Learner state. `version` is the policy version: the number of applied learner steps."""
 
   params: Any
   opt_state: Any
   step: jax.Array  # int32: train_step calls so far
-  version: jax.Array  # int32: applied optimizer updates (a skipped update does not count)
-  skipped: jax.Array  # int32: updates skipped (non-finite loss or gradient, non-finite reward, no tokens)
+  version: jax.Array  # int32: applied learner steps, one per step whatever its mini-batches (a skipped one: none)
+  skipped: jax.Array  # int32: learner steps skipped (non-finite loss or gradient, non-finite reward, no tokens)
   rng: jax.Array  # the run's learner key, checkpointed with the state; derive step keys from (rng, step)
   ref_params: Any = None  # frozen reference policy of the KL term; None without one
 

@@ -1,9 +1,12 @@
 """make_train_step: the learner's pure (state, batch, rng) -> (state, metrics), jitted once with donation.
 
-One call runs `num_minibatches` optimizer updates (PPO-style mini-batches; 1 for plain pipeline RL), each over
-`num_microbatches` gradient-accumulation chunks scanned in order. Every update either applies in full or is
-skipped (params and optimizer state untouched, version not bumped, skip counted) when its loss or gradient is
-non-finite, a valid sample's reward is non-finite, or it has no completion tokens.
+One call is one learner step and makes one policy version, whatever the mini-batching: it runs
+`num_epochs * num_minibatches` optimizer updates (PPO-style: each epoch a fresh permutation of the rows split into
+mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned in order. The version goes up by
+one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds it.
+A step applies in full or is skipped (params and optimizer state as before it, version not bumped, skip counted)
+when any of its updates has a non-finite loss or gradient, a valid sample's reward is non-finite, or it has no
+completion tokens at all (a mini-batch of padding rows only is a no-op).
 """
 
 from __future__ import annotations
@@ -72,13 +75,14 @@ def _cast_floats(tree, dtype):
 
 def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
-                    compute_dtype=None, state_shardings: TrainState | None = None,
+                    num_epochs: int = 1, compute_dtype=None, state_shardings: TrainState | None = None,
                     batch_sharding: NamedSharding | None = None, staleness_bins: int = 8):
   """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
   batch_size, seq_len: the only Batch shape accepted (anything else raises ValueError when traced).
-  num_minibatches: optimizer updates per call, over disjoint row subsets drawn by a permutation from `rng`.
+  num_minibatches: optimizer updates per epoch, over disjoint row subsets drawn by a permutation from `rng`.
+  num_epochs: passes over the batch per step (PPO epochs), each with its own permutation.
   num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
   compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
   state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
@@ -86,9 +90,9 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   """
   cfg = loss_config
   logits_fn = as_logits_fn(model)
-  m, k = num_minibatches, num_microbatches
-  if m < 1 or k < 1:
-    raise ValueError(f"num_minibatches and num_microbatches must be >= 1 (got {m}, {k})")
+  m, k, e = num_minibatches, num_microbatches, num_epochs
+  if m < 1 or k < 1 or e < 1:
+    raise ValueError(f"num_minibatches, num_microbatches and num_epochs must be >= 1 (got {m}, {k}, {e})")
   if batch_size < 1 or seq_len < 2:
     raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {batch_size}, {seq_len})")
   if batch_size % (m * k):
@@ -104,20 +108,34 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     if rows % shards:
       raise ValueError(f"each micro-batch has {rows} rows, not divisible by the {shards} devices of the batch axes "
                        f"{names}; change batch_size, num_minibatches or num_microbatches")
-  prox_pass = cfg.proximal == "recompute" and m > 1
+  updates_per_step = m * e
+  prox_pass = cfg.proximal == "recompute" and updates_per_step > 1
+  ref_pass = cfg.kl_coef > 0
+
+  def constrain(x, axis):
+    if lead is None:
+      return x
+    spec = [None] * x.ndim
+    spec[axis] = lead
+    return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(*spec)))
 
   def split(x):
-    """[B, ...] -> [M, K, rows, ...]; row i*M*K + j*K + c goes to mini-batch j, micro-batch c (shard-local)."""
-    x = jnp.moveaxis(x.reshape(rows, m, k, *x.shape[1:]), 0, 2)
-    if lead is not None:
-      x = jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(None, None, lead)))
-    return x
+    """[E*B, ...] -> [E*M, K, rows, ...]; row i*M*K + j*K + c of an epoch goes to its mini-batch j, micro-batch c
+    (shard-local)."""
+    x = x.reshape(e, rows, m, k, *x.shape[1:])
+    return constrain(jnp.moveaxis(x, 1, 3).reshape(e * m, k, rows, *x.shape[4:]), 2)
+
+  def chunked(fn, x):
+    """fn over the batch in the K*M shard-local chunks of `split`, one at a time (bounded memory); [B, L] out."""
+    parts = jax.tree.map(lambda a: constrain(jnp.moveaxis(a.reshape(rows, m * k, *a.shape[1:]), 0, 1), 1), x)
+    out = jax.lax.map(fn, parts)
+    return jnp.moveaxis(out, 0, 1).reshape(batch_size, *out.shape[2:])
 
   def logprobs(params, x):
     logits = logits_fn(_cast_floats(params, compute_dtype), x["tokens"], x["positions"], x["segments"])
-    return token_logprobs(logits, x["tokens"], cfg.sampling, cfg.renormalize_support)
+    return token_logprobs(logits, x["tokens"], cfg.sampling)
 
-  def micro_loss(params, x, weights_BxL, ref_params, v0, v_now):
+  def micro_loss(params, x, weights_BxL, v0, v_now):
     logp, in_support, entropy = logprobs(params, x)
     behavior = x["behavior"]
     prox = None
@@ -125,17 +143,14 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
       prox = x["prox"] if prox_pass else jax.lax.stop_gradient(logp)
     elif cfg.proximal == "interpolate":
       v_t = x["versions"]
-      alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1), 1.0).clip(0.0, 1.0)
+      alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)
       prox = behavior + alpha * (jax.lax.stop_gradient(logp) - behavior)
-    ref = None
-    if cfg.kl_coef > 0:
-      ref = jax.lax.stop_gradient(logprobs(ref_params, x)[0])
-    return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox, ref_logp_BxL=ref,
-                            entropy_BxL=entropy, in_support_BxL=in_support)
+    return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox,
+                            ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support)
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
     check_batch(batch, batch_size, seq_len)
-    if cfg.kl_coef > 0 and state.ref_params is None:
+    if ref_pass and state.ref_params is None:
       raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
     valid_B = batch.sample_mask_B > 0
     rewards_ok = jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
@@ -145,26 +160,36 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
         "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
         "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
         "sample_mask": batch.sample_mask_B.astype(jnp.float32),
-        "adv": compute_advantages(batch.rewards_B, batch.group_ids_B, batch.sample_mask_B, cfg),
     }
-    if m > 1:
-      order = jax.random.permutation(rng, batch_size)
+    # Forward passes at fixed params, before any update: prox (decoupled PPO's pre-update policy) and ref.
+    if prox_pass:
+      per_row["prox"] = chunked(lambda x: logprobs(state.params, x)[0], per_row)
+    if ref_pass:
+      per_row["ref"] = jax.lax.stop_gradient(chunked(lambda x: logprobs(state.ref_params, x)[0], per_row))
+    rewards_B = batch.rewards_B
+    kl_reward_B = jnp.zeros_like(rewards_B)
+    if ref_pass and cfg.kl_estimator == "k1_reward":
+      on_tokens = (per_row["loss_mask"] > 0) & valid_B[:, None]
+      kl_reward_B = jnp.sum(jnp.where(on_tokens, per_row["behavior"] - per_row["ref"], 0.0), axis=1)
+      rewards_B = rewards_B - cfg.kl_coef * kl_reward_B
+    per_row["adv"] = compute_advantages(rewards_B, batch.group_ids_B, batch.sample_mask_B, cfg)
+    if updates_per_step > 1:
+      keys = rng[None] if e == 1 else jax.random.split(rng, e)
+      order = jax.vmap(lambda key: jax.random.permutation(key, batch_size))(keys).reshape(-1)
       per_row = jax.tree.map(lambda x: x[order], per_row)
     parts = jax.tree.map(split, per_row)
-    if prox_pass:
-      flat = jax.tree.map(lambda x: x.reshape(m * k, *x.shape[2:]), parts)
-      prox = jax.lax.map(lambda x: logprobs(state.params, x)[0], flat)
-      parts["prox"] = prox.reshape(m, k, rows, seq_len)
 
-    def update(state: TrainState, mini):
+    def update(carry, mini):
+      state, n_applied = carry
       weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len),
                                     mini["sample_mask"].reshape(k * rows), cfg.aggregation, cfg.norm_length)
       weights = weights.reshape(k, rows, seq_len)
+      # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
+      v_now = v0 + n_applied / updates_per_step
 
       def accumulate(grads, xs):
         x, w = xs
-        (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(
-            state.params, x, w, state.ref_params, v0, state.version)
+        (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(state.params, x, w, v0, v_now)
         return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
 
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
@@ -180,16 +205,33 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-      state = state.replace(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
-                            version=state.version + ok.astype(jnp.int32),
-                            skipped=state.skipped + (~ok).astype(jnp.int32))
+      state = state.replace(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
       reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
                  "skip/nonfinite": rewards_ok & has_tokens & ~finite}
-      return state, {"loss": loss, "grad_norm": grad_norm, "applied": ok, **reasons, **stats}
+      return (state, n_applied + ok.astype(jnp.int32)), {"loss": loss, "grad_norm": grad_norm, "applied": ok,
+                                                          **reasons, **stats}
 
-    state, per_update = jax.lax.scan(update, state, parts)
-    state = state.replace(step=state.step + 1)
-    return state, _summarise(per_update, batch, v0, valid_B, staleness_bins)
+    start = state
+    (state, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), parts)
+    # A step applies in full or not at all: a version is the result of all its updates (and a batch is trained on
+    # whole or its groups are dropped, counted). A mini-batch of padding rows only is a no-op, not a fault. The
+    # pre-step state is kept for this only when there are 2+ updates.
+    any_of = lambda name: jnp.any(per_update[name])
+    reasons = {"skip/reward": any_of("skip/reward"), "skip/nonfinite": any_of("skip/nonfinite"),
+               "skip/empty": jnp.all(per_update["skip/empty"])}
+    step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
+    if updates_per_step > 1:
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(step_ok, a, b), new, old)
+      state = state.replace(params=keep(state.params, start.params), opt_state=keep(state.opt_state, start.opt_state))
+    state = state.replace(step=start.step + 1, version=v0 + step_ok.astype(jnp.int32),
+                          skipped=start.skipped + (~step_ok).astype(jnp.int32))
+    per_update["applied"] = per_update["applied"] & step_ok
+    metrics = _summarise(per_update, batch, v0, valid_B, staleness_bins)
+    metrics.update({name: flag.astype(jnp.float32) for name, flag in reasons.items()})  # why the step was skipped
+    if cfg.is_cap is not None or cfg.is_ess_min is not None:
+      metrics["is_cap"] = jnp.min(per_update["is_cap_min"])  # the smallest truncation applied this step
+    metrics["kl_reward_mean"] = jnp.sum(jnp.where(valid_B, kl_reward_B, 0.0)) / jnp.maximum(valid_B.sum(), 1)
+    return state, metrics
 
   if state_shardings is None:
     return jax.jit(train_step, donate_argnums=0)
@@ -219,12 +261,10 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
       "loss/entropy": jnp.mean(per_update["loss/entropy"]),
       "grad_norm": jnp.mean(per_update["grad_norm"]),
       "updates_applied": total("applied"),
-      "updates_skipped": total("skip/reward") + total("skip/empty") + total("skip/nonfinite"),
-      "skip/reward": total("skip/reward"),
-      "skip/empty": total("skip/empty"),
-      "skip/nonfinite": total("skip/nonfinite"),
+      "updates_skipped": jnp.sum(1.0 - per_update["applied"].astype(jnp.float32)),
       "clip_frac_low": per_token("clip_low"),
       "clip_frac_high": per_token("clip_high"),
+      "clip_frac_dual": per_token("clip_dual"),
       "is_truncated_frac": per_token("is_truncated"),
       "is_masked_frac": per_token("is_masked"),
       "out_of_support_frac": total("out_of_support") / jnp.maximum(tokens + total("out_of_support"), 1.0),
@@ -234,6 +274,10 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
       "ratio_min": jnp.min(per_update["ratio_min"]),
       # Kish effective sample size of the pi/mu weights, as a fraction of the tokens: (sum w)^2 / (n sum w^2).
       "ess_frac": ratio_mean**2 / jnp.maximum(ratio_sq, 1e-30),
+      # The same for the weights the loss applied (after caps and masks; prox / mu, 1 without IS): the variance
+      # the correction actually pays.
+      "ess_applied_frac": total("w_sum") ** 2 / jnp.maximum(tokens * total("w_sq_sum"), 1e-30),
+
       "kl_behavior": per_token("kl_behavior_sum"),
       "kl_ref": per_token("kl_ref_sum"),
       "entropy": per_token("entropy_sum"),

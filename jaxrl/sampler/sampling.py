@@ -1,7 +1,8 @@
 """Token sampling (temperature, top-k, top-p, greedy) and the log-probabilities of the distribution sampled from.
 
-The sampler draws from `filtered_logprobs` and the learner recomputes behavior logprobs with the same function
-(`sampling_logprobs`), so both see exactly the same support. Filters apply in the order of SamplingParams:
+The sampler draws from `filtered_logprobs`; the learner (jaxrl/learner/logprobs.py, `token_logprobs`) scores
+tokens under the same support with the same tie rule, renormalised the same way (tests check both agree, ties
+included, and that on-policy ratios from the real Sampler are 1). Filters apply in the order of SamplingParams:
 logits / temperature, then top-k, then top-p on the renormalised top-k distribution. Ties at a cut-off value are
 kept. Greedy is the point mass on the argmax of the raw logits (logprob 0).
 """

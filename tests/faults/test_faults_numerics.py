@@ -18,6 +18,7 @@ from jaxrl.metrics import read_jsonl
 # train_step call (1-based) -> fault injected into that call's batch
 FAULTS = {2: "inf_logits", 4: "inf_reward", 6: "nan_behavior", 8: "huge_ratio"}
 SKIPPED = {"inf_logits": "skip/nonfinite", "inf_reward": "skip/reward", "nan_behavior": "skip/nonfinite"}
+UPDATES = 2  # optimizer updates per learner step: the tiny config's rl.num_minibatches; a fault skips the step
 
 
 def _marking_logits_fn(model):
@@ -83,7 +84,9 @@ def faulty_run(request, tmp_path_factory):
 
 
 def test_nonfinite_updates_are_skipped_and_counted(faulty_run):
+  """A fault in one row (one mini-batch of two) skips the whole step: the other update is rolled back."""
   calls, summary = faulty_run["calls"], faulty_run["summary"]
+  assert tiny_config("sync").rl.num_minibatches == UPDATES
   led = summary["ledger"]
   assert len(calls) == NUM_STEPS + len(SKIPPED)
   for call in calls:
@@ -91,7 +94,7 @@ def test_nonfinite_updates_are_skipped_and_counted(faulty_run):
     if fault in SKIPPED:
       assert m["updates_applied"] == 0 and m[SKIPPED[fault]] == 1, fault
     else:
-      assert m["updates_applied"] == 1 and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]), fault
+      assert m["updates_applied"] == UPDATES and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]), fault
   assert led["skipped_updates"] == len(SKIPPED)
   assert led["dropped"].get("update_skipped") == len(SKIPPED) * 16
   assert led["samples_trained"] == NUM_STEPS * 16 and summary["steps"] == NUM_STEPS
@@ -108,7 +111,7 @@ def test_params_stay_finite_and_each_version_is_logged_once(faulty_run):
 
 def test_a_huge_importance_ratio_is_truncated_and_counted(faulty_run):
   (huge,) = [c["metrics"] for c in faulty_run["calls"] if c["fault"] == "huge_ratio"]
-  assert huge["updates_applied"] == 1
+  assert huge["updates_applied"] == UPDATES
   # Row 0's tokens have w = prox / mu = e^20 after the log-ratio clamp, cut to is_cap; no other token is.
   assert 0 < huge["is_truncated_frac"] <= 1 / 4 + 1e-6
   assert np.isfinite(huge["grad_norm"])

@@ -1,0 +1,102 @@
+"""On-policy data through the real Sampler: the learner's importance ratios are exactly 1 for every sampling
+setting (temperature, top-k, top-p, greedy), and a rollout drawn under other settings is refused."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl.learner import LossConfig, init_train_state, make_train_step, token_logprobs
+from jaxrl.models import ModelConfig, forward
+from jaxrl.models.hf import abstract_params
+from jaxrl.rollout import SamplingParams, check_sampling, make_batch
+from jaxrl.sampler import Engine, Sampler
+from jaxrl.sharding import make_mesh
+
+CFG = ModelConfig.tiny(eos_token_ids=(1,))
+B, L = 8, 32
+SETTINGS = [SamplingParams(temperature=t, top_k=k, top_p=p)
+            for t, k, p in itertools.product((0.7, 1.3), (0, 5), (1.0, 0.6))] + [SamplingParams(greedy=True)]
+
+
+@pytest.fixture(scope="module")
+def model():
+  graphdef, abstract = abstract_params(CFG)
+  rng = np.random.default_rng(0)
+  # Small weights keep the logits small: the sampler's decode path (KV cache, sharded heads) and the learner's
+  # full forward then agree to float32 rounding well below 1e-6 in logprob (with weights of std 0.5 the two
+  # forward passes alone differ by ~1e-5, whatever the sampling settings). Top-k / top-p still cut real mass.
+  leaf = lambda path, x: jnp.asarray(("scale" in jax.tree_util.keystr(path)) + 0.08 * rng.standard_normal(x.shape),
+                                     x.dtype)
+  return graphdef, jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+  engine = Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
+                  steps_per_call=4, min_bucket=8)
+  return Sampler(engine, model[1], seed=3)
+
+
+def _rollouts(sampler, sp, seed):
+  rng = np.random.default_rng(seed)
+  for g in range(B // 2):
+    sampler.submit(rng.integers(2, CFG.vocab_size, rng.integers(2, 8)).tolist(), group_id=g, n=2, sampling=sp,
+                   max_tokens=14)
+  out = []
+  while sampler.num_active or sampler.num_waiting:
+    out += sampler.step()
+  for i, r in enumerate(out):
+    r.reward = float(i % 3)
+  return sorted(out, key=lambda r: (r.group_id, r.sample_index))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _learner_logprobs(graphdef, params, sampling, batch):
+  logits = forward(graphdef, params, batch.tokens_BxL, batch.positions_BxL, batch.segment_ids_BxL)
+  return token_logprobs(logits, batch.tokens_BxL, sampling)
+
+
+@pytest.mark.parametrize("sp", SETTINGS, ids=str)
+def test_on_policy_ratio_is_one(model, sampler, sp):
+  """The learner's logprob of every sampled token equals the sampler's: ratio pi / mu = 1 within 1e-6."""
+  graphdef, params = model
+  rollouts = _rollouts(sampler, sp, seed=hash(str(sp)) % 1000)
+  assert all(r.sampling == sp for r in rollouts)
+  batch = make_batch(rollouts, B, L)
+  logp, in_support, _ = _learner_logprobs(graphdef, params, sp, batch)
+  tokens = batch.loss_mask_BxL > 0
+  assert tokens.sum() > 40
+  assert np.asarray(in_support)[tokens].all()
+  ratio = np.exp(np.asarray(logp)[tokens] - batch.behavior_logprobs_BxL[tokens])
+  np.testing.assert_allclose(ratio, 1.0, rtol=0, atol=1e-6)
+  if sp.top_k or sp.top_p < 1:  # the support matters: the full softmax would give ratios well below 1
+    full = _learner_logprobs(graphdef, params, SamplingParams(temperature=sp.temperature), batch)[0]
+    assert np.exp(np.asarray(full)[tokens] - batch.behavior_logprobs_BxL[tokens]).mean() < 0.95
+
+
+def test_train_step_on_policy_top_p_ratios_one_and_no_clip(model, sampler):
+  """Through the train step (PPO anchored at mu): ratio metrics are 1, nothing is clipped or truncated."""
+  graphdef, params = model
+  sp = SamplingParams(temperature=0.9, top_k=8, top_p=0.6)
+  batch = make_batch(_rollouts(sampler, sp, seed=11), B, L)
+  cfg = LossConfig(sampling=sp, dual_clip=3.0)
+  step = make_train_step(graphdef, optax.sgd(0.1), cfg, batch_size=B, seq_len=L)
+  _, m = step(init_train_state(jax.tree.map(jnp.copy, params), optax.sgd(0.1)), batch, jax.random.key(0))
+  for name in ("ratio_max", "ratio_min", "ratio_mean", "ess_frac", "ess_applied_frac"):
+    np.testing.assert_allclose(m[name], 1.0, atol=2e-6, err_msg=name)
+  assert m["clip_frac_low"] == m["clip_frac_high"] == m["clip_frac_dual"] == 0
+  assert m["out_of_support_frac"] == 0 and m["updates_applied"] == 1
+
+
+def test_greedy_cannot_be_trained_on_and_mismatched_rollouts_are_refused(model, sampler):
+  with pytest.raises(ValueError, match="point mass"):
+    LossConfig(sampling=SamplingParams(greedy=True))
+  rollouts = _rollouts(sampler, SamplingParams(top_p=0.8), seed=5)
+  check_sampling(rollouts, SamplingParams(top_p=0.8))
+  with pytest.raises(ValueError, match=r"group 0, sample 0\) was drawn with .*top_p=0.8.*the learner scores"):
+    check_sampling(rollouts, SamplingParams())
