@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
-from jaxrl.checkpoint import Checkpointer
+from jaxrl.checkpoint import Checkpointer, IntegrityError
 from jaxrl.controller.data import evaluate, make_prompt_source, make_scorer
 from jaxrl.controller.loops import Controller, RunRecord, RunSpec
 from jaxrl.controller.queue import WeightPublisher
@@ -109,8 +109,8 @@ def build(c, workdir: str | Path) -> Run:
 
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
                               every_steps=c.checkpoint.every_steps)
-  resumed_from = checkpointer.latest_step()
   state, record = restore(checkpointer, state, state_sh)
+  resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
 
   engine = Engine(model_cfg, meshes.sampler, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
                   steps_per_call=c.sampler.steps_per_call)
@@ -124,6 +124,7 @@ def build(c, workdir: str | Path) -> Run:
   controller = Controller(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                           prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
                           trace=trace)
+  controller.resumed_from = resumed_from
   return Run(c, workdir, meshes, model_cfg, graphdef, tokenizer, engine, controller, checkpointer, metrics, task,
              resumed_from, trace)
 
@@ -133,7 +134,7 @@ def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, Ru
 
   Samples finished but not trained at the checkpoint are forgotten: the ledger counts as generated only what was
   trained or dropped, and the pending groups are generated again (single-host) or skipped (multi-process)."""
-  if checkpointer.latest_step() is None:
+  if not checkpointer.all_steps():
     return state, RunRecord()
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
   state, saved = checkpointer.restore(abstract)
@@ -233,7 +234,7 @@ def main(argv=None):
   config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
     summary = train(flags_def.config, flags_def.workdir)
-  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
   print(json.dumps(summary, indent=2, default=str))

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
-from jaxrl.checkpoint import Checkpointer
+from jaxrl.checkpoint import Checkpointer, IntegrityError
 from jaxrl.controller.data import evaluate_policy, make_prompt_source, make_scorer
 from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
@@ -126,8 +126,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
                               every_steps=c.checkpoint.every_steps, processes=topology.learner_processes,
                               primary=topology.lead)
-  resumed = checkpointer.latest_step()
   state, record = restore(checkpointer, state, state_sh)
+  resumed = checkpointer.restored_step  # the newest checkpoint that verifies
   record.pending_group_ids = []  # not generated again: the samplers start past every group admitted before
   batch_sh = batch_shardings(rows)
 
@@ -259,7 +259,7 @@ def main(argv=None):
       reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
       watchdog.stop_job(reason)
       print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
-      watchdog.leave(2 if isinstance(e, config_lib.ConfigError) else EXIT_FAILED)
+      watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError)) else EXIT_FAILED)
     watchdog.close()
     jax.distributed.shutdown()
     if me == topology.lead:
