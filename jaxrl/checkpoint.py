@@ -74,7 +74,7 @@ class Checkpointer:
                                            multiprocessing_options=multiprocessing)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._commit: threading.Thread | None = None  # waits for the save under way, then writes its marker
-    self._error: SaveError | None = None
+    self._error: SaveError | None = None  # a failed save: every later save, wait and close raises it
     self._reload = False  # steps were moved away: Orbax's list of steps is stale
     self.restored_step: int | None = None  # the step restore() returned (None: nothing restored)
     self.rejected: list[tuple[int, str]] = []  # (step, why) of checkpoints that did not verify
@@ -107,8 +107,8 @@ class Checkpointer:
   # ---- save ----------------------------------------------------------------------------------------------------
 
   def save(self, step: int, state, record: dict[str, Any], force: bool = False) -> bool:
-    """Starts an (asynchronous) save of the state and the JSON record at `step`; raises SaveError if this or the
-    previous save failed."""
+    """Starts an (asynchronous) save of the state and the JSON record at `step`; raises SaveError if this or an
+    earlier save failed."""
     self._finish_commit()
     self._reload_if_needed()
     savable = _savable(state)
@@ -117,7 +117,8 @@ class Checkpointer:
     try:
       saved = self._manager.save(step, args=args, force=force)
     except Exception as e:
-      raise self._save_error(step, e) from e
+      self._error = self._save_error(step, e)
+      raise self._error from e
     if saved:
       self._commit = threading.Thread(target=self._commit_step, args=(step, sums, integrity.record_digest(record)),
                                       name="jaxrl-checkpoint-commit", daemon=True)
@@ -152,9 +153,8 @@ class Checkpointer:
     if self._commit is not None:
       self._commit.join()
       self._commit = None
-    if self._error is not None:
-      error, self._error = self._error, None
-      raise error
+    if self._error is not None:  # sticky: no later save may pass for good while an earlier one is missing
+      raise self._error
 
   # ---- restore -------------------------------------------------------------------------------------------------
 

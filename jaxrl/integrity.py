@@ -89,8 +89,8 @@ def write_marker(step_dir: Path, arrays: dict[str, str], record_sha256: str) -> 
 def read_marker(step_dir: Path) -> dict:
   path = step_dir / MARKER
   if not path.exists():
-    raise IntegrityError(f"{step_dir}: no commit marker ({MARKER}): the save did not finish (the process was killed "
-                         "or the disk filled), or the folder was copied in part")
+    raise IntegrityError(f"{path}: missing commit marker: the save did not finish (the process was killed or the "
+                         "disk filled), or the folder was copied in part")
   try:
     marker = json.loads(path.read_text())
     assert {"arrays", "record_sha256", "files"} <= set(marker)

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
-from jaxrl.checkpoint import Checkpointer, IntegrityError
+from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller.data import evaluate, make_prompt_source, make_scorer
 from jaxrl.controller.loops import Controller, RunRecord, RunSpec
 from jaxrl.controller.queue import WeightPublisher
@@ -237,6 +237,9 @@ def main(argv=None):
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
+  except SaveError as e:
+    print(f"jaxrl-train: {e}", file=sys.stderr)
+    sys.exit(1)
   print(json.dumps(summary, indent=2, default=str))
   if "stopped_by" in summary:
     print(f"jaxrl-train: stopped by {summary['stopped_by']} at step {summary['steps']} of "
