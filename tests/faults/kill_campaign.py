@@ -101,19 +101,18 @@ def _committed(workdir: Path) -> list[int]:
   return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / MARKER).exists()) if d.is_dir() else []
 
 
-def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Path, rng: random.Random | None,
-             overrides: dict) -> dict:
-  """One attempt of a run; with rng, SIGKILLs a random process inside a random phase of it. The outcome."""
+def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Path,
+             target: tuple[int, str, int] | None, overrides: dict) -> dict:
+  """One attempt of a run; with a target (process, phase, n), SIGKILLs that process once it is inside the phase for
+  the n-th time (or lets it finish if it never is). The outcome."""
   shutil.rmtree(probe_dir, ignore_errors=True)
   probe_dir.mkdir(parents=True)
   with open(log, "ab") as f:
     proc = subprocess.Popen(topo.command(workdir, overrides), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
   start = time.monotonic()
   out = {"committed_before": (_committed(workdir) or [None])[-1]}
-  if rng is not None:
-    process = rng.randrange(topo.learners + topo.samplers) if topo.multi else 0
-    phase = rng.choice(topo.phases(process))
-    nth = 1 if phase == "eval" else rng.randint(1, 3)  # eval runs once at the start of a fresh run, once at the end
+  if target is not None:
+    process, phase, nth = target
     out.update(process=process, phase=phase, nth=nth)
     while proc.poll() is None and time.monotonic() - start < ATTEMPT_TIMEOUT_S:
       probe = _probe(probe_dir, process)
@@ -153,6 +152,17 @@ def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int 
              cache: Path | None = None) -> dict:
   """Kills `kills` times (at most `per_run` kills per run, then the run finishes); returns the tally."""
   rng = random.Random(f"{topo.name}-{seed}")
+  deck: list[tuple[int, str]] = []
+
+  def next_target() -> tuple[int, str, int]:
+    """Every (process, phase) pair once, in random order, then again: each phase is hit about as often."""
+    if not deck:
+      processes = range(topo.learners + topo.samplers) if topo.multi else [0]
+      deck.extend((p, phase) for p in processes for phase in topo.phases(p))
+      rng.shuffle(deck)
+    process, phase = deck.pop()
+    return process, phase, 1 if phase == "eval" else rng.randint(1, 3)  # eval: at a fresh start, at the end
+
   base = out / topo.name
   shutil.rmtree(base, ignore_errors=True)
   base.mkdir(parents=True)
@@ -170,7 +180,8 @@ def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int 
     in_run = 0
     while True:
       kill = in_run < per_run and tally["kills"] < kills
-      a = _attempt(topo, workdir, base / f"run{tally['runs']}.log", env, base / "probe", rng if kill else None, {})
+      a = _attempt(topo, workdir, base / f"run{tally['runs']}.log", env, base / "probe",
+                   next_target() if kill else None, {})
       tally["attempts"].append({"run": tally["runs"], **a})
       log(f"{topo.name} run {tally['runs']}: {a}")
       if a.get("killed"):
