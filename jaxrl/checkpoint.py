@@ -99,7 +99,16 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return self._steps_on_disk()
+    """The step folders a resume considers. Folders without a commit marker when no folder has one are saves that
+    never finished (killed between Orbax's commit and the marker, say): they are set aside and the run starts
+    afresh, as it would have had the kill come a moment earlier."""
+    steps = self._steps_on_disk()
+    if steps and not self.verified_steps() and not self.read_only:
+      print(f"jaxrl: no checkpoint in {self.directory} finished saving (none has its commit marker); starting afresh",
+            file=sys.stderr, flush=True)
+      self._set_aside(steps)
+      return []
+    return steps
 
   def should_save(self, step: int) -> bool:
     return step % self.every_steps == 0

@@ -133,6 +133,17 @@ def test_no_checkpoint_verifies_the_cli_stops_with_status_2_naming_them(copy):
   assert committed_steps(copy) == [2, 4]  # nothing set aside or deleted
 
 
+def test_a_first_save_killed_before_its_marker_starts_afresh(copy, capsys):
+  """Only unfinished saves (no commit marker anywhere): the same state as a kill a moment before Orbax's commit."""
+  for s in (2, 4, 6):
+    _no_marker(copy / "checkpoints" / str(s))
+  ck = Checkpointer(copy / "checkpoints")
+  assert ck.all_steps() == [] and ck.latest_step() is None
+  ck.close()
+  assert "finished saving" in capsys.readouterr().err
+  assert sorted(p.name for p in (copy / "checkpoints.rejected").iterdir()) == ["2", "4", "6"]
+
+
 def test_array_checksums_do_not_depend_on_the_sharding():
   x = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) / 7
   mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
