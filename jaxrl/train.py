@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
-from jaxrl.checkpoint import Checkpointer
+from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller.data import evaluate
 from jaxrl.controller.loops import Controller
@@ -91,8 +91,8 @@ def build(c, workdir: str | Path) -> Run:
   spec = build_lib.run_spec(c)
   learner = build_lib.build_learner(c, meshes.learner, model_cfg, path, spec)
   checkpointer = build_lib.open_checkpointer(c, workdir)
-  resumed_from = checkpointer.latest_step()
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
+  resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
 
   engine = build_lib.build_engine(c, learner.model_config, meshes.sampler)
   sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
@@ -101,6 +101,7 @@ def build(c, workdir: str | Path) -> Run:
   controller = Controller(spec, sampler=sampler, train_step=learner.train_step, state=state,
                           publisher=WeightPublisher(engine.param_shardings), prompts=prompts, score=score,
                           record=record, checkpointer=checkpointer, metrics=metrics, trace=trace)
+  controller.resumed_from = resumed_from
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
              metrics, task, resumed_from, trace)
 
@@ -184,9 +185,12 @@ def main(argv=None):
   config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
     summary = train(flags_def.config, flags_def.workdir)
-  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
+  except SaveError as e:
+    print(f"jaxrl-train: {e}", file=sys.stderr)
+    sys.exit(1)
   print(json.dumps(summary, indent=2, default=str))
   if "stopped_by" in summary:
     print(f"jaxrl-train: stopped by {summary['stopped_by']} at step {summary['steps']} of "

@@ -158,7 +158,7 @@ def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, Ru
 
   Samples finished but not trained at the checkpoint are forgotten: the ledger counts as generated only what was
   trained or dropped, and the pending groups are generated again (single-host) or skipped (multi-process)."""
-  if checkpointer.latest_step() is None:
+  if not checkpointer.all_steps():
     return state, RunRecord()
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
   state, saved = checkpointer.restore(abstract)

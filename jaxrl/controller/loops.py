@@ -96,6 +96,8 @@ class Controller:
     self.ledger.samples_regenerated += len(self._resubmit) * spec.group_size
     self.ledger.groups_admitted -= len(self._resubmit)  # counted when first admitted, and admitted again
     self._failures: collections.Counter[str] = collections.Counter()  # since the last applied update
+    self.resumed_from: int | None = None  # the checkpoint step this run restored (set by the builder)
+    self._applied_since_start = False
     self.stop = threading.Event()
     self.stop_reason: str | None = None  # set by request_stop (e.g. "SIGTERM"): the loops end early, cleanly
     self.errors: list[tuple[str, BaseException, str]] = []
@@ -126,7 +128,14 @@ class Controller:
     self._failures[reason] += 1
     if sum(self._failures.values()) >= self.spec.max_failures_in_a_row:
       raise RuntimeError(f"no progress: {sum(self._failures.values())} failures in a row without an applied update "
-                         f"({dict(self._failures)}); the data, the rewards or the model are broken")
+                         f"({dict(self._failures)}); {self._suspect()}")
+
+  def _suspect(self) -> str:
+    """What to blame for failures: the checkpoint just resumed from, if not one update has applied since."""
+    if self.resumed_from is not None and not self._applied_since_start:
+      return (f"no update has applied since the run resumed from checkpoint {self.resumed_from}: that checkpoint's "
+              "state (params or optimizer) is likely broken; resume from an earlier one")
+    return "the data, the rewards or the model are broken"
 
   def _log_start(self, mode: str) -> None:
     self._log("start", mode=mode, version=self.version, next_group_id=self.record.next_group_id,
@@ -212,6 +221,7 @@ class Controller:
       if applied:
         self.ledger.trained(samples)
         self._failures.clear()
+        self._applied_since_start = True
       else:
         self.ledger.skipped_updates += 1
       self._log("train", step=train_step, version=step, applied=applied,
@@ -238,7 +248,9 @@ class Controller:
     if not metrics.pop("applied"):
       # Same version, same params: nothing to publish, log under this version, or checkpoint.
       reasons = [k for k in ("skip/reward", "skip/empty", "skip/nonfinite") if metrics.get(k)]
-      print(f"jaxrl: update skipped at version {self.version} ({', '.join(reasons)}); its groups are dropped",
+      after = (f", right after resuming from checkpoint {self.resumed_from}" if self.resumed_from is not None
+               and not self._applied_since_start else "")
+      print(f"jaxrl: update skipped at version {self.version} ({', '.join(reasons)}){after}; its groups are dropped",
             file=sys.stderr)
       return
     version = self.version

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
+from jaxrl.checkpoint import IntegrityError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller.data import evaluate_policy
 from jaxrl.controller.queue import Ledger
@@ -104,8 +105,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   train_step = learner.train_step
   # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
   checkpointer = build_lib.open_checkpointer(c, workdir, processes=topology.learner_processes, primary=topology.lead)
-  resumed = checkpointer.latest_step()
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
+  resumed = checkpointer.restored_step  # the newest checkpoint that verifies
   record.pending_group_ids = []  # not generated again: the samplers start past every group admitted before
   batch_sh = batch_shardings(learner.batch_sharding)
 
@@ -236,7 +237,7 @@ def main(argv=None):
       reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
       watchdog.stop_job(reason)
       print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
-      watchdog.leave(2 if isinstance(e, config_lib.ConfigError) else EXIT_FAILED)
+      watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError)) else EXIT_FAILED)
     watchdog.close()
     jax.distributed.shutdown()
     if me == topology.lead:

@@ -2,8 +2,9 @@
 
 `meta` is the example's `reward_meta` (its answer and task fields) plus "completion_ids", the completion's token
 ids. Fns registered with inline=True are fast and trusted: the RewardRunner calls them in the calling thread.
-Any other fn (a user's) runs in a worker process with a timeout. A name of the form "package.module:function"
-imports that function (registering it if the module uses the decorator).
+Any other fn (a user's) runs in a worker process with a timeout; one registered with sandbox=True (it treats the
+model's text as code, like the countdown expression reward) in a sandboxed one (jaxrl.envs.sandbox). A name of
+the form "package.module:function" imports that function (registering it if the module uses the decorator).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class RewardSpec:
   name: str
   fn: RewardFn
   inline: bool  # trusted and fast: called in the caller's thread, without a timeout
+  sandbox: bool = False  # treats model text as code: runs in sandboxed worker processes (jaxrl.envs.sandbox)
 
 
 _REGISTRY: dict[str, RewardSpec] = {}
@@ -32,14 +34,16 @@ def _qualname(fn) -> str:
   return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def register_reward(name: str, *, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, inline: bool = False, sandbox: bool = False) -> Callable[[RewardFn], RewardFn]:
   """Decorator: registers a reward fn under `name` (registering the same function again is allowed)."""
+  if inline and sandbox:
+    raise ValueError(f"reward {name!r}: a sandboxed fn cannot run inline")
 
   def register(fn: RewardFn) -> RewardFn:
     old = _REGISTRY.get(name)
     if old is not None and _qualname(old.fn) != _qualname(fn):
       raise ValueError(f"reward {name!r} is already registered to {_qualname(old.fn)}")
-    _REGISTRY[name] = RewardSpec(name, fn, inline)
+    _REGISTRY[name] = RewardSpec(name, fn, inline, sandbox)
     return fn
 
   return register
@@ -93,7 +97,7 @@ def answer_format(prompt: str, completion: str, meta: Mapping[str, Any]) -> floa
   return float(answers.explicit_answer(completion) is not None)
 
 
-@register_reward("countdown", inline=True)
+@register_reward("countdown", sandbox=True)  # evaluates an expression the model wrote
 def countdown_reward(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
   """1 if the proposed expression uses the given numbers at most once each and equals the target."""
   numbers = _need(meta, "numbers", "countdown", "the given numbers")

@@ -7,6 +7,11 @@ exceptions are still caught but a hang cannot be stopped.
 
 Each item waits at most `timeout_s` once a worker holds it, so a batch of n items takes at most about
 ceil(n / workers) * timeout_s, plus worker restarts.
+
+Fns that handle text as code (registered with sandbox=True, e.g. the countdown expression reward), or any fn given
+`sandbox=SandboxLimits(...)`, run in sandboxed workers (jaxrl.envs.sandbox): CPU time per item, memory, no
+processes, no network, a scratch directory as the only writable place. What the sandbox refuses is a failed item
+("blocked", "memory", "cpu_limit"), counted like any other, and the worker goes on or is replaced.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import multiprocessing
 import numbers
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -26,9 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
+from jaxrl.envs import sandbox as sandbox_lib
 from jaxrl.envs.rewards import RewardFn, registered_spec, reward_spec
+from jaxrl.envs.sandbox import SandboxLimits, SandboxViolation
 
-REASONS = ("error", "bad_value", "timeout", "crash", "unsendable")
+REASONS = ("error", "bad_value", "timeout", "crash", "unsendable", "blocked", "memory", "cpu_limit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +57,8 @@ def call_reward(fn: Callable, prompt: str, completion: str, meta: Mapping[str, A
   try:
     v = fn(prompt, completion, meta)
   except Exception as e:
-    return _failed("error", f"{type(e).__name__}: {e}")
+    reason = "blocked" if isinstance(e, SandboxViolation) else "memory" if isinstance(e, MemoryError) else "error"
+    return _failed(reason, f"{type(e).__name__}: {e}")
   if not isinstance(v, numbers.Real):
     return _failed("bad_value", f"returned {type(v).__name__}, not a number")
   v = float(v)
@@ -58,7 +68,7 @@ def call_reward(fn: Callable, prompt: str, completion: str, meta: Mapping[str, A
 # The worker is a fresh interpreter started with subprocess (spawn semantics, but the parent's __main__ is not
 # re-run, so scripts without a main guard and notebooks work). It takes sys.path, then the pickled fn, over the pipe.
 _BOOT = ("import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
-         "sys.path[:] = c.recv(); from jaxrl.envs.runner import _serve; _serve(c)")
+         "sys.path[:] = c.recv(); from jaxrl.envs.runner import _serve; _serve(c, c.recv())")
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -68,11 +78,19 @@ def _exit_with_parent(parent: int) -> None:
   os._exit(1)
 
 
-def _serve(conn) -> None:
-  """Worker process: loads the fn, then answers (prompt, completion, meta) items until told to stop."""
-  threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
+  """Worker process: loads the fn, confines itself if asked (limits, scratch directory), then answers
+  (prompt, completion, meta) items until told to stop."""
+  watch = threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start
   try:
     fn = conn.recv()
+    budget = None
+    if sandbox is not None:  # after the fn's imports; the watcher thread must start before processes are limited
+      limits = SandboxLimits(**sandbox[0])
+      _, set_budget = sandbox_lib.confine(limits, sandbox[1], before_nproc=watch)
+      budget = lambda: set_budget(limits.cpu_s)  # noqa: E731
+    else:
+      watch()
   except BaseException as e:  # whatever importing a user's module does is reported, not raised
     conn.send(("init_error", f"{type(e).__name__}: {e}"))
     return
@@ -84,6 +102,8 @@ def _serve(conn) -> None:
       return
     if item is None:
       return
+    if budget is not None:
+      budget()
     try:
       conn.send(("done", call_reward(fn, *item)))
     except BaseException as e:  # SystemExit and the like from user code
@@ -91,12 +111,15 @@ def _serve(conn) -> None:
 
 
 class _Worker:
-  def __init__(self, fn_bytes: bytes):
+  def __init__(self, fn_bytes: bytes, sandbox: SandboxLimits | None):
     self.conn, child = multiprocessing.Pipe()
     fd = child.fileno()
-    self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(fd)], pass_fds=(fd,))
+    self.scratch = sandbox_lib.scratch_dir() if sandbox else None
+    self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(fd)], pass_fds=(fd,), cwd=self.scratch,
+                                 start_new_session=sandbox is not None)
     child.close()
     self.conn.send(list(sys.path))
+    self.conn.send((dataclasses.asdict(sandbox), self.scratch) if sandbox else None)
     self.conn.send_bytes(fn_bytes)
     self.started, self.ready = time.monotonic(), False
     self.job: tuple[int, float] | None = None  # (item index, deadline)
@@ -109,9 +132,17 @@ class _Worker:
       return None
 
   def kill(self) -> None:
-    self.proc.kill()
-    self.proc.wait()
+    if self.scratch is not None:  # the sandboxed worker leads a session: whatever it started goes too
+      sandbox_lib.kill_group(self.proc)
+    else:
+      self.proc.kill()
+      self.proc.wait()
     self.conn.close()
+    self.remove_scratch()
+
+  def remove_scratch(self) -> None:
+    if self.scratch is not None:
+      shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -134,10 +165,12 @@ class RewardRunner:
   """Scores batches of (prompt, completion, meta) with one reward fn (a registered name or a callable).
 
   isolation: "auto" (inline for fns registered inline=True, else "process"), "inline" or "process".
+  sandbox: limits for sandboxed workers, None for plain ones, or "auto" (sandboxed if registered sandbox=True).
   """
 
   def __init__(self, reward: str | RewardFn, *, timeout_s: float = 5.0, workers: int = 2,
-               isolation: str = "auto", startup_timeout_s: float = 120.0):
+               isolation: str = "auto", startup_timeout_s: float = 120.0,
+               sandbox: SandboxLimits | None | str = "auto"):
     if isolation not in ("auto", "inline", "process"):
       raise ValueError(f"isolation must be 'auto', 'inline' or 'process' (got {isolation!r})")
     if not timeout_s > 0 or workers < 1:
@@ -147,6 +180,11 @@ class RewardRunner:
     self.name = spec.name if spec else getattr(reward, "__name__", repr(reward))
     if isolation == "auto":
       isolation = "inline" if spec is not None and spec.inline else "process"
+    if sandbox == "auto":
+      sandbox = SandboxLimits() if spec is not None and spec.sandbox else None
+    if sandbox is not None and isolation != "process":
+      raise ValueError(f"reward {self.name!r}: a sandbox needs isolation='process' (got {isolation!r})")
+    self.sandbox = sandbox
     self.isolation, self.timeout_s, self.startup_timeout_s = isolation, timeout_s, startup_timeout_s
     self.stats = RewardStats()
     self._lock = threading.Lock()  # one batch at a time: workers hold one item each
@@ -169,7 +207,7 @@ class RewardRunner:
 
   def _start(self) -> _Worker:
     self.stats.worker_starts += 1
-    return _Worker(self._fn_bytes)
+    return _Worker(self._fn_bytes, self.sandbox)
 
   def _on_message(self, w: _Worker, results: list) -> None:
     kind, payload = w.conn.recv()
@@ -238,7 +276,10 @@ class RewardRunner:
             self._on_message(w, results)
           except (EOFError, OSError):
             if w.job:
-              results[w.job[0]] = _failed("crash", f"reward worker died (exit code {w.exitcode})")
+              code = w.exitcode
+              results[w.job[0]] = (_failed("cpu_limit", "reward fn used more CPU time than its sandbox allows")
+                                   if self.sandbox and code == -signal.SIGXCPU
+                                   else _failed("crash", f"reward worker died (exit code {code})"))
             self._replace(k)
         elif w.job and now >= w.job[1]:
           results[w.job[0]] = _failed("timeout", f"reward fn took longer than {self.timeout_s}s; worker killed")
@@ -259,6 +300,7 @@ class RewardRunner:
       except subprocess.TimeoutExpired:
         w.kill()
       w.conn.close()
+      w.remove_scratch()
     self._workers = []
 
   def __enter__(self) -> RewardRunner:

@@ -107,8 +107,12 @@ def count_lines(path: Path) -> int:
 
 
 def committed_steps(workdir: Path) -> list[int]:
+  """Steps whose save completed: their commit marker is written (a kill between Orbax's rename and the marker
+  leaves a step that a resume rejects)."""
+  from jaxrl.integrity import MARKER
+
   d = Path(workdir) / "checkpoints"
-  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / MARKER).exists()) if d.is_dir() else []
 
 
 def params_finite(params) -> bool:

@@ -1,0 +1,233 @@
+"""Sandbox for code and text a model wrote: a separate process with CPU-time, memory, process and file-size limits,
+no network, and a scratch directory as its working directory and only writable place; killed on timeout.
+
+How each limit is enforced (`confine`, called in the child before any untrusted input is handled):
+- CPU time: RLIMIT_CPU (the kernel sends SIGXCPU, which kills the process); wall time: the parent kills the whole
+  process group (`start_new_session`) at its deadline.
+- Memory: RLIMIT_AS, the address space the process has at confinement plus `memory_mb`; an allocation past it
+  raises MemoryError (or kills the process, if it happens in C).
+- Processes (fork bombs): RLIMIT_NPROC = 0, enforced by the kernel for any uid but root; a root parent's child
+  therefore first becomes `nobody` (uid 65534, after the modules it needs are imported: a stdlib under /root is not
+  readable to it). Python-level fork, exec, spawn, system and subprocess are also refused by an audit hook.
+- Network: a new network namespace (no interface but a down loopback) when the kernel allows one (root, or an
+  unprivileged user namespace); socket creation is refused by the audit hook in any case.
+- Files: the audit hook refuses opening for writing, creating, removing, renaming and changing files outside the
+  scratch directory; RLIMIT_FSIZE caps every file the process writes. As `nobody`, the kernel also refuses writes
+  to files the process does not own, but not to world-writable folders (/tmp): there only the hook stands.
+The audit hook is a Python-level guard (ctypes is refused so that C calls cannot go around it), not a boundary
+against an attacker who can corrupt the interpreter; the kernel-enforced limits above hold regardless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+NOBODY = 65534
+_REFUSED = ("socket.__new__", "socket.socketpair", "socket.getaddrinfo", "socket.gethostbyname", "os.fork",
+            "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system", "subprocess.Popen", "os.kill",
+            "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
+            "resource.setrlimit", "resource.prlimit", "os.setuid", "os.setgid", "os.chroot", "os.unshare")
+_PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.chmod": (0,),
+                "os.chown": (0,), "os.link": (0, 1), "os.symlink": (1,), "os.truncate": (0,), "os.utime": (0,),
+                "os.setxattr": (0,), "os.removexattr": (0,), "os.mkfifo": (0,), "os.mknod": (0,)}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+# Imported before the uid changes: what expression rewards and short programs use.
+PRELOAD = ("ast", "collections", "decimal", "encodings.idna", "fractions", "functools", "itertools", "json", "math",
+           "operator", "random", "re", "statistics", "string")
+
+
+class SandboxViolation(PermissionError):
+  """Something the sandbox does not allow (a socket, a process, a write outside the scratch directory)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+  cpu_s: int = 2  # CPU seconds per item (reward) or per run (code)
+  memory_mb: int = 512  # address space on top of what the interpreter holds when confined
+  file_mb: int = 16  # the largest file it may write
+  open_files: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Confinement:
+  """What `confine` achieved (the tests and docs report it)."""
+  network: str  # "namespace" (no interfaces) or "hook" (socket creation refused in Python only)
+  uid: int
+  scratch: str
+
+
+def _address_space() -> int:
+  for line in Path("/proc/self/status").read_text().splitlines():
+    if line.startswith("VmSize:"):
+      return int(line.split()[1]) * 1024
+  return 0
+
+
+def _no_network() -> str:
+  for flags in (os.CLONE_NEWNET, os.CLONE_NEWUSER | os.CLONE_NEWNET):
+    try:
+      os.unshare(flags)
+      return "namespace"
+    except OSError:
+      continue
+  return "hook"
+
+
+def _inside(path, scratch: str) -> bool:
+  if isinstance(path, int):  # an open descriptor: opened under the rules already
+    return True
+  full = os.path.realpath(os.path.join(os.getcwd(), os.fsdecode(path)))
+  return full == scratch or full.startswith(scratch + os.sep)
+
+
+def _hook(scratch: str, armed: list):
+  busy = []  # realpath can raise events of its own
+
+  def hook(event: str, args) -> None:
+    if busy:
+      return
+    if event in _REFUSED and not (armed and event == "resource.setrlimit"):
+      raise SandboxViolation(f"sandbox: {event} is not allowed")
+    paths = None
+    if event == "open":
+      path, mode, flags = args
+      writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
+      paths = [path] if writing and path is not None else None
+    elif event in _PATH_EVENTS:
+      paths = [args[i] for i in _PATH_EVENTS[event]]
+    if paths:
+      busy.append(1)
+      try:
+        outside = [p for p in paths if not _inside(p, scratch)]
+      finally:
+        busy.pop()
+      if outside:
+        raise SandboxViolation(f"sandbox: writing {os.fsdecode(outside[0])!r} outside the scratch directory")
+
+  return hook
+
+
+def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None):
+  """Confines this process (see the module docstring); returns (Confinement, set_cpu_budget). `before_nproc` runs
+  just before processes are limited (e.g. to start a thread). set_cpu_budget(s) lets the process use s more CPU
+  seconds from now (the only setrlimit the hook lets through)."""
+  for name in PRELOAD:
+    __import__(name)
+  scratch = os.path.realpath(scratch)
+  network = _no_network()
+  os.chdir(scratch)
+  uid = os.getuid()
+  if uid == 0:
+    os.chown(scratch, NOBODY, NOBODY)
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+  if before_nproc is not None:
+    before_nproc()
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past its limit: an OSError rather than a dead process
+  file_bytes = limits.file_mb << 20
+  memory = _address_space() + (limits.memory_mb << 20)
+  for kind, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, file_bytes), (resource.RLIMIT_CORE, 0),
+                      (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_NPROC, 0)):
+    resource.setrlimit(kind, (value, value))
+  armed: list = []
+
+  def set_cpu_budget(seconds: float) -> None:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(used.ru_utime + used.ru_stime + seconds) + 1
+    armed.append(1)
+    try:
+      resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+    finally:
+      armed.pop()
+
+  set_cpu_budget(limits.cpu_s)
+  sys.addaudithook(_hook(scratch, armed))
+  return Confinement(network, os.getuid(), scratch), set_cpu_budget
+
+
+def scratch_dir() -> str:
+  return tempfile.mkdtemp(prefix="jaxrl-sandbox-")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+  """Kills the process and everything it started (it leads its own session)."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+  proc.wait()
+
+
+# ---- running code --------------------------------------------------------------------------------------------
+
+REASONS = ("error", "blocked", "memory", "cpu_limit", "timeout", "crash")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeResult:
+  ok: bool
+  stdout: str
+  error: str | None = None
+  reason: str = ""  # one of REASONS when not ok
+
+
+_CODE_BOOT = ("import json, sys; spec = json.loads(sys.stdin.readline()); sys.path[:] = spec['path']; "
+              "from jaxrl.envs.sandbox import _run_child; _run_child(spec, sys.stdin.read())")
+
+
+def _run_child(spec: dict, code: str) -> None:
+  confine(SandboxLimits(**spec["limits"]), spec["scratch"])
+  try:
+    exec(compile(code, "<sandboxed>", "exec"), {"__name__": "__sandbox__"})
+  except BaseException as e:  # noqa: BLE001 - reported to the parent as the outcome
+    reason = "blocked" if isinstance(e, SandboxViolation) else "memory" if isinstance(e, MemoryError) else "error"
+    sys.stdout.flush()
+    os.write(2, ("\n" + json.dumps({"reason": reason, "error": f"{type(e).__name__}: {e}"[:500]})).encode())
+    os._exit(1)
+  sys.stdout.flush()
+  os._exit(0)
+
+
+def run_code(code: str, limits: SandboxLimits = SandboxLimits(), timeout_s: float = 5.0) -> CodeResult:
+  """Runs Python source a model wrote in a fresh sandboxed process; its stdout (at most limits.file_mb) comes back.
+  Never raises for anything the code does."""
+  scratch = scratch_dir()
+  try:
+    out, err = open(Path(scratch) / ".stdout", "w+b"), open(Path(scratch) / ".stderr", "w+b")
+    proc = subprocess.Popen([sys.executable, "-I", "-c", _CODE_BOOT], stdin=subprocess.PIPE, stdout=out, stderr=err,
+                            cwd=scratch, start_new_session=True)
+    spec = {"path": sys.path, "limits": dataclasses.asdict(limits), "scratch": scratch}
+    try:
+      proc.communicate((json.dumps(spec) + "\n" + code).encode(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      kill_group(proc)
+      return CodeResult(False, "", f"took longer than {timeout_s}s; killed", "timeout")
+    finally:
+      kill_group(proc)  # anything it left behind
+    out.seek(0)
+    err.seek(0)
+    stdout = out.read(limits.file_mb << 20).decode(errors="replace")
+    status = err.read().decode(errors="replace").rsplit("\n", 1)[-1]
+    out.close()
+    err.close()
+    if proc.returncode == 0:
+      return CodeResult(True, stdout)
+    if proc.returncode == -signal.SIGXCPU:
+      return CodeResult(False, stdout, f"used more than {limits.cpu_s}s of CPU; killed", "cpu_limit")
+    try:
+      report = json.loads(status)
+      return CodeResult(False, stdout, report["error"], report["reason"])
+    except (ValueError, KeyError, TypeError):
+      return CodeResult(False, stdout, f"exited with status {proc.returncode}", "crash")
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)

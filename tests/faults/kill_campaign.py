@@ -1,0 +1,267 @@
+"""Kill campaign: SIGKILLs tiny runs at random points (inside sampling, training, weight publish, checkpoint save or
+held-out eval, as tests/faults/kill_probe.py reports them) in each topology asked for, resumes each run with the
+same command until it finishes, and checks that every run finished its steps and accounts for every rollout
+(generated = trained + counted drops + in flight at the end; single-host: no sample trained twice, every group
+trained, dropped, skipped or pending, from the trace). Sync runs must equal an uninterrupted run bit for bit (the
+final checkpoint's array checksums). Writes the tally as JSON and, with --docs, into docs/RELIABILITY.md.
+
+  JAX_NUM_CPU_DEVICES=8 python tests/faults/kill_campaign.py --topologies=sync,pipeline,mp2+2 --kills=20 --docs
+
+Topologies: sync, pipeline (one process, one CPU device per role) and mpL+S (a multi-process job of L learner and
+S sampler processes, one CPU device each, through jaxrl.distributed.launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(REPO), str(HERE)]
+from faults_util import CHILD_ENV, check_history, read_trace  # noqa: E402
+
+from jaxrl.integrity import MARKER  # noqa: E402
+
+STEPS = 8
+SINGLE = {"num_steps": STEPS, "mesh.num_devices": 2, "mesh.sampler_devices": 1, "checkpoint.every_steps": 2,
+          "checkpoint.max_to_keep": 2, "eval.num_examples": 4, "log.tensorboard": False, "log.progress": False}
+LEARNER_PHASES = ("training", "publish", "checkpoint")
+SAMPLER_PHASES = ("sampling", "publish")
+ATTEMPT_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass
+class Topology:
+  name: str
+  learners: int = 0  # 0: single-host
+  samplers: int = 0
+
+  @property
+  def multi(self) -> bool:
+    return self.learners > 0
+
+  @classmethod
+  def parse(cls, name: str) -> Topology:
+    if name in ("sync", "pipeline"):
+      return cls(name)
+    m = re.fullmatch(r"mp(\d+)\+(\d+)", name)
+    if not m:
+      raise SystemExit(f"kill_campaign: unknown topology {name!r} (sync, pipeline or mpL+S, e.g. mp2+2)")
+    return cls(name, int(m[1]), int(m[2]))
+
+  def phases(self, process: int) -> tuple[str, ...]:
+    """What `process` does (single-host: one process does all)."""
+    if not self.multi:
+      return ("sampling", "training", "publish", "checkpoint", "eval")
+    if process < self.learners:
+      return LEARNER_PHASES
+    return SAMPLER_PHASES + (("eval",) if process == self.learners else ())
+
+  def command(self, workdir: Path, overrides: dict) -> list[str]:
+    flags = [f"--config.{k}={v}" for k, v in {**SINGLE, **overrides}.items() if k not in self._dropped()]
+    if not self.multi:
+      return [sys.executable, "-m", "kill_probe", f"--config=configs/tiny.py:{self.name}", f"--workdir={workdir}",
+              *flags, "--config.log.trace=True"]
+    return [sys.executable, "-m", "jaxrl.distributed.launch", f"--num_processes={self.learners + self.samplers}",
+            "--devices_per_process=1", "--module=kill_probe", "--grace_s=60", "--",
+            "--config=configs/tiny.py", f"--workdir={workdir}", *flags,
+            f"--config.mesh.sampler_devices={self.samplers}", "--heartbeat_timeout_s=5"]
+
+  def _dropped(self) -> tuple[str, ...]:
+    return ("mesh.num_devices", "mesh.sampler_devices") if self.multi else ()
+
+
+def _env(probe_dir: Path, cache: Path, multi: bool) -> dict:
+  return {**os.environ, **CHILD_ENV, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAXRL_PROBE_DIR": str(probe_dir),
+          "JAXRL_PROBE": "distributed" if multi else "single",
+          "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+
+
+def _probe(probe_dir: Path, process: int) -> dict | None:
+  try:
+    return json.loads((probe_dir / f"{process}.json").read_text())
+  except (FileNotFoundError, ValueError):
+    return None
+
+
+def _committed(workdir: Path) -> list[int]:
+  d = workdir / "checkpoints"
+  return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / MARKER).exists()) if d.is_dir() else []
+
+
+def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Path,
+             target: tuple[int, str, int] | None, overrides: dict) -> dict:
+  """One attempt of a run; with a target (process, phase, n), SIGKILLs that process once it is inside the phase for
+  the n-th time (or lets it finish if it never is). The outcome."""
+  shutil.rmtree(probe_dir, ignore_errors=True)
+  probe_dir.mkdir(parents=True)
+  with open(log, "ab") as f:
+    proc = subprocess.Popen(topo.command(workdir, overrides), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+  start = time.monotonic()
+  out = {"committed_before": (_committed(workdir) or [None])[-1]}
+  if target is not None:
+    process, phase, nth = target
+    out.update(process=process, phase=phase, nth=nth)
+    while proc.poll() is None and time.monotonic() - start < ATTEMPT_TIMEOUT_S:
+      probe = _probe(probe_dir, process)
+      if probe and phase in probe["active"] and probe["entered"].get(phase, 0) >= nth:
+        os.kill(probe["pid"], signal.SIGKILL)
+        out.update(killed=True, seconds=round(time.monotonic() - start, 1))
+        break
+      time.sleep(0.005)
+  try:
+    out["code"] = proc.wait(timeout=max(1.0, ATTEMPT_TIMEOUT_S - (time.monotonic() - start)))
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out["code"] = proc.wait()
+    out["hung"] = True
+  out["committed_after"] = (_committed(workdir) or [None])[-1]
+  return out
+
+
+def _check_run(topo: Topology, workdir: Path, reference: dict | None) -> dict:
+  """Asserts a finished run's counts; returns them."""
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["steps"] == STEPS, f"{workdir}: {summary['steps']} steps of {STEPS}"
+  led = summary["ledger"]
+  dropped = sum(led["dropped"].values())
+  unaccounted = led["samples_generated"] - led["samples_trained"] - dropped - summary["samples_in_flight"]
+  counts = {"trained": led["samples_trained"], "dropped": dropped, "in_flight": summary["samples_in_flight"],
+            "unaccounted": unaccounted}
+  if not topo.multi:
+    counts.update(check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=4))
+  if reference is not None:
+    final = json.loads((workdir / "checkpoints" / str(STEPS) / MARKER).read_text())["arrays"]
+    counts["equals_uninterrupted"] = final == reference
+  return counts
+
+
+def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int = 4, log=print,
+             cache: Path | None = None) -> dict:
+  """Kills `kills` times (at most `per_run` kills per run, then the run finishes); returns the tally."""
+  rng = random.Random(f"{topo.name}-{seed}")
+  deck: list[tuple[int, str]] = []
+
+  def next_target() -> tuple[int, str, int]:
+    """Every (process, phase) pair once, in random order, then again: each phase is hit about as often."""
+    if not deck:
+      processes = range(topo.learners + topo.samplers) if topo.multi else [0]
+      deck.extend((p, phase) for p in processes for phase in topo.phases(p))
+      rng.shuffle(deck)
+    process, phase = deck.pop()
+    return process, phase, 1 if phase == "eval" else rng.randint(1, 3)  # eval: at a fresh start, at the end
+
+  base = out / topo.name
+  shutil.rmtree(base, ignore_errors=True)
+  base.mkdir(parents=True)
+  env = _env(base / "probe", cache or out / "xla_cache", topo.multi)
+  reference = None
+  if topo.name == "sync":  # the uninterrupted run the killed ones must equal
+    ref = _attempt(topo, base / "reference", base / "reference.log", env, base / "probe", None, {})
+    assert ref["code"] == 0, (base / "reference.log").read_text()[-3000:]
+    reference = json.loads((base / "reference" / "checkpoints" / str(STEPS) / MARKER).read_text())["arrays"]
+  tally = {"topology": topo.name, "kills": 0, "resumes": 0, "runs": 0, "attempts": [], "runs_checked": [],
+           "phases": {}, "unaccounted": 0, "failures": []}
+  t0 = time.monotonic()
+  while tally["kills"] < kills:
+    workdir = base / f"run{tally['runs']}"
+    in_run = 0
+    while True:
+      kill = in_run < per_run and tally["kills"] < kills
+      a = _attempt(topo, workdir, base / f"run{tally['runs']}.log", env, base / "probe",
+                   next_target() if kill else None, {})
+      tally["attempts"].append({"run": tally["runs"], **a})
+      log(f"{topo.name} run {tally['runs']}: {a}")
+      if a.get("killed"):
+        tally["kills"] += 1
+        tally["phases"][a["phase"]] = tally["phases"].get(a["phase"], 0) + 1
+        in_run += 1
+        continue
+      if a["code"] != 0:
+        tally["failures"].append({"run": tally["runs"], **a})
+        log(f"{topo.name} run {tally['runs']}: attempt failed with status {a['code']}; see {base}")
+        return _finish(tally, t0)
+      break
+    try:
+      counts = _check_run(topo, workdir, reference)
+    except AssertionError as e:
+      tally["failures"].append({"run": tally["runs"], "check": str(e)[:2000]})
+      log(f"{topo.name} run {tally['runs']}: check failed: {e}")
+      return _finish(tally, t0)
+    tally["runs_checked"].append(counts)
+    tally["unaccounted"] += counts["unaccounted"]
+    tally["runs"] += 1
+  return _finish(tally, t0)
+
+
+def _finish(tally: dict, t0: float) -> dict:
+  attempts = tally["attempts"]
+  tally["resumes"] = sum(1 for a, b in itertools.pairwise(attempts) if a.get("killed") and a["run"] == b["run"])
+  tally["seconds"] = round(time.monotonic() - t0)
+  if any("equals_uninterrupted" in r for r in tally["runs_checked"]):
+    tally["equal_to_uninterrupted"] = sum(r["equals_uninterrupted"] for r in tally["runs_checked"])
+  return tally
+
+
+def _docs_table(tallies: list[dict], load: str) -> str:
+  rows = ["| topology | kills (by phase) | resumes | runs finished | rollouts unaccounted | equal to uninterrupted "
+          "| failures | minutes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for t in tallies:
+    phases = ", ".join(f"{k} {v}" for k, v in sorted(t["phases"].items()))
+    equal = f"{t['equal_to_uninterrupted']} of {t['runs']}" if "equal_to_uninterrupted" in t else "n/a (scheduling)"
+    rows.append(f"| {t['topology']} | {t['kills']} ({phases}) | {t['resumes']} | {t['runs']} | {t['unaccounted']} | "
+                f"{equal} | {len(t['failures'])} | {t['seconds'] / 60:.1f} |")
+  return "\n".join(rows) + f"\n\nLoad when measured (`uptime`): {load}\n"
+
+
+def write_docs(tallies: list[dict], load: str, path: Path = REPO / "docs" / "RELIABILITY.md") -> None:
+  """Replaces the text between the campaign markers of docs/RELIABILITY.md with the tally."""
+  text = path.read_text()
+  begin, end = "<!-- kill-campaign:begin -->", "<!-- kill-campaign:end -->"
+  if begin not in text:
+    raise SystemExit(f"{path} has no {begin} ... {end} block")
+  head, rest = text.split(begin, 1)
+  _, tail = rest.split(end, 1)
+  path.write_text(f"{head}{begin}\n{_docs_table(tallies, load)}{end}{tail}")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--topologies", default="sync,pipeline,mp1+1,mp1+2,mp2+2")
+  parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per topology")
+  parser.add_argument("--per_run", type=int, default=4, help="kills per run before it may finish")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default="/tmp/jaxrl-kill-campaign", help="work folder (runs, logs, XLA cache)")
+  parser.add_argument("--json", default=str(REPO / "bench" / "results" / "kill_campaign.json"))
+  parser.add_argument("--docs", action="store_true", help="write the tally into docs/RELIABILITY.md")
+  opts = parser.parse_args(argv)
+  topologies = [Topology.parse(n) for n in opts.topologies.split(",")]
+  out = Path(opts.out)
+  out.mkdir(parents=True, exist_ok=True)
+  tallies = []
+  for topo in topologies:
+    tally = campaign(topo, opts.kills, out, opts.seed, opts.per_run, log=lambda s: print(s, flush=True))
+    tallies.append(tally)
+    print(json.dumps({k: v for k, v in tally.items() if k != "attempts"}), flush=True)
+    Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    Path(opts.json).write_text(json.dumps({"load": load, "tallies": tallies}, indent=1))
+    if opts.docs:
+      write_docs(tallies, load)
+  return 1 if any(t["failures"] or t["unaccounted"] for t in tallies) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
