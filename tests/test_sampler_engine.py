@@ -100,7 +100,7 @@ def _check_logprobs_match_forward(model, rollout):
 
 def test_decode_state_is_sharded_on_the_sampler_mesh(engine):
   state = engine.init_decode_state()
-  assert state.cache.k_LxBxSxKxD.sharding.spec == P(None, "data", None, "tensor", None)
+  assert state.cache.k_NxSxTxKxD.sharding.spec == P(None, "data", None, "tensor", None)
   assert state.tokens_SxT.sharding.spec == P("data", None)
   assert engine.max_concurrent_decodes == 4 and engine.buckets == (8, 16, 32, 48)
 

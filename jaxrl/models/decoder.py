@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels import cached_attention
 from jaxrl.models.config import ModelConfig
 
 _NEG_INF = -1e30
@@ -21,14 +22,14 @@ _NEG_INF = -1e30
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated keys and values; entry s of a row holds the token at position s."""
+  """Preallocated keys and values of every layer; entry t of a row holds the token at position t."""
 
-  k_LxBxSxKxD: jax.Array
-  v_LxBxSxKxD: jax.Array
+  k_NxSxTxKxD: jax.Array
+  v_NxSxTxKxD: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.k_LxBxSxKxD.shape[2]
+    return self.k_NxSxTxKxD.shape[2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -116,30 +117,34 @@ class Attention(nnx.Module):
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
 
-    if cache_kv is None:  # full sequence: causal by index within equal, non-zero segment ids
-      keys, values = k, v
-      t = x_BxTxE.shape[1]
-      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-      same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-      mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
-      new_cache_kv = None
-    else:  # cache index = position; a query at position p sees entries 0..p
-      cache_k, cache_v = cache_kv
-      rows = jnp.arange(x_BxTxE.shape[0])[:, None]
-      keys = cache_k.at[rows, positions_BxT].set(k.astype(cache_k.dtype), mode="drop")
-      values = cache_v.at[rows, positions_BxT].set(v.astype(cache_v.dtype), mode="drop")
-      new_cache_kv = (keys, values)
-      keys, values = keys.astype(dt), values.astype(dt)
-      mask_BxTxS = jnp.arange(keys.shape[1])[None, None, :] <= positions_BxT[:, :, None]
-
     b, t, h, d = q.shape
     groups = h // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, groups, d)
+    if cache_kv is not None:
+      return self._cached(q, k, v, positions_BxT, cache_kv)
+
+    # full sequence: causal by index within equal, non-zero segment ids
+    keys, values = k, v
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) / math.sqrt(d)
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_cache_kv
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), None
+
+  def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
+    """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part."""
+    k_cache, v_cache, layer = cache_kv
+    s, c, kh, g, d = q_SxCxKxGxD.shape
+    rows = jnp.arange(s)[:, None]
+    # Positions past the cache (rebuild's last chunk) are dropped.
+    k_cache = k_cache.at[layer, rows, positions_SxC].set(k_SxCxKxD.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, rows, positions_SxC].set(v_SxCxKxD.astype(v_cache.dtype), mode="drop")
+    out = cached_attention(q_SxCxKxGxD, k_cache, v_cache, layer, positions_SxC).reshape(s, c, kh * g, d)
+    dt = q_SxCxKxGxD.dtype
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -196,21 +201,33 @@ class Decoder(nnx.Module):
     inv_freq = rope_inv_freq(cfg)
     graphdef, stacked = nnx.split(self.blocks)
 
-    def body(x, layer):
-      state, kv = layer
-      x, kv = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT, cache_kv=kv)
-      return x, kv
+    if cache is None:
+      def body(x, state):
+        x, _ = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
+        return x, None
 
-    if cfg.remat:
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    xs = (stacked, None if cache is None else (cache.k_LxBxSxKxD, cache.v_LxBxSxKxD))
-    x, new_kv = jax.lax.scan(body, x, xs)
+      if cfg.remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+      x, _ = jax.lax.scan(body, x, stacked)
+    else:
+      # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
+      # in place and no second cache-sized buffer exists.
+      def cached_body(carry, layer_state):
+        x, k_cache, v_cache = carry
+        layer, state = layer_state
+        x, (k_cache, v_cache) = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq,
+                                                           cache_kv=(k_cache, v_cache, layer))
+        return (x, k_cache, v_cache), None
+
+      init = (x, cache.k_NxSxTxKxD, cache.v_NxSxTxKxD)
+      (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, init, (jnp.arange(cfg.num_layers), stacked))
+      cache = KVCache(k_cache, v_cache)
     x = self.final_norm(x)
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
     if cache is None:
       return logits
-    return logits, KVCache(*new_kv)
+    return logits, cache
 
 
 def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):

@@ -78,8 +78,8 @@ def _prefill(graphdef, cfg, cache_dtype, params, tokens_P, length):
 
 def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings) -> DecodeState:
   at = (0, slot, 0, 0, 0)
-  cache = KVCache(jax.lax.dynamic_update_slice(state.cache.k_LxBxSxKxD, prefix.cache.k_LxBxSxKxD, at),
-                  jax.lax.dynamic_update_slice(state.cache.v_LxBxSxKxD, prefix.cache.v_LxBxSxKxD, at))
+  cache = KVCache(jax.lax.dynamic_update_slice(state.cache.k_NxSxTxKxD, prefix.cache.k_NxSxTxKxD, at),
+                  jax.lax.dynamic_update_slice(state.cache.v_NxSxTxKxD, prefix.cache.v_NxSxTxKxD, at))
   tokens = jax.lax.dynamic_update_slice(state.tokens_SxT, prefix.tokens_P[None], (slot, 0))
   put = lambda rows, value: rows.at[slot].set(value)
   return DecodeState(
