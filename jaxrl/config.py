@@ -56,6 +56,9 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.max_slots = 16  # concurrent decode slots (continuous batching)
   c.sampler.max_len = 48  # KV cache length per slot: prompt + completion
   c.sampler.steps_per_call = 8  # decode steps per host round trip
+  # weights and KV cache of the sampler ("float32" | "bfloat16"); "auto": bfloat16 on TPU/GPU, float32 on CPU.
+  # Below the learner's model.dtype the learner scores a slightly different distribution (bench/sampler.py: KL).
+  c.sampler.dtype = "auto"
   c.sampler.max_new_tokens = 16  # completion budget per sample
   c.sampler.temperature = 1.0  # sampling temperature (the learner scores tokens at the same one)
   c.sampler.top_k = 0  # 0: off
@@ -158,7 +161,8 @@ _REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperatu
           ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
 _BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace")
 _CHOICES = (("mode", MODES), ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
-            ("sampler.on_update", ("recompute", "finish")), ("rl.on_stale", ON_STALE))
+            ("sampler.on_update", ("recompute", "finish")), ("sampler.dtype", ("auto", *DTYPES)),
+            ("rl.on_stale", ON_STALE))
 
 
 def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None, num_devices: int | None = None):

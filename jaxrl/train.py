@@ -113,11 +113,11 @@ def build(c, workdir: str | Path) -> Run:
   state, record = restore(checkpointer, state, state_sh)
 
   engine = Engine(model_cfg, meshes.sampler, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
-                  steps_per_call=c.sampler.steps_per_call)
+                  steps_per_call=c.sampler.steps_per_call, dtype=c.sampler.dtype)
   version = int(jax.device_get(state.version))
   detok = tokenizer.decode if tokenizer is not None else None
   sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
-  publisher = WeightPublisher(engine.param_shardings)
+  publisher = WeightPublisher(engine.param_shardings, engine.dtype)
   metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
                           resume_step=resumed_from or 0)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None

@@ -299,5 +299,7 @@ def test_bad_configuration_is_rejected(model, engine):
     Sampler(engine, params, eos_token_ids=(CFG.vocab_size + 1,))
   with pytest.raises(ValueError, match="max_slots"):
     Engine(CFG, engine.mesh, max_slots=0, max_len=8)
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    Engine(CFG, engine.mesh, max_slots=2, max_len=8, dtype="float16")
   with pytest.raises(ValueError, match="does not fit"):
     engine.prefill(sampler._params, np.arange(MAX_LEN))

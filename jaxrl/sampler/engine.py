@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxrl.models import KVCache, ModelConfig, forward_cached, init_cache
+from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
 from jaxrl.sampler.sampling import sample
 from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
@@ -69,9 +70,9 @@ class ResultTokens:
   version: jax.Array  # int32 scalar: the policy version of the params of this call
 
 
-def _prefill(graphdef, cfg, cache_dtype, params, tokens_P, length):
+def _prefill(graphdef, cfg, params, tokens_P, length):
   bucket = tokens_P.shape[0]
-  cache = init_cache(cfg, 1, bucket, cache_dtype)
+  cache = init_cache(cfg, 1, bucket)
   _, cache = forward_cached(graphdef, params, tokens_P[None], jnp.arange(bucket)[None], cache)
   return Prefix(cache, tokens_P, length)
 
@@ -144,18 +145,28 @@ class Engine:
   """Prefill / insert / generate over `max_slots` decode slots of `max_len` tokens on the sampler mesh."""
 
   def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
-               min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, cache_dtype=None,
+               min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, dtype: str | None = None,
                rules=SAMPLER_RULES):
+    """dtype: of the sampler's weights, activations and KV cache: "float32" | "bfloat16" | "auto" (bfloat16 on
+    TPU/GPU, float32 on CPU, where XLA's float32 matmuls are exact and bfloat16 ones are not faster everywhere);
+    None: cfg.dtype."""
     for name, value in (("max_slots", max_slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
                         ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk)):
       if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int (got {value!r})")
     if max_len < 2:
       raise ValueError(f"Engine: max_len must be >= 2 to hold a prompt token and a generated one (got {max_len})")
+    dtype = cfg.dtype if dtype is None else dtype
+    if dtype == "auto":
+      dtype = "float32" if mesh.devices.flat[0].platform == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+      raise ValueError(f"Engine: dtype must be one of {DTYPES} or 'auto' (got {dtype!r})")
+    # Params are cast once when placed (not per step inside the decode program).
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    self.dtype = cfg.compute_dtype
     self.cfg, self.mesh, self.rules = cfg, mesh, rules
     self.max_slots, self.max_len, self.steps_per_call = max_slots, max_len, steps_per_call
     self.max_stop_ids = max_stop_ids
-    self.cache_dtype = cache_dtype or cfg.compute_dtype
     buckets, b = [], min_bucket
     while b < max_len:
       buckets.append(b)
@@ -168,7 +179,7 @@ class Engine:
     result_shardings = ResultTokens(self._named("batch", None), self._named("batch", None),
                                     self._named("batch", None), self._named("batch"), self._named())
     g = self.graphdef
-    self._prefill = jax.jit(functools.partial(_prefill, g, cfg, self.cache_dtype), out_shardings=prefix_shardings)
+    self._prefill = jax.jit(functools.partial(_prefill, g, cfg), out_shardings=prefix_shardings)
     self._insert = jax.jit(_insert, donate_argnums=1, out_shardings=self._state_shardings)
     self._generate = jax.jit(functools.partial(_generate, g, steps_per_call), donate_argnums=2,
                              out_shardings=(self._state_shardings, result_shardings))
@@ -207,15 +218,15 @@ class Engine:
     raise ValueError(f"a prompt of {length} tokens does not fit the cache (max_len={self.max_len})")
 
   def place(self, params, version: int) -> Versioned:
-    """Puts params onto the sampler shardings (a no-op for arrays already there)."""
-    return transfer(params, version, self.param_shardings)
+    """Puts params onto the sampler shardings in the engine's dtype (a no-op for arrays already there)."""
+    return transfer(params, version, self.param_shardings, self.dtype)
 
   def init_decode_state(self) -> DecodeState:
     s, t = self.max_slots, self.max_len
     key_shape = jax.random.key_data(jax.random.key(0)).shape
 
     def zeros():
-      cache = init_cache(self.cfg, s, t, self.cache_dtype)
+      cache = init_cache(self.cfg, s, t)
       settings = SlotSettings(jnp.zeros((s, *key_shape), jnp.uint32), jnp.ones((s,), jnp.float32),
                               jnp.zeros((s,), jnp.int32), jnp.ones((s,), jnp.float32), jnp.zeros((s,), bool),
                               jnp.zeros((s,), jnp.int32), jnp.full((s, self.max_stop_ids), -1, jnp.int32))
