@@ -56,9 +56,7 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.max_slots = 16  # concurrent decode slots (continuous batching)
   c.sampler.max_len = 48  # KV cache length per slot: prompt + completion
   c.sampler.steps_per_call = 8  # decode steps per host round trip
-  # weights and KV cache of the sampler ("float32" | "bfloat16"); "auto": bfloat16 on TPU/GPU, float32 on CPU.
-  # Below the learner's model.dtype the learner scores a slightly different distribution (bench/sampler.py: KL).
-  c.sampler.dtype = "auto"
+  c.sampler.dtype = "auto"  # sampler weights + KV cache: "float32" | "bfloat16" | "auto" (bf16 on TPU/GPU, f32 on CPU)
   c.sampler.max_new_tokens = 16  # completion budget per sample
   c.sampler.temperature = 1.0  # sampling temperature (the learner scores tokens at the same one)
   c.sampler.top_k = 0  # 0: off
