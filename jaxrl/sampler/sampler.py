@@ -1,8 +1,11 @@
 """Host-side sampler loop: prompt groups in, finished Rollouts out, over an Engine's decode slots.
 
-`step()` admits waiting samples into free slots (one prefill per group, inserted into n slots), runs one generate
-call (`steps_per_call` decode steps) and returns the samples that finished. Between steps the caller may submit
-more prompts or swap the params (`update_params`). Not thread-safe: call it from one thread.
+`step()` admits waiting samples into free slots (one prefill per group, inserted into n slots), dispatches one
+generate call (`steps_per_call` decode steps) and returns the samples that finished. With `overlap` (the default)
+it reads the results of the previous call after dispatching the next one, so the host's work (collecting tokens,
+stop checks, admissions) runs while the device decodes; a slot that finishes then idles one call before it is
+refilled. Between steps the caller may submit more prompts or swap the params (`update_params`). Not thread-safe:
+call it from one thread.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from jaxrl.sharding import Versioned
 
 ON_UPDATE = ("recompute", "finish")
 ADMISSION = ("continuous", "static")
+# Tokens of text re-decoded per new token for stop strings, past the longest stop string's length in characters
+# (a token decodes to at least one character except for a few partial UTF-8 bytes).
+_STOP_WINDOW = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,14 @@ class _Sample:
 
 
 @dataclasses.dataclass
+class _InFlight:
+  """A dispatched generate call: its results (not yet read) and the sample each slot held when it was dispatched."""
+
+  result: ResultTokens
+  occupants: list[_Sample | None]
+
+
+@dataclasses.dataclass
 class SamplerStats:
   generated_tokens: int = 0  # includes tokens cut after a stop string
   slot_steps: int = 0  # slots x decode steps run
@@ -90,16 +104,19 @@ class Sampler:
   lets in-flight samples finish on the old params, then swaps.
   admission: "continuous" refills a slot as soon as it frees; "static" waits until every slot is free (a
   static batch padded to its longest sample; the baseline of bench/sampler.py).
+  overlap: dispatch call k+1 before reading call k (see the module docstring); False reads each call at once.
   """
 
   def __init__(self, engine: Engine, params, version: int = 0, *, seed: int = 0, on_update: str = "recompute",
                admission: str = "continuous", eos_token_ids: Sequence[int] | None = None,
-               detokenize: Callable[[Sequence[int]], str] | None = None):
+               detokenize: Callable[[Sequence[int]], str] | None = None, overlap: bool = True):
     if on_update not in ON_UPDATE:
       raise ValueError(f"on_update must be one of {ON_UPDATE} (got {on_update!r})")
     if admission not in ADMISSION:
       raise ValueError(f"admission must be one of {ADMISSION} (got {admission!r})")
     self.engine, self.on_update, self.admission, self.detokenize = engine, on_update, admission, detokenize
+    self.overlap = overlap
+    self._in_flight: _InFlight | None = None
     self.eos_token_ids = tuple(engine.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
     self._check_ids(self.eos_token_ids, "eos token")
     self._params = engine.place(params, version)
@@ -179,21 +196,25 @@ class Sampler:
     self._params, self._pending = new, None
     active = [s for s in self._slots if s is not None]
     if active:
-      self._state = self.engine.rebuild(new, self._state, max(s.pos for s in active))
+      # A call in flight may have advanced every slot by up to steps_per_call tokens the host has not read yet.
+      ahead = self.engine.steps_per_call if self._in_flight is not None else 0
+      self._state = self.engine.rebuild(new, self._state, max(s.pos for s in active) + ahead)
       self.stats.rebuilds += 1
 
   def step(self) -> list[Rollout]:
-    """Admits waiting samples, runs one generate call, returns the samples that finished."""
+    """Admits waiting samples, dispatches one generate call, returns the samples that finished."""
     start = time.perf_counter()
     if self._pending is not None and not self.num_active:
       self._swap(self._pending)
     self._admit()
-    if not self.num_active:
-      return []
-    self._state, result = self.engine.generate(self._params, self._state)
-    finished = self._collect(jax.device_get(result))
-    self.stats.decode_calls += 1
-    self.stats.slot_steps += self.engine.max_slots * self.engine.steps_per_call
+    dispatched = None
+    if self.num_active:
+      self._state, result = self.engine.generate(self._params, self._state)
+      dispatched = _InFlight(result, list(self._slots))
+      self.stats.decode_calls += 1
+      self.stats.slot_steps += self.engine.max_slots * self.engine.steps_per_call
+    previous, self._in_flight = (self._in_flight, dispatched) if self.overlap else (dispatched, None)
+    finished = self._collect(previous) if previous is not None else []
     self.stats.finished += len(finished)
     self.stats.seconds += time.perf_counter() - start
     return finished
@@ -233,11 +254,12 @@ class Sampler:
       if g.placed == r.n:
         self._waiting.popleft()
 
-  def _collect(self, result: ResultTokens) -> list[Rollout]:
+  def _collect(self, call: _InFlight) -> list[Rollout]:
     finished = []
+    result = jax.device_get(call.result)
     version = int(result.version)
-    for slot, sample in enumerate(self._slots):
-      if sample is None:
+    for slot, sample in enumerate(call.occupants):
+      if sample is None or self._slots[slot] is not sample:  # empty, or ended by the host after this dispatch
         continue
       valid = result.valid_SxK[slot]
       before = len(sample.tokens)
@@ -264,12 +286,16 @@ class Sampler:
     return "length"
 
   def _stop_string_end(self, sample: _Sample, before: int) -> int | None:
-    """Number of tokens up to the one that completes a stop string, if a new token completed one."""
+    """Number of tokens up to the one that completes a stop string, if a new token completed one.
+
+    Each new token re-decodes only a window of the last tokens long enough to hold any stop string, so the cost
+    is proportional to the new tokens (re-decoding the whole completion per token was quadratic)."""
     stops = sample.group.request.stop_strings
     if not stops:
       return None
+    window = max(len(s) for s in stops) + _STOP_WINDOW
     for end in range(before + 1, len(sample.tokens) + 1):
-      text = self.detokenize(sample.tokens[:end])
+      text = self.detokenize(sample.tokens[max(0, end - window) : end])
       if any(s in text for s in stops):
         return end
     return None
