@@ -6,6 +6,12 @@ it reads the results of the previous call after dispatching the next one, so the
 stop checks, admissions) runs while the device decodes; a slot that finishes then idles one call before it is
 refilled. Between steps the caller may submit more prompts or swap the params (`update_params`). Not thread-safe:
 call it from one thread.
+
+Over a paged engine (Engine(kv="paged")) the sampler also owns the page allocator: a group's prompt pages are
+shared by its samples, each live slot gets pages for the positions the next call may write before it is
+dispatched, and pages return to the pool when a sample ends. When the pool runs short, admission stops; when a
+live sample cannot grow, the most recently admitted live sample is preempted: its pages are freed and it waits,
+with its tokens so far, to be prefilled again (prompt + completion) and continued with the same sampling keys.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import numpy as np
 
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler.engine import Engine, Prefix, ResultTokens
+from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt
 from jaxrl.sharding import Versioned
 
-ON_UPDATE = ("recompute", "finish")
+ON_UPDATE = ("recompute", "finish", "keep_kv")
 ADMISSION = ("continuous", "static")
 # Tokens of text re-decoded per new token for stop strings, past the longest stop string's length in characters
 # (a token decodes to at least one character except for a few partial UTF-8 bytes).
@@ -53,6 +60,7 @@ class _Group:
   stop_ids: tuple[int, ...]
   placed: int = 0
   prefix: Prefix | None = None
+  shared: SharedPrompt | None = None  # paged: the prompt pages of `prefix` its samples share
 
 
 @dataclasses.dataclass
@@ -62,6 +70,7 @@ class _Sample:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  admitted: int = 0  # admission order (paged: the most recent live sample is preempted first)
 
   @property
   def pos(self) -> int:
@@ -83,6 +92,8 @@ class SamplerStats:
   decode_calls: int = 0
   prefills: int = 0
   rebuilds: int = 0
+  rebuilt_tokens: int = 0  # positions an in-flight update recomputed (slots x length dense; live tokens paged)
+  preemptions: int = 0  # paged: samples whose pages were taken back (and recomputed later)
   finished: int = 0
   seconds: float = 0.0  # wall time inside step()
 
@@ -101,7 +112,11 @@ class Sampler:
 
   on_update: "recompute" swaps params at the next step and recomputes the KV cache of in-flight samples with
   them, so every token's logprob is exactly that of the version it is tagged with; "finish" stops admitting,
-  lets in-flight samples finish on the old params, then swaps.
+  lets in-flight samples finish on the old params, then swaps; "keep_kv" swaps at once and continues in-flight
+  samples over the keys/values the old params computed (no recompute: an update costs nothing). Each token is
+  still tagged with the version that computed its logits and its logprob is that of the distribution it was drawn
+  from, but that distribution is conditioned on stale keys/values (a policy no learner version is): the learner's
+  importance ratio then corrects for that mismatch too, not only for the version lag.
   admission: "continuous" refills a slot as soon as it frees; "static" waits until every slot is free (a
   static batch padded to its longest sample; the baseline of bench/sampler.py).
   overlap: dispatch call k+1 before reading call k (see the module docstring); False reads each call at once.
@@ -124,6 +139,10 @@ class Sampler:
     self._state = engine.init_decode_state()
     self._slots: list[_Sample | None] = [None] * engine.max_slots
     self._waiting: collections.deque[_Group] = collections.deque()
+    self._preempted: collections.deque[_Sample] = collections.deque()
+    self._admissions = 0
+    self._pages = (PageAllocator(engine.num_pages, engine.page_size, engine.max_slots, engine.pages_per_slot)
+                   if engine.kv == "paged" else None)
     self._key = jax.random.key(seed)
     self.stats = SamplerStats()
 
@@ -138,8 +157,8 @@ class Sampler:
 
   @property
   def num_waiting(self) -> int:
-    """Samples submitted but not yet in a slot."""
-    return sum(g.request.n - g.placed for g in self._waiting)
+    """Samples submitted but not yet in a slot (preempted ones included)."""
+    return sum(g.request.n - g.placed for g in self._waiting) + len(self._preempted)
 
   def _check_ids(self, ids, what):
     v = self.engine.cfg.vocab_size
@@ -194,12 +213,28 @@ class Sampler:
 
   def _swap(self, new: Versioned) -> None:
     self._params, self._pending = new, None
-    active = [s for s in self._slots if s is not None]
-    if active:
-      # A call in flight may have advanced every slot by up to steps_per_call tokens the host has not read yet.
-      ahead = self.engine.steps_per_call if self._in_flight is not None else 0
-      self._state = self.engine.rebuild(new, self._state, max(s.pos for s in active) + ahead)
-      self.stats.rebuilds += 1
+    active = [(slot, s) for slot, s in enumerate(self._slots) if s is not None]
+    if not active or self.on_update == "keep_kv":
+      return
+    # A call in flight may have advanced every slot by up to steps_per_call tokens the host has not read yet.
+    ahead = self.engine.steps_per_call if self._in_flight is not None else 0
+    max_len = self.engine.max_len
+    if self._pages is None:
+      length = self.engine.bucket(min(max(s.pos for _, s in active) + ahead, max_len))
+      self._state = self.engine.rebuild(new, self._state, length)
+      self.stats.rebuilt_tokens += self.engine.max_slots * length
+    else:
+      # Live tokens only: each group's shared prompt pages once (through its first live slot), then each slot's own.
+      z, shared, own = self.engine.page_size, {}, []
+      for slot, s in active:
+        pages = tuple(self._pages.tables[slot][: self._pages.num_shared_S[slot]])
+        if pages:
+          shared.setdefault(pages, (slot, 0, len(pages) * z))
+        own.append((slot, len(pages) * z, min(s.pos + 1 + ahead, max_len)))
+      spans = [*shared.values(), *own]
+      self._state = self.engine.rebuild_spans(new, self._state, spans)
+      self.stats.rebuilt_tokens += sum(end - start for _, start, end in spans)
+    self.stats.rebuilds += 1
 
   def step(self) -> list[Rollout]:
     """Admits waiting samples, dispatches one generate call, returns the samples that finished."""
@@ -207,6 +242,8 @@ class Sampler:
     if self._pending is not None and not self.num_active:
       self._swap(self._pending)
     self._admit()
+    if self._pages is not None:
+      self._grow()
     dispatched = None
     if self.num_active:
       self._state, result = self.engine.generate(self._params, self._state)
@@ -234,25 +271,91 @@ class Sampler:
         return
       yield from self.step()
 
+  def _horizon(self, pos: int) -> int:
+    """Positions a slot at host position `pos` needs pages for before the next call: the call in flight and the
+    next one may each write steps_per_call positions."""
+    return min(pos + 2 * self.engine.steps_per_call, self.engine.max_len)
+
   def _admit(self) -> None:
     if self._pending is not None or (self.admission == "static" and self.num_active):
       return
     for slot, occupant in enumerate(self._slots):
-      if not self._waiting:
-        break
       if occupant is not None:
         continue
-      g = self._waiting[0]
-      if g.prefix is None or g.prefix.version != self.version:  # the prefill is shared by the group's samples
-        g.prefix = self.engine.prefill(self._params, g.prompt)
-        self.stats.prefills += 1
-      r = g.request
-      settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new, g.stop_ids)
-      self._state = self.engine.insert(g.prefix, self._state, slot, settings)
-      self._slots[slot] = _Sample(g, g.placed)
-      g.placed += 1
-      if g.placed == r.n:
-        self._waiting.popleft()
+      try:
+        if self._preempted:
+          self._resume(slot, self._preempted[0])
+          self._preempted.popleft()
+        elif self._waiting:
+          self._place(slot, self._waiting[0])
+        else:
+          break
+      except OutOfPages:  # stop admitting until samples end and free pages
+        break
+
+  def _place(self, slot: int, g: _Group) -> None:
+    if g.prefix is None or g.prefix.version != self.version:  # the prefill is shared by the group's samples
+      if g.shared is not None:  # samples placed before keep their references to the old pages
+        self._pages.release_prompt(g.shared)
+        g.shared = None
+      if self._pages is not None:
+        g.shared = self._pages.share_prompt(len(g.prompt))
+      g.prefix = self.engine.prefill(self._params, g.prompt)
+      self.stats.prefills += 1
+      if g.shared is not None:
+        self._state = self.engine.store_prefix(g.prefix, self._state, g.shared.pages)
+    r = g.request
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new, g.stop_ids)
+    self._insert(slot, g.prefix, settings, g.shared, 0)
+    self._slots[slot] = _Sample(g, g.placed, admitted=self._admissions)
+    g.placed += 1
+    if g.placed == r.n:
+      self._waiting.popleft()
+      if g.shared is not None:
+        self._pages.release_prompt(g.shared)
+      g.prefix = g.shared = None
+
+  def _insert(self, slot, prefix, settings, shared: SharedPrompt | None, num_generated: int) -> None:
+    row, first_private = None, 0
+    if self._pages is not None:
+      self._pages.attach(slot, shared, self._horizon(int(prefix.length) - 1))
+      row, first_private = self._pages.table_row(slot), int(self._pages.num_shared_S[slot])
+    self._state = self.engine.insert(prefix, self._state, slot, settings, num_generated=num_generated,
+                                     table_row=row, first_private=first_private)
+    self._admissions += 1
+
+  def _resume(self, slot: int, sample: _Sample) -> None:
+    """Continues a preempted sample: prefills its prompt and completion so far (with the current params)."""
+    g, r = sample.group, sample.group.request
+    tokens = np.concatenate([g.prompt, np.asarray(sample.tokens, np.int32)])
+    prefix = self.engine.prefill(self._params, tokens)
+    self.stats.prefills += 1
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling, g.max_new, g.stop_ids)
+    self._insert(slot, prefix, settings, None, len(sample.tokens))
+    sample.admitted = self._admissions
+    self._slots[slot] = sample
+
+  def _grow(self) -> None:
+    """Reserves pages for what the next call may write; preempts the latest admitted sample when they run out."""
+    grown = False
+    for slot in sorted(range(len(self._slots)), key=lambda i: self._slots[i].admitted if self._slots[i] else -1):
+      while self._slots[slot] is not None:
+        try:
+          grown |= self._pages.reserve(slot, self._horizon(self._slots[slot].pos)) > 0
+          break
+        except OutOfPages:
+          victim = max((i for i, s in enumerate(self._slots) if s is not None), key=lambda i: self._slots[i].admitted)
+          self._preempted.append(self._slots[victim])
+          self._free(victim)
+          self._state = self.engine.release(self._state, victim)
+          self.stats.preemptions += 1
+    if grown:
+      self._state = self.engine.set_tables(self._state, self._pages.table_SxM())
+
+  def _free(self, slot: int) -> None:
+    self._slots[slot] = None
+    if self._pages is not None:
+      self._pages.release(slot)
 
   def _collect(self, call: _InFlight) -> list[Rollout]:
     finished = []
@@ -276,7 +379,7 @@ class Sampler:
         reason = "stop"
       if reason is not None:
         finished.append(self._rollout(sample, reason))
-        self._slots[slot] = None
+        self._free(slot)
     return finished
 
   def _finish_reason(self, sample: _Sample) -> str:
