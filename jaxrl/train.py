@@ -112,8 +112,7 @@ def build(c, workdir: str | Path) -> Run:
   resumed_from = checkpointer.latest_step()
   state, record = restore(checkpointer, state, state_sh)
 
-  engine = Engine(model_cfg, meshes.sampler, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
-                  steps_per_call=c.sampler.steps_per_call, dtype=c.sampler.dtype)
+  engine = Engine(model_cfg, meshes.sampler, **config_lib.engine_kwargs(c))
   version = int(jax.device_get(state.version))
   detok = tokenizer.decode if tokenizer is not None else None
   sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)

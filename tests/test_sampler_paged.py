@@ -164,3 +164,17 @@ def test_paged_configuration_errors_name_the_problem(engines):
     Engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="paged", page_size=4, num_pages=3)
   with pytest.raises(ValueError, match="kv must be one of"):
     Engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="ragged")
+
+
+def test_config_selects_the_paged_cache():
+  from jaxrl import config as config_lib
+
+  c = config_lib.override(config_lib.base(), **{"sampler.kv": "paged", "sampler.page_size": 8,
+                                                "sampler.on_update": "keep_kv"})
+  config_lib.validate(c)
+  kw = config_lib.engine_kwargs(c)
+  assert (kw["kv"], kw["page_size"], kw["num_pages"]) == ("paged", 8, None)
+  with pytest.raises(config_lib.ConfigError, match="multiple of sampler.page_size=5"):
+    config_lib.validate(config_lib.override(c, **{"sampler.page_size": 5}))
+  with pytest.raises(config_lib.ConfigError, match="sampler.kv='ragged'; allowed"):
+    config_lib.validate(config_lib.override(c, **{"sampler.kv": "ragged"}))

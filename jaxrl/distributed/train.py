@@ -94,8 +94,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   if topology.role == "sampler":
     task, prompts = make_prompt_source(c, tokenizer, model_cfg)
     score = make_scorer(c, task, tokenizer)
-    engine = Engine(model_cfg, replicas[topology.sampler_rank], max_slots=c.sampler.max_slots,
-                    max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call, dtype=c.sampler.dtype)
+    engine = Engine(model_cfg, replicas[topology.sampler_rank], **config_lib.engine_kwargs(c))
     detok = tokenizer.decode if tokenizer is not None else None
 
     def make_sampler(first):
