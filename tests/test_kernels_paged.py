@@ -70,3 +70,10 @@ def test_unknown_impl_is_named():
   q, k, v, table, positions = _case(0)
   with pytest.raises(ValueError, match="impl must be one of"):
     paged_attention(q, k, v, 0, table, positions, impl="cuda")
+
+
+def test_ragged_row_groups_equal_the_reference():
+  q, k, v, table, positions = _case(11, num_rows=6, pages_per_row=4, num_queries=2)
+  ragged = jax.jit(lambda *a: paged_attention(*a, block=8, rows_per_group=2))(q, k, v, 1, table, positions)
+  plain = jax.jit(lambda *a: paged_attention(*a, block=8, rows_per_group=6))(q, k, v, 1, table, positions)
+  np.testing.assert_allclose(np.asarray(ragged), np.asarray(plain), atol=1e-6)

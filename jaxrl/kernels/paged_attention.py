@@ -7,7 +7,8 @@ hold any id (the pool size marks them unused): they are clamped into the pool an
 Implementations behind `paged_attention(..., impl=)`:
 - "xla" (the reference, every backend): the online softmax of cached_attention over blocks of pages gathered
   through the table, up to the call's largest live position. With blocks of the dense path's size it gives the
-  dense cache's numbers bit for bit, which is what lets the paged engine reproduce the dense one exactly.
+  dense cache's numbers bit for bit, which is what lets the paged engine reproduce the dense one exactly. Over
+  many rows it sorts them by live length and attends in groups of rows, each up to its own longest: ragged work.
 - "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (one query per row, lengths per row: ragged).
 - "pallas_tpu": `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (ragged queries and lengths).
 The shipped kernels take one layer of the pool in their own layout ([K, P, Z, D]; [P, Z, 2K, D] with k and v
@@ -33,7 +34,6 @@ def _reference(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, position
   num_table_blocks = -(-m // per_block)
   table = jnp.pad(jnp.minimum(table_SxM, num_pages - 1), ((0, 0), (0, num_table_blocks * per_block - m)))
   size = per_block * z
-  live = jnp.max(positions_SxC) + 1
 
   def fetch(i):
     pages_SxW = jax.lax.dynamic_slice_in_dim(table, i * per_block, per_block, axis=1)
@@ -42,7 +42,25 @@ def _reference(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, position
     idx_B = i * size + jnp.arange(size)
     return keys.reshape(s, size, k, d), values.reshape(s, size, k, d), idx_B, jnp.ones((size,), bool)
 
+  live = jnp.max(positions_SxC) + 1
   return online_softmax(q_SxCxKxGxD, positions_SxC, (live + size - 1) // size, fetch)
+
+
+def _ragged(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_SxC, block, rows_per_group):
+  """The reference over groups of rows sorted by live length, each group reading only up to its own longest row:
+  attention work ~ the sum of the rows' live lengths instead of rows x the longest (what XLA can do raggedly)."""
+  s = q_SxCxKxGxD.shape[0]
+  order_S = jnp.argsort(-jnp.max(positions_SxC, axis=1))
+  groups = s // rows_per_group
+
+  def group(g):
+    rows_R = jax.lax.dynamic_slice_in_dim(order_S, g * rows_per_group, rows_per_group)
+    return _reference(q_SxCxKxGxD[rows_R], k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM[rows_R],
+                      positions_SxC[rows_R], block)
+
+  out_GxRxCxKxGxD = jax.lax.map(group, jnp.arange(groups))
+  out_SxCxKxGxD = out_GxRxCxKxGxD.reshape(q_SxCxKxGxD.shape)
+  return jnp.zeros_like(out_SxCxKxGxD).at[order_S].set(out_SxCxKxGxD)
 
 
 def _pallas_gpu(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_SxC, interpret):
@@ -86,9 +104,15 @@ def _pallas_tpu(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positio
 
 
 def paged_attention(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_SxC, *, block: int = 128,
-                    impl: str = "xla", interpret: bool = False):
-  """softmax(q k^T / sqrt(D)) v over positions 0..position of each query's row, through the row's page table."""
+                    impl: str = "xla", interpret: bool = False, rows_per_group: int = 8):
+  """softmax(q k^T / sqrt(D)) v over positions 0..position of each query's row, through the row's page table.
+
+  xla: with more than `rows_per_group` rows (a multiple of it), rows are sorted by live length and attended in
+  groups that each stop at their own longest row; otherwise all rows stop at the longest (the plain reference)."""
   if impl == "xla":
+    s = q_SxCxKxGxD.shape[0]
+    if s > rows_per_group and s % rows_per_group == 0:
+      return _ragged(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_SxC, block, rows_per_group)
     return _reference(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_SxC, block)
   if impl == "pallas_gpu":
     return _pallas_gpu(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_SxC, interpret)
