@@ -163,15 +163,17 @@ class Engine:
 
   def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
                min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, dtype: str | None = None,
-               kv: str = "dense", page_size: int = 16, num_pages: int | None = None, rules=SAMPLER_RULES):
+               kv: str = "dense", page_size: int = 16, num_pages: int | None = None, rebuild_rows: int = 8,
+               rules=SAMPLER_RULES):
     """dtype: of the sampler's weights, activations and KV cache: "float32" | "bfloat16" | "auto" (bfloat16 on
     TPU/GPU, float32 on CPU, where XLA's float32 matmuls are exact and bfloat16 ones are not faster everywhere);
     None: cfg.dtype. kv: "dense" (max_len positions per slot) or "paged" (a pool of num_pages pages of page_size
-    positions; None: as many as the dense cache holds, max_slots * max_len / page_size)."""
+    positions; None: as many as the dense cache holds, max_slots * max_len / page_size). A paged rebuild runs
+    calls of rebuild_rows chunks of rebuild_chunk positions (a call's cost is fixed: small calls waste less)."""
     num_pages = max_slots * max_len // page_size if num_pages is None and page_size else num_pages
     for name, value in (("max_slots", max_slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
                         ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk),
-                        ("page_size", page_size), ("num_pages", num_pages)):
+                        ("page_size", page_size), ("num_pages", num_pages), ("rebuild_rows", rebuild_rows)):
       if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int (got {value!r})")
     if max_len < 2:
@@ -219,7 +221,7 @@ class Engine:
     self._set_tables = jax.jit(paged.set_table, donate_argnums=0, out_shardings=self._state_shardings)
     self._rebuild_rows = jax.jit(functools.partial(paged.rebuild_rows, g, rebuild_chunk), donate_argnums=1,
                                  out_shardings=self._state_shardings)
-    self.rebuild_chunk = rebuild_chunk
+    self.rebuild_chunk, self.rebuild_rows = rebuild_chunk, rebuild_rows
     self._zeros = None
 
   def _named(self, *axes) -> NamedSharding:
@@ -328,8 +330,8 @@ class Engine:
     return self._set_tables(decode_state, np.asarray(table_SxM, np.int32))
 
   def rebuild_spans(self, params: Versioned, decode_state: DecodeState, spans) -> DecodeState:
-    """Paged: recomputes (slot, start, end) spans in order with new params, in calls of max_slots chunks."""
-    for slot_R, start_R, end_R in paged.spans_to_rows(spans, self.rebuild_chunk, self.max_slots):
+    """Paged: recomputes (slot, start, end) spans in order with new params, in calls of rebuild_rows chunks."""
+    for slot_R, start_R, end_R in paged.spans_to_rows(spans, self.rebuild_chunk, self.rebuild_rows):
       decode_state = self._rebuild_rows(params.params, decode_state, slot_R, start_R, end_R)
     return decode_state
 

@@ -44,7 +44,7 @@ class Request:
   group_id: int
   n: int = 1
   sampling: SamplingParams = SamplingParams()
-  max_tokens: int | None = None  # None: until the cache is full
+  max_tokens: int | Sequence[int] | None = None  # None: until the cache is full; a sequence: one per sample
   stop_token_ids: tuple[int, ...] = ()  # end the sample (finish_reason "stop"), kept in the completion
   stop_strings: tuple[str, ...] = ()  # needs the Sampler's `detokenize`
   ignore_eos: bool = False
@@ -56,7 +56,7 @@ class _Group:
   request: Request
   prompt: np.ndarray
   key: jax.Array
-  max_new: int
+  max_new: tuple[int, ...]  # per sample
   stop_ids: tuple[int, ...]
   placed: int = 0
   prefix: Prefix | None = None
@@ -186,8 +186,10 @@ class Sampler:
       raise ValueError(f"group_id must be an int in [0, 2**31) (got {r.group_id!r})")
     if not isinstance(r.n, (int, np.integer)) or r.n < 1:
       raise ValueError(f"group {r.group_id}: n must be a positive int (got {r.n!r})")
-    if r.max_tokens is not None and r.max_tokens < 1:
-      raise ValueError(f"group {r.group_id}: max_tokens must be >= 1 (got {r.max_tokens})")
+    budgets = np.atleast_1d(np.asarray(room if r.max_tokens is None else r.max_tokens))
+    if budgets.ndim != 1 or len(budgets) not in (1, r.n) or not np.issubdtype(budgets.dtype, np.integer) \
+        or budgets.min() < 1:
+      raise ValueError(f"group {r.group_id}: max_tokens must be >= 1, or n={r.n} such ints (got {r.max_tokens})")
     if not isinstance(r.sampling, SamplingParams):
       raise ValueError(f"group {r.group_id}: sampling must be a SamplingParams (got {type(r.sampling).__name__})")
     if r.stop_strings and self.detokenize is None:
@@ -197,7 +199,7 @@ class Sampler:
     if len(stop_ids) > self.engine.max_stop_ids:
       raise ValueError(f"group {r.group_id}: {len(stop_ids)} stop ids (eos included) exceed the engine's "
                        f"max_stop_ids={self.engine.max_stop_ids}")
-    max_new = room if r.max_tokens is None else min(r.max_tokens, room)
+    max_new = tuple(min(int(b), room) for b in np.broadcast_to(budgets, (r.n,)))
     key = jax.random.fold_in(self._key, int(r.group_id))
     self._waiting.append(_Group(r, prompt.astype(np.int32), key, max_new, stop_ids))
 
@@ -305,7 +307,8 @@ class Sampler:
       if g.shared is not None:
         self._state = self.engine.store_prefix(g.prefix, self._state, g.shared.pages)
     r = g.request
-    settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new, g.stop_ids)
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new[g.placed],
+                                         g.stop_ids)
     self._insert(slot, g.prefix, settings, g.shared, 0)
     self._slots[slot] = _Sample(g, g.placed, admitted=self._admissions)
     g.placed += 1
@@ -330,7 +333,8 @@ class Sampler:
     tokens = np.concatenate([g.prompt, np.asarray(sample.tokens, np.int32)])
     prefix = self.engine.prefill(self._params, tokens)
     self.stats.prefills += 1
-    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling, g.max_new, g.stop_ids)
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling,
+                                         g.max_new[sample.index], g.stop_ids)
     self._insert(slot, prefix, settings, None, len(sample.tokens))
     sample.admitted = self._admissions
     self._slots[slot] = sample
