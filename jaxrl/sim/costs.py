@@ -132,6 +132,16 @@ def kv_limited_batch(model: ModelSpec, hw: Hardware, devices: int, slot_tokens: 
   return max(0, int(free // (model.kv_bytes_per_token * slot_tokens)))
 
 
+def paged_kv_batch(model: ModelSpec, hw: Hardware, devices: int, live_tokens: float, page_size: int = 16,
+                   mem_fraction: float = 1.0) -> int:
+  """Live sequences a page pool holds next to the weights when sequences hold `live_tokens` positions on average
+  (rounded up to pages: half a page each): the paged cache's slots are limited by live tokens, not max_len."""
+  _check_positive("paged_kv_batch", devices=devices, live_tokens=live_tokens, page_size=page_size,
+                  mem_fraction=mem_fraction)
+  free = devices * hw.hbm_bytes * mem_fraction - model.weight_bytes
+  return max(0, int(free // (model.kv_bytes_per_token * (live_tokens + page_size / 2))))
+
+
 def min_engine_devices(model: ModelSpec, hw: Hardware, slot_tokens: int, min_batch: int,
                        mem_fraction: float = 1.0, max_devices: int = 1024) -> int:
   """Smallest power-of-two engine (tensor-parallel degree) that holds the weights and `min_batch` slots."""
@@ -190,13 +200,18 @@ class Costs:
   link_bandwidth: float  # bytes/s per device during a weight transfer
   train_overhead_s: float = 0.0  # fixed per learner step (optimizer update, host work)
   sync_overhead_s: float = 0.0  # fixed per weight transfer (latency, re-layout)
+  kv: str = "dense"  # KV cache layout: what an in-flight update recomputes (see rebuild_time)
+  rebuild_s_per_token: float = 0.0  # in-flight update: recompute per KV position (a chunked prefill); 0: free
 
   def __post_init__(self):
     _check_positive("Costs", devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
                     train_tokens_per_s_per_device=self.train_tokens_per_s_per_device,
                     weight_bytes=self.weight_bytes, link_bandwidth=self.link_bandwidth)
     _check_nonnegative("Costs", prefill_s_per_token=self.prefill_s_per_token,
-                       train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s)
+                       train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s,
+                       rebuild_s_per_token=self.rebuild_s_per_token)
+    if self.kv not in ("dense", "paged"):
+      raise ValueError(f"Costs: kv must be 'dense' or 'paged' (got {self.kv!r})")
 
   def replace(self, **kw) -> Costs:
     return dataclasses.replace(self, **kw)
@@ -204,6 +219,12 @@ class Costs:
   def train_time(self, tokens: float, devices: int) -> float:
     _check_positive("train_time", devices=devices)
     return self.train_overhead_s + tokens / (devices * self.train_tokens_per_s_per_device)
+
+  def rebuild_time(self, context_tokens: float, longest: float) -> float:
+    """An in-flight update's KV recompute for live contexts totalling `context_tokens`, the longest `longest`:
+    paged recomputes the live tokens, dense every slot up to the longest live position (idle slots included)."""
+    positions = context_tokens if self.kv == "paged" else self.max_batch * longest
+    return self.rebuild_s_per_token * positions
 
   def sync_time(self, sender_devices: int, receiver_devices: int) -> float:
     """One weight publish: every engine of the receivers gets a full copy."""
@@ -215,9 +236,20 @@ class Costs:
 def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, slot_tokens: int,
                    mem_eff: float = 1.0, flop_eff: float = 1.0, mfu: float = 0.4, overhead_s: float = 0.0,
                    knee_sharpness: float = math.inf, kv_mem_fraction: float = 1.0, max_batch_cap: int = 1024,
-                   train_overhead_s: float = 0.0, sync_overhead_s: float = 0.0) -> Costs:
-  """Costs from datasheet numbers and efficiency factors; `slot_tokens` is the KV reserved per sequence."""
-  max_batch = min(max_batch_cap, kv_limited_batch(model, hw, devices_per_engine, slot_tokens, kv_mem_fraction))
+                   train_overhead_s: float = 0.0, sync_overhead_s: float = 0.0, kv: str | None = None,
+                   live_tokens: float | None = None, page_size: int = 16) -> Costs:
+  """Costs from datasheet numbers and efficiency factors; `slot_tokens` is the KV reserved per sequence.
+
+  kv: None leaves in-flight updates free of recompute (as before paging); "dense" or "paged" charges their
+  recompute at the prefill rate (Costs.rebuild_time), and "paged" sizes the batch by the pages that sequences
+  of `live_tokens` positions on average take instead of slot_tokens each."""
+  if kv == "paged":
+    if live_tokens is None:
+      raise ValueError("roofline_costs: kv='paged' needs live_tokens (the mean positions a live sequence holds)")
+    fits = paged_kv_batch(model, hw, devices_per_engine, live_tokens, page_size, kv_mem_fraction)
+  else:
+    fits = kv_limited_batch(model, hw, devices_per_engine, slot_tokens, kv_mem_fraction)
+  max_batch = min(max_batch_cap, fits)
   if max_batch < 1:
     raise ValueError(f"{model.name} does not fit an engine of {devices_per_engine} {hw.name} devices with one "
                      f"slot of {slot_tokens} tokens; use more devices per engine")
@@ -228,4 +260,5 @@ def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, s
       prefill_s_per_token=prefill_s_per_token(model, hw, devices_per_engine, flop_eff),
       train_tokens_per_s_per_device=train_tokens_per_s_per_device(model, hw, mfu),
       weight_bytes=model.weight_bytes, link_bandwidth=hw.link_bandwidth,
-      train_overhead_s=train_overhead_s, sync_overhead_s=sync_overhead_s)
+      train_overhead_s=train_overhead_s, sync_overhead_s=sync_overhead_s, kv=kv or "dense",
+      rebuild_s_per_token=0.0 if kv is None else prefill_s_per_token(model, hw, devices_per_engine, flop_eff))

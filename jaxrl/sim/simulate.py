@@ -237,6 +237,13 @@ class _Engine:
       started.append(sid)
     return started
 
+  def contexts(self) -> tuple[int, int]:
+    """(total, longest) context of the live samples."""
+    if not self.live:
+      return 0, 0
+    top = self.prompt_len + self.counter
+    return len(self.live) * top - self.start_sum, top - min(start for _, _, start in self.live)
+
   def stall(self, start: float, seconds: float):
     self.clock = max(self.clock, start)
     self._mark("sync", self.clock, self.clock + seconds)
@@ -312,7 +319,7 @@ class _Sim:
   def _apply_update(self, e: _Engine):
     """A weight publish that reached the engine between boundaries lands at its next boundary."""
     t, version = e.update_due
-    e.stall(t, self.sync_s)
+    e.stall(t, self.sync_s + self.costs.rebuild_time(*e.contexts()))
     e.version, e.update_due = version, None
 
   # -- controller -----------------------------------------------------------------------------------------
