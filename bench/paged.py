@@ -17,15 +17,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from jaxrl.models import Decoder, ModelConfig
+from bench.common import random_model
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Request, Sampler
 from jaxrl.sharding import make_mesh
@@ -51,8 +51,12 @@ def _requests(groups, seed, vocab):
   rng = np.random.default_rng(seed)
   sigma = np.log(_P99_RATIO.value) / 2.3263  # z of the 99th percentile
   room = _MAX_LEN.value - _PROMPT.value
-  lengths = np.clip(np.round(_MEDIAN.value * np.exp(sigma * rng.standard_normal((groups, _GROUP_SIZE.value)))),
-                    1, room).astype(int)
+  # Lognormal quantiles in a random order: the sample has the distribution's median and p99 (a few hundred draws
+  # would put the p99 anywhere in a factor of 2).
+  n = groups * _GROUP_SIZE.value
+  z = np.array([statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+  lengths = np.clip(np.round(_MEDIAN.value * np.exp(sigma * rng.permutation(z))), 1, room).astype(int)
+  lengths = lengths.reshape(groups, _GROUP_SIZE.value)
   sp = SamplingParams(temperature=1.0)
   requests = [Request(rng.integers(0, vocab, _PROMPT.value).tolist(), group_id=g, n=_GROUP_SIZE.value, sampling=sp,
                       max_tokens=tuple(int(n) for n in lengths[g]), ignore_eos=True) for g in range(groups)]
@@ -108,9 +112,7 @@ def _warm(engine, params, vocab):
 def main(argv):
   del argv
   h = _HIDDEN.value
-  cfg = ModelConfig.tiny(vocab_size=512, hidden_size=h, intermediate_size=2 * h, num_layers=4, num_heads=h // 32,
-                         num_kv_heads=max(1, h // 64), head_dim=32, max_position_embeddings=_MAX_LEN.value)
-  params = jax.jit(lambda: nnx.split(Decoder(cfg, nnx.Rngs(0)))[1])()
+  cfg, params = random_model(h, _MAX_LEN.value)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   common = dict(max_len=_MAX_LEN.value, steps_per_call=_STEPS.value)
   budget_positions = _DENSE_SLOTS.value * _MAX_LEN.value
