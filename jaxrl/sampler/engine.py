@@ -93,7 +93,8 @@ def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings) ->
   )
 
 
-def _generate(graphdef, steps, params, version, state: DecodeState):
+def _generate(graphdef, steps, params, version, state: DecodeState, forward=forward_cached, draw=sample):
+  """`steps` decode steps; `forward` and `draw` are swappable only for bench/decode_baseline.py."""
   num_slots, max_len = state.tokens_SxT.shape
   rows = jnp.arange(num_slots)
   s = state.settings
@@ -102,9 +103,9 @@ def _generate(graphdef, steps, params, version, state: DecodeState):
   def step(i, carry):
     state, out = carry
     token_S = state.tokens_SxT[rows, state.pos_S]
-    logits, cache = forward_cached(graphdef, params, token_S[:, None], state.pos_S[:, None], state.cache)
+    logits, cache = forward(graphdef, params, token_S[:, None], state.pos_S[:, None], state.cache)
     keys = jax.vmap(jax.random.fold_in)(request_keys, state.num_generated_S)
-    new_S, logprob_S = sample(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
+    new_S, logprob_S = draw(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
     active = state.active_S
     next_pos = jnp.where(active, state.pos_S + 1, state.pos_S)
     tokens = state.tokens_SxT.at[rows, next_pos].set(jnp.where(active, new_S, state.tokens_SxT[rows, next_pos]))
