@@ -107,7 +107,8 @@ def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings, nu
   )
 
 
-def _generate(graphdef, steps, params, version, state: DecodeState):
+def _generate(graphdef, steps, params, version, state: DecodeState, forward=forward_cached, draw=sample):
+  """`steps` decode steps; `forward` and `draw` are swappable only for bench/decode_baseline.py."""
   num_slots, max_len = state.tokens_SxT.shape
   rows = jnp.arange(num_slots)
   s = state.settings
@@ -119,9 +120,9 @@ def _generate(graphdef, steps, params, version, state: DecodeState):
     cache = state.cache
     if isinstance(cache, PagedKVCache):  # an idle slot's pages may belong to another slot by now: no writes
       cache = cache.replace(write_end_S=jnp.where(state.active_S, state.pos_S + 1, 0))
-    logits, cache = forward_cached(graphdef, params, token_S[:, None], state.pos_S[:, None], cache)
+    logits, cache = forward(graphdef, params, token_S[:, None], state.pos_S[:, None], cache)
     keys = jax.vmap(jax.random.fold_in)(request_keys, state.num_generated_S)
-    new_S, logprob_S = sample(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
+    new_S, logprob_S = draw(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
     active = state.active_S
     next_pos = jnp.where(active, state.pos_S + 1, state.pos_S)
     tokens = state.tokens_SxT.at[rows, next_pos].set(jnp.where(active, new_S, state.tokens_SxT[rows, next_pos]))
