@@ -74,9 +74,14 @@ def _run(engine, params, requests, update_at=()):
   rollouts, live, updates, update_s, version, pending = [], [], [], 0.0, 0, list(update_at)
   start = time.perf_counter()
   steady = None  # (tokens, seconds) when the last sample got a slot: a pipeline's sampler never drains
+  steady_live, pages_per_live = [], []
   while sampler.num_active or sampler.num_waiting:
     rollouts += sampler.step()
     live.append(sampler.num_active)
+    if sampler.num_waiting:
+      steady_live.append(sampler.num_active)
+      if sampler._pages is not None:
+        pages_per_live.append(sampler._pages.num_used / sampler.num_active)
     if steady is None and not sampler.num_waiting:
       steady = (sampler.stats.generated_tokens, time.perf_counter() - start - update_s)
     if pending and sampler.stats.generated_tokens >= pending[0] and sampler.num_active:
@@ -96,7 +101,11 @@ def _run(engine, params, requests, update_at=()):
   wall = time.perf_counter() - start - update_s
   tokens = sum(len(r.completion_tokens) for r in rollouts)
   s = sampler.stats
-  return rollouts, dict(tokens=tokens, seconds=round(wall, 3), tokens_per_s=round(tokens / wall, 1),
+  # Sequences the KV budget holds at this workload: dense one per max_len slot; paged the pool over the pages a
+  # live sequence held on average while the queue was non-empty (shared prompt pages counted once).
+  fits = engine.max_slots if not pages_per_live else engine.num_pages / float(np.mean(pages_per_live))
+  return rollouts, dict(steady_live_mean=round(float(np.mean(steady_live)), 2), sequences_that_fit=round(fits, 1),
+                        tokens=tokens, seconds=round(wall, 3), tokens_per_s=round(tokens / wall, 1),
                         steady_tokens_per_s=round(steady[0] / steady[1], 1),
                         live_mean=round(float(np.mean(live)), 2), live_max=int(np.max(live)),
                         decode_calls=s.decode_calls, prefills=s.prefills, preemptions=s.preemptions,
@@ -145,7 +154,9 @@ def main(argv):
   d, p = results["dense"], results["paged"]
   per_update = {k: np.mean([u["seconds"] for u in results[k]["updates"]]) for k in results}
   per_live = {k: np.mean([u["seconds"] / u["live"] for u in results[k]["updates"]]) for k in results}
-  ratios = dict(live_sequences=round(p["live_mean"] / d["live_mean"], 2),
+  ratios = dict(sequences_that_fit=round(p["sequences_that_fit"] / d["sequences_that_fit"], 2),
+                steady_live_sequences=round(p["steady_live_mean"] / d["steady_live_mean"], 2),
+                live_sequences=round(p["live_mean"] / d["live_mean"], 2),
                 tokens_per_s=round(p["tokens_per_s"] / d["tokens_per_s"], 2),
                 steady_tokens_per_s=round(p["steady_tokens_per_s"] / d["steady_tokens_per_s"], 2),
                 update_seconds=round(per_update["dense"] / per_update["paged"], 2),
@@ -176,6 +187,9 @@ def main(argv):
     print(f"{name:<7}{r['live_mean']:>10.1f}{r['live_max']:>9}{r['tokens_per_s']:>10,.0f}"
           f"{r['steady_tokens_per_s']:>9,.0f}{per_update[name]:>10.3f}"
           f"{per_live[name]:>14.4f}{recomputed:>11,.0f}{r['preemptions']:>8}")
+  print(f"sequences the KV budget holds: dense {d['sequences_that_fit']}, paged {p['sequences_that_fit']} "
+        f"({ratios['sequences_that_fit']}x); live while the queue is non-empty: dense {d['steady_live_mean']}, paged "
+        f"{p['steady_live_mean']} (slots {_PAGED_SLOTS.value})")
   print(f"paged / dense: live sequences {ratios['live_sequences']}x, tokens/s {ratios['tokens_per_s']}x (steady "
         f"{ratios['steady_tokens_per_s']}x), update "
         f"{ratios['update_seconds']}x cheaper ({ratios['update_seconds_per_live_sequence']}x per live sequence); "
