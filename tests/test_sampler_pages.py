@@ -114,6 +114,8 @@ def test_table_rows_mark_unused_entries_and_shared_prefix():
   np.testing.assert_array_equal(alloc.table_row(0), [0, 1, 2, 8])
   np.testing.assert_array_equal(alloc.table_row(1), [0, 1, 3, 8])
   assert list(alloc.refs_P[:4]) == [3, 3, 1, 1]
+  # An update recomputes the shared prompt once, then each slot's own live positions.
+  assert alloc.live_spans([(1, 10), (0, 12)]) == [(1, 0, 8), (1, 8, 10), (0, 8, 12)]
   alloc.release_prompt(prompt)
   alloc.release(0)
   alloc.release(1)

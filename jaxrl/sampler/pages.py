@@ -131,3 +131,14 @@ class PageAllocator:
     index = position // self.page_size
     table = self.tables[slot]
     return index < len(table) and index >= self.num_shared_S[slot] and self.refs_P[table[index]] == 1
+
+  def live_spans(self, ends) -> list[tuple[int, int, int]]:
+    """(slot, start, end) spans an in-flight update recomputes for live slots holding positions [0, end): each
+    shared prompt once, through the first slot that holds it, then each slot's own positions; in that order."""
+    shared, own = {}, []
+    for slot, end in ends:
+      pages = tuple(self.tables[slot][: self.num_shared_S[slot]])
+      if pages:
+        shared.setdefault(pages, (slot, 0, len(pages) * self.page_size))
+      own.append((slot, len(pages) * self.page_size, end))
+    return [*shared.values(), *own]

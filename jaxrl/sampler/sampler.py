@@ -226,14 +226,7 @@ class Sampler:
       self._state = self.engine.rebuild(new, self._state, length)
       self.stats.rebuilt_tokens += self.engine.max_slots * length
     else:
-      # Live tokens only: each group's shared prompt pages once (through its first live slot), then each slot's own.
-      z, shared, own = self.engine.page_size, {}, []
-      for slot, s in active:
-        pages = tuple(self._pages.tables[slot][: self._pages.num_shared_S[slot]])
-        if pages:
-          shared.setdefault(pages, (slot, 0, len(pages) * z))
-        own.append((slot, len(pages) * z, min(s.pos + 1 + ahead, max_len)))
-      spans = [*shared.values(), *own]
+      spans = self._pages.live_spans([(slot, min(s.pos + 1 + ahead, max_len)) for slot, s in active])
       self._state = self.engine.rebuild_spans(new, self._state, spans)
       self.stats.rebuilt_tokens += sum(end - start for _, start, end in spans)
     self.stats.rebuilds += 1
