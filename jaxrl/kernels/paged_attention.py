@@ -58,8 +58,8 @@ def _ragged(q_SxCxKxGxD, k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM, positions_S
     return _reference(q_SxCxKxGxD[rows_R], k_NxPxZxKxD, v_NxPxZxKxD, layer, table_SxM[rows_R],
                       positions_SxC[rows_R], block)
 
-  out_GxRxCxKxGxD = jax.lax.map(group, jnp.arange(groups))
-  out_SxCxKxGxD = out_GxRxCxKxGxD.reshape(q_SxCxKxGxD.shape)
+  per_group = jax.lax.map(group, jnp.arange(groups))  # [S / R, R, C, K, G, D], rows in sorted order
+  out_SxCxKxGxD = per_group.reshape(q_SxCxKxGxD.shape)
   return jnp.zeros_like(out_SxCxKxGxD).at[order_S].set(out_SxCxKxGxD)
 
 
