@@ -104,7 +104,8 @@ def _run(engine, params, requests, update_at=()):
   # Sequences the KV budget holds at this workload: dense one per max_len slot; paged the pool over the pages a
   # live sequence held on average while the queue was non-empty (shared prompt pages counted once).
   fits = engine.max_slots if not pages_per_live else engine.num_pages / float(np.mean(pages_per_live))
-  return rollouts, dict(steady_live_mean=round(float(np.mean(steady_live)), 2), sequences_that_fit=round(fits, 1),
+  return rollouts, dict(steady_live_mean=round(float(np.mean(steady_live or [0])), 2),
+                        sequences_that_fit=round(fits, 1),
                         tokens=tokens, seconds=round(wall, 3), tokens_per_s=round(tokens / wall, 1),
                         steady_tokens_per_s=round(steady[0] / steady[1], 1),
                         live_mean=round(float(np.mean(live)), 2), live_max=int(np.max(live)),
