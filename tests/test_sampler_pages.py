@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -103,6 +103,48 @@ class AllocatorMachine(RuleBasedStateMachine):
 TestAllocator = AllocatorMachine.TestCase
 TestAllocator.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def _live_pool(draw):
+  """A pool with live slots (some sharing a group prompt), each admitted in slot order, and their next needs."""
+  alloc = PageAllocator(num_pages=draw(st.integers(6, 16)), page_size=PAGE, num_slots=SLOTS, pages_per_slot=PER_SLOT)
+  prompt_len = draw(st.integers(1, 12))
+  prompt = alloc.share_prompt(prompt_len)
+  needs = []
+  for slot in range(SLOTS):
+    held = draw(st.integers(prompt_len, PAGE * PER_SLOT))
+    try:
+      alloc.attach(slot, prompt if draw(st.booleans()) else None, held)
+    except OutOfPages:
+      break
+    needs.append((slot, held + draw(st.integers(0, 3 * PAGE))))
+  alloc.release_prompt(prompt)
+  return alloc, needs
+
+
+@settings(max_examples=80, deadline=None)
+@given(_live_pool())
+def test_preemption_keeps_every_sample_and_frees_the_newest(pool):
+  alloc, needs = pool
+  live = [slot for slot, _ in needs]
+  growth = sum(max(0, min(pages_for(n, PAGE), PER_SLOT) - len(alloc.tables[slot])) for slot, n in needs)
+  fits = growth <= alloc.num_free
+  victims, _ = alloc.reserve_or_preempt(needs)
+  assert fits == (victims == [])  # preempts exactly when the growth does not fit
+  survivors = [slot for slot in live if slot not in victims]
+  assert sorted(survivors + victims) == sorted(live)  # every sample is either still live or handed back
+  assert victims == live[::-1][: len(victims)]  # newest first, and only the newest
+  for slot, positions in needs:
+    if slot in victims:
+      assert alloc.tables[slot] == []
+    else:
+      assert len(alloc.tables[slot]) == min(pages_for(positions, PAGE), PER_SLOT)
+  assert alloc.num_free + alloc.num_used == alloc.num_pages
+  expected = np.zeros(alloc.num_pages, np.int32)
+  for table in alloc.tables:
+    np.add.at(expected, table, 1)
+  np.testing.assert_array_equal(alloc.refs_P, expected)
 
 
 def test_table_rows_mark_unused_entries_and_shared_prefix():

@@ -132,6 +132,21 @@ class PageAllocator:
     table = self.tables[slot]
     return index < len(table) and index >= self.num_shared_S[slot] and self.refs_P[table[index]] == 1
 
+  def reserve_or_preempt(self, needs) -> tuple[list[int], bool]:
+    """Grows each live slot to its (slot, positions) need, oldest first; when the pool runs out, releases the
+    newest slot still live and tries again. Returns (released slots, newest first; whether any table grew)."""
+    live = [slot for slot, _ in needs]
+    victims, grown = [], False
+    for slot, positions in needs:
+      while slot in live:
+        try:
+          grown |= self.reserve(slot, positions) > 0
+          break
+        except OutOfPages:
+          victims.append(live.pop())
+          self.release(victims[-1])
+    return victims, grown
+
   def live_spans(self, ends) -> list[tuple[int, int, int]]:
     """(slot, start, end) spans an in-flight update recomputes for live slots holding positions [0, end): each
     shared prompt once, through the first slot that holds it, then each slot's own positions; in that order."""

@@ -333,19 +333,14 @@ class Sampler:
     self._slots[slot] = sample
 
   def _grow(self) -> None:
-    """Reserves pages for what the next call may write; preempts the latest admitted sample when they run out."""
-    grown = False
-    for slot in sorted(range(len(self._slots)), key=lambda i: self._slots[i].admitted if self._slots[i] else -1):
-      while self._slots[slot] is not None:
-        try:
-          grown |= self._pages.reserve(slot, self._horizon(self._slots[slot].pos)) > 0
-          break
-        except OutOfPages:
-          victim = max((i for i, s in enumerate(self._slots) if s is not None), key=lambda i: self._slots[i].admitted)
-          self._preempted.append(self._slots[victim])
-          self._free(victim)
-          self._state = self.engine.release(self._state, victim)
-          self.stats.preemptions += 1
+    """Reserves pages for what the next call may write; preempts the latest admitted samples when they run out."""
+    live = sorted((i for i, s in enumerate(self._slots) if s is not None), key=lambda i: self._slots[i].admitted)
+    victims, grown = self._pages.reserve_or_preempt([(i, self._horizon(self._slots[i].pos)) for i in live])
+    for victim in victims:
+      self._preempted.append(self._slots[victim])
+      self._slots[victim] = None
+      self._state = self.engine.release(self._state, victim)
+      self.stats.preemptions += 1
     if grown:
       self._state = self.engine.set_tables(self._state, self._pages.table_SxM())
 
