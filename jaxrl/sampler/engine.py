@@ -120,7 +120,9 @@ def _generate(graphdef, steps, params, version, state: DecodeState, forward=forw
     cache = state.cache
     if isinstance(cache, PagedKVCache):  # an idle slot's pages may belong to another slot by now: no writes
       cache = cache.replace(write_end_S=jnp.where(state.active_S, state.pos_S + 1, 0))
-    logits, cache = forward(graphdef, params, token_S[:, None], state.pos_S[:, None], cache)
+    # An idle row runs at position 0 (its output is dropped): attention reads stop at the live rows' positions.
+    pos_S = jnp.where(state.active_S, state.pos_S, 0)
+    logits, cache = forward(graphdef, params, token_S[:, None], pos_S[:, None], cache)
     keys = jax.vmap(jax.random.fold_in)(request_keys, state.num_generated_S)
     new_S, logprob_S = draw(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
     active = state.active_S
