@@ -5,7 +5,8 @@ r"""Paged vs dense KV cache at the same KV memory budget, on a long-tailed GRPO 
 Workload: groups of --group_size samples of one prompt (GRPO), completion lengths lognormal with p99 =
 --p99_ratio x median, forced with per-group max_tokens and EOS off, max_len --max_len. The dense engine has
 --dense_slots slots of max_len positions; the paged engine gets a pool of exactly as many positions
-(dense_slots * max_len / page_size pages) and --paged_slots slots, so what limits its live sequences is the pool.
+(dense_slots * max_len / page_size pages) and --paged_slots slots, so what limits its live sequences is the pool;
+"paged_8" has the same pool and the dense engine's slot count (its updates recompute the same live samples).
 Both run the same groups with the same seed. Reported: live sequences per decode step (mean, max), generated
 tokens/s, and the cost of one in-flight update (on_update="recompute": dense recomputes every slot up to the
 longest live position, paged only the live tokens), timed at the same points of each run after a warm-up that
@@ -131,22 +132,24 @@ def main(argv):
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   common = dict(max_len=_MAX_LEN.value, steps_per_call=_STEPS.value)
   budget_positions = _DENSE_SLOTS.value * _MAX_LEN.value
+  paged = dict(kv="paged", page_size=_PAGE.value, num_pages=budget_positions // _PAGE.value,
+               rebuild_chunk=_CHUNK.value, rebuild_rows=_ROWS.value, **common)
+  # "paged_8": the dense engine's slot count on pages, so its updates recompute the same live samples as dense.
   engines = {"dense": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **common),
-             "paged": Engine(cfg, mesh, max_slots=_PAGED_SLOTS.value, kv="paged", page_size=_PAGE.value,
-                             num_pages=budget_positions // _PAGE.value, rebuild_chunk=_CHUNK.value,
-                             rebuild_rows=_ROWS.value, **common)}
+             "paged": Engine(cfg, mesh, max_slots=_PAGED_SLOTS.value, **paged),
+             "paged_8": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **paged)}
   kv_bytes = {}
   for name, engine in engines.items():
     _warm(engine, params, cfg.vocab_size)
     cache = engine.init_decode_state().cache
     kv_bytes[name] = sum(x.nbytes for x in jax.tree.leaves(cache) if x.ndim == 5)
-  assert kv_bytes["dense"] == kv_bytes["paged"], kv_bytes
+  assert kv_bytes["dense"] == kv_bytes["paged"] == kv_bytes["paged_8"], kv_bytes
 
   requests, lengths = _requests(_GROUPS.value, _SEED.value, cfg.vocab_size)
   results, outputs = {}, {}
   # Updates at the same points of both runs: when 1/(u+1), 2/(u+1), ... of all tokens have been generated.
   update_at = [int(lengths.sum()) * (i + 1) // (_UPDATES.value + 1) for i in range(_UPDATES.value)]
-  for name in ("dense", "paged"):
+  for name in engines:
     engine = engines[name]
     compiles = engine.compile_count()
     rollouts, results[name] = _run(engine, params, requests, update_at)
@@ -161,7 +164,8 @@ def main(argv):
                 tokens_per_s=round(p["tokens_per_s"] / d["tokens_per_s"], 2),
                 steady_tokens_per_s=round(p["steady_tokens_per_s"] / d["steady_tokens_per_s"], 2),
                 update_seconds=round(per_update["dense"] / per_update["paged"], 2),
-                update_seconds_per_live_sequence=round(per_live["dense"] / per_live["paged"], 2))
+                update_seconds_per_live_sequence=round(per_live["dense"] / per_live["paged"], 2),
+                update_seconds_same_slots=round(per_update["dense"] / per_update["paged_8"], 2))
   report = dict(
       workload=dict(groups=_GROUPS.value, group_size=_GROUP_SIZE.value, prompt_len=_PROMPT.value,
                     max_len=_MAX_LEN.value, length_median=float(np.median(lengths)),
@@ -172,7 +176,8 @@ def main(argv):
                   paged_slots=_PAGED_SLOTS.value, page_size=_PAGE.value, pages=budget_positions // _PAGE.value,
                   paged_rebuild_chunk=_CHUNK.value, paged_rebuild_rows=_ROWS.value),
       model=dict(hidden=h, layers=cfg.num_layers, vocab=cfg.vocab_size),
-      dense=d, paged=p, paged_over_dense=ratios, identical_samples=outputs["dense"] == outputs["paged"],
+      dense=d, paged=p, paged_8=results["paged_8"], paged_over_dense=ratios,
+      identical_samples=outputs["dense"] == outputs["paged"] == outputs["paged_8"],
       device=f"{jax.devices()[0].platform} x{len(jax.devices())}", host=platform.node(),
       load=os.getloadavg())
   w = report["workload"]
@@ -180,12 +185,12 @@ def main(argv):
         f"{w['length_max']}; {_GROUPS.value} groups of {_GROUP_SIZE.value}; "
         f"KV budget {kv_bytes['dense'] / 2**20:.1f} MiB "
         f"= {_DENSE_SLOTS.value} x {_MAX_LEN.value} positions")
-  print(f"{'kv':<7}{'live mean':>10}{'live max':>9}{'tokens/s':>10}{'steady':>9}{'update s':>10}{'update s/live':>14}"
+  print(f"{'kv':<8}{'live mean':>10}{'live max':>9}{'tokens/s':>10}{'steady':>9}{'update s':>10}{'update s/live':>14}"
         f"{'recomputed':>11}{'preempt':>8}")
-  for name in ("dense", "paged"):
+  for name in engines:
     r = results[name]
     recomputed = np.mean([u["recomputed_positions"] for u in r["updates"]])
-    print(f"{name:<7}{r['live_mean']:>10.1f}{r['live_max']:>9}{r['tokens_per_s']:>10,.0f}"
+    print(f"{name:<8}{r['live_mean']:>10.1f}{r['live_max']:>9}{r['tokens_per_s']:>10,.0f}"
           f"{r['steady_tokens_per_s']:>9,.0f}{per_update[name]:>10.3f}"
           f"{per_live[name]:>14.4f}{recomputed:>11,.0f}{r['preemptions']:>8}")
   print(f"sequences the KV budget holds: dense {d['sequences_that_fit']}, paged {p['sequences_that_fit']} "
@@ -193,7 +198,8 @@ def main(argv):
         f"{p['steady_live_mean']} (slots {_PAGED_SLOTS.value})")
   print(f"paged / dense: live sequences {ratios['live_sequences']}x, tokens/s {ratios['tokens_per_s']}x (steady "
         f"{ratios['steady_tokens_per_s']}x), update "
-        f"{ratios['update_seconds']}x cheaper ({ratios['update_seconds_per_live_sequence']}x per live sequence); "
+        f"{ratios['update_seconds']}x cheaper ({ratios['update_seconds_per_live_sequence']}x per live sequence, "
+        f"{ratios['update_seconds_same_slots']}x with the dense engine's 8 slots); "
         f"identical samples: {report['identical_samples']}; load {report['load']}")
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   Path(_OUT.value).write_text(json.dumps(report, indent=2) + "\n")
