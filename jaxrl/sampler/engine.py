@@ -214,14 +214,17 @@ class Engine:
                                     self._named("batch", None), self._named("batch"), self._named())
     g = self.graphdef
     self._prefill = jax.jit(functools.partial(_prefill, g, cfg), out_shardings=prefix_shardings)
-    self._insert = jax.jit(_insert, donate_argnums=1, out_shardings=self._state_shardings)
+    # Each engine jits its own function objects: jit keeps one cache per function, so compile_count() counts this
+    # engine's programs only (not those of other engines over the same module-level function).
+    own = functools.partial
+    self._insert = jax.jit(own(_insert), donate_argnums=1, out_shardings=self._state_shardings)
     self._generate = jax.jit(functools.partial(_generate, g, steps_per_call), donate_argnums=2,
                              out_shardings=(self._state_shardings, result_shardings))
     self._rebuild = jax.jit(functools.partial(_rebuild, g, rebuild_chunk), static_argnums=0, donate_argnums=2,
                             out_shardings=self._state_shardings)
-    self._release = jax.jit(_release, donate_argnums=0, out_shardings=self._state_shardings)
-    self._store_prefix = jax.jit(paged.store_prefix, donate_argnums=1, out_shardings=self._state_shardings)
-    self._set_tables = jax.jit(paged.set_table, donate_argnums=0, out_shardings=self._state_shardings)
+    self._release = jax.jit(own(_release), donate_argnums=0, out_shardings=self._state_shardings)
+    self._store_prefix = jax.jit(own(paged.store_prefix), donate_argnums=1, out_shardings=self._state_shardings)
+    self._set_tables = jax.jit(own(paged.set_table), donate_argnums=0, out_shardings=self._state_shardings)
     self._rebuild_rows = jax.jit(functools.partial(paged.rebuild_rows, g, rebuild_chunk), donate_argnums=1,
                                  out_shardings=self._state_shardings)
     self.rebuild_chunk, self.rebuild_rows = rebuild_chunk, rebuild_rows
