@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler.engine import Engine, Prefix, ResultTokens
-from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt
+from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt, pages_for
 from jaxrl.sharding import Versioned
 
 ON_UPDATE = ("recompute", "finish", "keep_kv")
@@ -324,6 +324,9 @@ class Sampler:
     """Continues a preempted sample: prefills its prompt and completion so far (with the current params)."""
     g, r = sample.group, sample.group.request
     tokens = np.concatenate([g.prompt, np.asarray(sample.tokens, np.int32)])
+    need = pages_for(self._horizon(len(tokens) - 1), self.engine.page_size)
+    if need > self._pages.num_free:  # before the prefill, which would be wasted
+      raise OutOfPages(f"{need} pages needed, {self._pages.num_free} free")
     prefix = self.engine.prefill(self._params, tokens)
     self.stats.prefills += 1
     settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling,
