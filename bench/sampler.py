@@ -20,9 +20,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from jaxrl.models import Decoder, ModelConfig
+from bench.common import random_model
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Request, Sampler
 from jaxrl.sharding import make_mesh
@@ -64,9 +63,7 @@ def _run(engine, params, requests, admission):
 def main(argv):
   del argv
   h = _HIDDEN.value
-  cfg = ModelConfig.tiny(vocab_size=512, hidden_size=h, intermediate_size=2 * h, num_layers=4, num_heads=h // 32,
-                         num_kv_heads=max(1, h // 64), head_dim=32, max_position_embeddings=_MAX_LEN.value)
-  params = jax.jit(lambda: nnx.split(Decoder(cfg, nnx.Rngs(0)))[1])()
+  cfg, params = random_model(h, _MAX_LEN.value)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   engine = Engine(cfg, mesh, max_slots=_SLOTS.value, max_len=_MAX_LEN.value, steps_per_call=_STEPS.value)
 

@@ -59,11 +59,15 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.max_slots = 16  # concurrent decode slots (continuous batching)
   c.sampler.max_len = 48  # KV cache length per slot: prompt + completion
   c.sampler.steps_per_call = 8  # decode steps per host round trip
+  c.sampler.dtype = "auto"  # sampler weights + KV cache: "float32" | "bfloat16" | "auto" (bf16 on TPU/GPU, f32 on CPU)
   c.sampler.max_new_tokens = 16  # completion budget per sample
   c.sampler.temperature = 1.0  # sampling temperature (the learner scores tokens at the same one)
   c.sampler.top_k = 0  # 0: off
   c.sampler.top_p = 1.0  # 1.0: off
-  c.sampler.on_update = "recompute"  # in-flight update: "recompute" the KV cache with new params, or "finish"
+  c.sampler.on_update = "recompute"  # in-flight update: "recompute" the KV cache, "finish" first, or "keep_kv"
+  c.sampler.kv = "dense"  # KV cache: "dense" (max_len per slot) or "paged" (a page pool shared by the slots)
+  c.sampler.page_size = 16  # paged: positions per page (must divide max_len)
+  c.sampler.num_pages = 0  # paged: pages in the pool; 0: the dense cache's memory (max_slots * max_len / page_size)
 
   c.rl = ml_collections.ConfigDict()
   c.rl.group_size = 4  # samples per prompt (GRPO group)
@@ -168,6 +172,7 @@ _INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_st
          ("rl.queue_groups", 1), ("rl.max_failures_in_a_row", 1),
          ("rl.num_minibatches", 1), ("rl.num_epochs", 1), ("sampler.max_slots", 1),
          ("sampler.max_len", 2), ("sampler.steps_per_call", 1), ("sampler.max_new_tokens", 1), ("sampler.top_k", 0),
+         ("sampler.page_size", 1), ("sampler.num_pages", 0),
          ("task.max_prompt_tokens", 1), ("checkpoint.every_steps", 1), ("checkpoint.max_to_keep", 1),
          ("eval.num_examples", 0), ("eval.max_new_tokens", 1), ("optimizer.warmup_steps", 0))
 # (field, check, what it must be) of every real-valued field.
@@ -176,7 +181,8 @@ _REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperatu
           ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
 _BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace")
 _CHOICES = (("mode", MODES), ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
-            ("sampler.on_update", ("recompute", "finish")))
+            ("sampler.on_update", ("recompute", "finish", "keep_kv")), ("sampler.dtype", ("auto", *DTYPES)),
+            ("sampler.kv", ("dense", "paged")))
 
 
 def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None, num_devices: int | None = None):
@@ -220,6 +226,11 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
   need(k == "auto" or _is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
   if k == "auto":
     auto_staleness(c)
+  s = c.sampler
+  need(s.kv != "paged" or s.max_len % s.page_size == 0,
+       f"sampler.max_len={s.max_len} must be a multiple of sampler.page_size={s.page_size} (sampler.kv='paged')")
+  need(s.num_pages == 0 or s.num_pages * s.page_size >= s.max_len,
+       f"sampler.num_pages={s.num_pages} pages of {s.page_size} cannot hold one sample of max_len={s.max_len}")
   _validate_objective(c)
   _validate_model_and_task(c, need, get)
   _validate_mesh(c, need, get, num_devices)
@@ -240,6 +251,13 @@ def auto_staleness(c):
     return AutoStaleness(**c.rl.auto_staleness.to_dict())
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config: rl.auto_staleness: {e}") from None
+
+
+def engine_kwargs(c: ml_collections.ConfigDict) -> dict:
+  """Keyword arguments of the sampler's Engine from a (validated) config."""
+  s = c.sampler
+  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype, kv=s.kv,
+              page_size=s.page_size, num_pages=s.num_pages or None)
 
 
 def _validate_objective(c) -> None:

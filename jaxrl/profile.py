@@ -90,7 +90,7 @@ def admission_step_s(engine, params: Versioned, prompt_len: int, group_size: int
   """
   n = min(group_size, engine.max_slots)
   groups = engine.max_slots // n
-  sampler = Sampler(engine, params.params, params.version)
+  sampler = Sampler(engine, params.params, params.version, overlap=False)  # read the call that admitted them
   prompt = np.arange(prompt_len) % engine.cfg.vocab_size
   times = []
   for r in range(reps + 1):

@@ -98,9 +98,10 @@ def build(c, workdir: str | Path) -> Run:
   sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
-  controller = Controller(spec, sampler=sampler, train_step=learner.train_step, state=state,
-                          publisher=WeightPublisher(engine.param_shardings), prompts=prompts, score=score,
-                          record=record, checkpointer=checkpointer, metrics=metrics, trace=trace)
+  publisher = WeightPublisher(engine.param_shardings, engine.dtype)
+  controller = Controller(spec, sampler=sampler, train_step=learner.train_step, state=state, publisher=publisher,
+                          prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
+                          trace=trace)
   controller.resumed_from = resumed_from
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
              metrics, task, resumed_from, trace)

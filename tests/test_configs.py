@@ -48,6 +48,7 @@ def test_every_base_field_is_commented():
     ({"mode": "async"}, "mode"),
     ({"sampler.max_new_tokens": 48}, "no room for a prompt"),
     ({"model.source": "/no/such/model"}, "neither"),
+    ({"sampler.dtype": "fp16"}, "sampler.dtype"),
 ])
 def test_bad_values_raise_config_error(override, message, tmp_path):
   c = _load("tiny").get_config()

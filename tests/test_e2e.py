@@ -65,6 +65,16 @@ def test_counts_add_up(tiny_run):
   assert led["samples_generated"] == led["samples_trained"] + dropped + summary["samples_in_flight"]
 
 
+def test_pipeline_run_on_the_paged_cache(tmp_path):
+  c = _config("pipeline", **{"sampler.kv": "paged", "sampler.page_size": 8, "sampler.num_pages": 24, "num_steps": 3,
+                             "eval.num_examples": 0})
+  summary = train(c, tmp_path)
+  led = summary["ledger"]
+  assert led["samples_trained"] == 3 * c.rl.group_size * c.rl.groups_per_step
+  assert led["samples_generated"] == led["samples_trained"] + sum(led["dropped"].values()) + \
+      summary["samples_in_flight"]
+
+
 def _cli(module_main, argv):
   """Runs an absl CLI's main in-process (config overrides are read from sys.argv, as absl.app.run would leave it)."""
   import sys

@@ -100,7 +100,7 @@ def _check_logprobs_match_forward(model, rollout):
 
 def test_decode_state_is_sharded_on_the_sampler_mesh(engine):
   state = engine.init_decode_state()
-  assert state.cache.k_LxBxSxKxD.sharding.spec == P(None, "data", None, "tensor", None)
+  assert state.cache.k_NxSxTxKxD.sharding.spec == P(None, "data", None, "tensor", None)
   assert state.tokens_SxT.sharding.spec == P("data", None)
   assert engine.max_concurrent_decodes == 4 and engine.buckets == (8, 16, 32, 48)
 
@@ -247,21 +247,41 @@ def test_stop_tokens_eos_and_lengths(model, engine):
   assert (len(got[3, 0].completion_tokens), got[3, 0].finish_reason) == (1, "length")
 
 
-def test_stop_strings_end_the_sample_and_free_the_slot(model, engine):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_strings_end_the_sample_and_free_the_slot(model, engine, overlap):
   graphdef, params, _ = model
   prompt = [4, 4, 8]
   free, _ = _greedy_reference(graphdef, params, prompt, 25, stop_ids=())
-  detok = lambda ids: "".join(f"<{t}>" for t in ids)
+  decoded = []
+  detok = lambda ids: decoded.append(len(ids)) or "".join(f"<{t}>" for t in ids)
   stop = f"<{free[2]}><{free[3]}>"
   end = detok(free).index(stop) + len(stop)
   expect = next(free[:i] for i in range(1, 26) if len(detok(free[:i])) >= end)
-  sampler = Sampler(engine, params, eos_token_ids=(), detokenize=detok)
+  decoded.clear()
+  sampler = Sampler(engine, params, eos_token_ids=(), detokenize=detok, overlap=overlap)
   sampler.submit(prompt, group_id=0, sampling=SamplingParams(greedy=True), max_tokens=25, stop_strings=(stop,))
   sampler.submit(prompt, group_id=1, sampling=SamplingParams(greedy=True), max_tokens=25)
+  if overlap:
+    assert sampler.step() == []  # the first call's results are read in the next step, after it dispatches
   first = sampler.step()  # 4 tokens: the stop string completes in this call
   assert [(r.group_id, r.finish_reason, r.completion_tokens.tolist()) for r in first] == [(0, "stop", expect)]
   assert sampler.num_active == 1
   assert _drain(sampler)[1, 0].completion_tokens.tolist() == free
+  # Stop checks re-decode a window of the last tokens per new token, not the whole completion.
+  assert len(decoded) == len(expect) and max(decoded) <= len(stop) + 8
+
+
+def test_stop_string_found_late_in_a_long_completion(model, engine):
+  graphdef, params, _ = model
+  free, _ = _greedy_reference(graphdef, params, [5, 9], 40, stop_ids=())
+  detok = lambda ids: "".join(f"<{t}>" for t in ids)
+  stop = f"<{free[36]}><{free[37]}>"
+  end = detok(free).index(stop) + len(stop)
+  expect = next(free[:i] for i in range(1, 41) if len(detok(free[:i])) >= end)  # re-decoding everything
+  sampler = Sampler(engine, params, eos_token_ids=(), detokenize=detok)
+  sampler.submit([5, 9], group_id=0, sampling=SamplingParams(greedy=True), max_tokens=40, stop_strings=(stop,))
+  (r,) = _drain(sampler).values()
+  assert (r.finish_reason, r.completion_tokens.tolist()) == ("stop", expect)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -299,5 +319,7 @@ def test_bad_configuration_is_rejected(model, engine):
     Sampler(engine, params, eos_token_ids=(CFG.vocab_size + 1,))
   with pytest.raises(ValueError, match="max_slots"):
     Engine(CFG, engine.mesh, max_slots=0, max_len=8)
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    Engine(CFG, engine.mesh, max_slots=2, max_len=8, dtype="float16")
   with pytest.raises(ValueError, match="does not fit"):
     engine.prefill(sampler._params, np.arange(MAX_LEN))

@@ -92,6 +92,24 @@ def test_samples_follow_the_filtered_distribution():
   np.testing.assert_allclose(logprobs, np.log(expected[np.asarray(tokens)]), atol=1e-5)
 
 
+def test_draws_across_vocabulary_blocks_follow_the_distribution():
+  # 300 tokens = 3 blocks of the two-level draw (the last one padded); the support spans every block, including
+  # its first and last token; token 1 (probability ~4e-31) is in practice never drawn.
+  support = np.array([0, 127, 128, 200, 255, 256, 299])
+  weights = np.array([1.0, 2.0, 0.5, 3.0, 1.5, 1.0, 2.0])
+  lp_v = np.full(300, -np.inf, np.float32)
+  lp_v[support] = np.log(weights / weights.sum())
+  lp_v[1] = -70.0
+  n = 30000
+  keys = jax.random.split(jax.random.key(5), n)
+  tokens, logprobs = sample(keys, jnp.broadcast_to(jnp.asarray(lp_v), (n, 300)), jnp.ones((n,)),
+                            jnp.zeros((n,), jnp.int32), jnp.ones((n,)), jnp.zeros((n,), bool))
+  freq = np.bincount(np.asarray(tokens), minlength=300) / n
+  np.testing.assert_allclose(freq[support], weights / weights.sum(), atol=0.012)  # ~4 standard errors
+  assert freq.sum() == pytest.approx(freq[support].sum())  # nothing outside the support
+  np.testing.assert_allclose(logprobs, lp_v[np.asarray(tokens)], atol=1e-6)
+
+
 def test_sampling_logprobs_any_leading_shape():
   logits = _rows(6, 16).reshape(2, 3, 16)
   tokens = jnp.array([[0, 5, 9], [3, 3, 15]])

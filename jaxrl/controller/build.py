@@ -133,8 +133,7 @@ def abstract_train_state(c, abstract_params, mesh):
 
 
 def build_engine(c, model_cfg: ModelConfig, mesh) -> Engine:
-  return Engine(model_cfg, mesh, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
-                steps_per_call=c.sampler.steps_per_call)
+  return Engine(model_cfg, mesh, **config_lib.engine_kwargs(c))
 
 
 def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:

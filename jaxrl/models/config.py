@@ -10,6 +10,7 @@ import jax.numpy as jnp
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = tuple(_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

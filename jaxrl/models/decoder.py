@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.models.config import ModelConfig
 
 _NEG_INF = -1e30
@@ -21,14 +22,34 @@ _NEG_INF = -1e30
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated keys and values; entry s of a row holds the token at position s."""
+  """Preallocated keys and values of every layer; entry t of a row holds the token at position t."""
 
-  k_LxBxSxKxD: jax.Array
-  v_LxBxSxKxD: jax.Array
+  k_NxSxTxKxD: jax.Array
+  v_NxSxTxKxD: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.k_LxBxSxKxD.shape[2]
+    return self.k_NxSxTxKxD.shape[2]
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """Keys and values of every layer in a pool of pages: row s's position t is entry t % Z of page
+  table_SxM[s, t // Z] (Z positions per page). Rows write only positions < write_end_S; other writes (idle
+  slots, padding of a rebuild chunk) are dropped, so a row never touches a page it was not given for writing."""
+
+  k_NxPxZxKxD: jax.Array
+  v_NxPxZxKxD: jax.Array
+  table_SxM: jax.Array  # int32; unused entries = the pool size P
+  write_end_S: jax.Array  # int32
+
+
+def init_paged_cache(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_row: int,
+                     dtype=None) -> PagedKVCache:
+  shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  dtype = dtype or cfg.compute_dtype
+  return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                      jnp.full((batch, pages_per_row), num_pages, jnp.int32), jnp.zeros((batch,), jnp.int32))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -116,30 +137,45 @@ class Attention(nnx.Module):
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
 
-    if cache_kv is None:  # full sequence: causal by index within equal, non-zero segment ids
-      keys, values = k, v
-      t = x_BxTxE.shape[1]
-      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-      same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-      mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
-      new_cache_kv = None
-    else:  # cache index = position; a query at position p sees entries 0..p
-      cache_k, cache_v = cache_kv
-      rows = jnp.arange(x_BxTxE.shape[0])[:, None]
-      keys = cache_k.at[rows, positions_BxT].set(k.astype(cache_k.dtype), mode="drop")
-      values = cache_v.at[rows, positions_BxT].set(v.astype(cache_v.dtype), mode="drop")
-      new_cache_kv = (keys, values)
-      keys, values = keys.astype(dt), values.astype(dt)
-      mask_BxTxS = jnp.arange(keys.shape[1])[None, None, :] <= positions_BxT[:, :, None]
-
     b, t, h, d = q.shape
     groups = h // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, groups, d)
+    if cache_kv is not None:
+      return self._cached(q, k, v, positions_BxT, cache_kv)
+
+    # full sequence: causal by index within equal, non-zero segment ids
+    keys, values = k, v
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) / math.sqrt(d)
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_cache_kv
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), None
+
+  def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
+    """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part."""
+    k_cache, v_cache, layer, paging = cache_kv
+    s, c, kh, g, d = q_SxCxKxGxD.shape
+    if paging is None:
+      at = (layer, jnp.arange(s)[:, None], positions_SxC)  # positions past the cache (rebuild's last chunk) drop
+    else:
+      table_SxM, write_end_S = paging
+      num_pages, z = k_cache.shape[1:3]
+      index_SxC = positions_SxC // z
+      page_SxC = jnp.take_along_axis(table_SxM, jnp.minimum(index_SxC, table_SxM.shape[1] - 1), axis=1)
+      writes = (positions_SxC < write_end_S[:, None]) & (index_SxC < table_SxM.shape[1])
+      at = (layer, jnp.where(writes, page_SxC, num_pages), positions_SxC % z)
+    k_cache = k_cache.at[at].set(k_SxCxKxD.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[at].set(v_SxCxKxD.astype(v_cache.dtype), mode="drop")
+    if paging is None:
+      out = cached_attention(q_SxCxKxGxD, k_cache, v_cache, layer, positions_SxC)
+    else:
+      out = paged_attention(q_SxCxKxGxD, k_cache, v_cache, layer, paging[0], positions_SxC)
+    out = out.reshape(s, c, kh * g, d)
+    dt = q_SxCxKxGxD.dtype
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -187,7 +223,8 @@ class Decoder(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, fan_in=cfg.hidden_size)
 
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *, cache: KVCache | None = None):
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *,
+               cache: KVCache | PagedKVCache | None = None):
     """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache)."""
     cfg = self.cfg
     if cache is None and segment_ids_BxT is None:
@@ -196,21 +233,36 @@ class Decoder(nnx.Module):
     inv_freq = rope_inv_freq(cfg)
     graphdef, stacked = nnx.split(self.blocks)
 
-    def body(x, layer):
-      state, kv = layer
-      x, kv = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT, cache_kv=kv)
-      return x, kv
+    if cache is None:
+      def body(x, state):
+        x, _ = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
+        return x, None
 
-    if cfg.remat:
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    xs = (stacked, None if cache is None else (cache.k_LxBxSxKxD, cache.v_LxBxSxKxD))
-    x, new_kv = jax.lax.scan(body, x, xs)
+      if cfg.remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+      x, _ = jax.lax.scan(body, x, stacked)
+    else:
+      # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
+      # in place and no second cache-sized buffer exists.
+      paged = isinstance(cache, PagedKVCache)
+      paging = (cache.table_SxM, cache.write_end_S) if paged else None
+
+      def cached_body(carry, layer_state):
+        x, k_cache, v_cache = carry
+        layer, state = layer_state
+        x, (k_cache, v_cache) = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq,
+                                                           cache_kv=(k_cache, v_cache, layer, paging))
+        return (x, k_cache, v_cache), None
+
+      kv = (cache.k_NxPxZxKxD, cache.v_NxPxZxKxD) if paged else (cache.k_NxSxTxKxD, cache.v_NxSxTxKxD)
+      (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, *kv), (jnp.arange(cfg.num_layers), stacked))
+      cache = cache.replace(k_NxPxZxKxD=k_cache, v_NxPxZxKxD=v_cache) if paged else KVCache(k_cache, v_cache)
     x = self.final_norm(x)
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
     if cache is None:
       return logits
-    return logits, KVCache(*new_kv)
+    return logits, cache
 
 
 def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):
@@ -218,7 +270,7 @@ def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):
   return nnx.merge(graphdef, params)(tokens_BxL, positions_BxL, segment_ids_BxL)
 
 
-def forward_cached(graphdef, params, tokens_BxT, positions_BxT, cache: KVCache):
+def forward_cached(graphdef, params, tokens_BxT, positions_BxT, cache: KVCache | PagedKVCache):
   """Pure cached step: writes the tokens' keys/values at their positions and returns (logits, cache)."""
   return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache=cache)
 

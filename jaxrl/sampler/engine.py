@@ -6,6 +6,10 @@ and `pos_S`, the position of its last token, whose logits the next step computes
 `steps_per_call` decode steps in one jitted loop; a slot that finishes goes inactive inside the loop and is
 refilled by `insert` between calls. Shapes never depend on the requests, so each function compiles once (prefill,
 insert and rebuild once per prompt-length bucket).
+
+With kv="paged" the cache is a pool of pages with a page table per slot (models.PagedKVCache): the host's
+sampler/pages.py allocates them and hands the tables over (`set_tables`, `insert(table_row=)`); a group's prompt
+pages are written once (`store_prefix`) and shared; `rebuild_spans` recomputes only the live tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxrl.models import KVCache, ModelConfig, forward_cached, init_cache
+from jaxrl.models import KVCache, ModelConfig, PagedKVCache, forward_cached, init_cache, init_paged_cache
+from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
+from jaxrl.sampler import paged
 from jaxrl.sampler.sampling import sample
 from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
 
@@ -38,9 +44,12 @@ class SlotSettings:
   stop_ids: jax.Array  # int32 [..., max_stop_ids], -1 padded; generating one of them ends the sample
 
 
+KV_LAYOUTS = ("dense", "paged")
+
+
 @flax.struct.dataclass
 class DecodeState:
-  cache: KVCache  # [L, S, T, K, D]
+  cache: KVCache | PagedKVCache  # [N, S, T, K, D] | [N, P, Z, K, D] pages + [S, M] tables
   tokens_SxT: jax.Array  # int32, prompt then completion
   pos_S: jax.Array  # int32, position of the last token (its logits are computed next)
   active_S: jax.Array  # bool
@@ -69,17 +78,23 @@ class ResultTokens:
   version: jax.Array  # int32 scalar: the policy version of the params of this call
 
 
-def _prefill(graphdef, cfg, cache_dtype, params, tokens_P, length):
+def _prefill(graphdef, cfg, params, tokens_P, length):
   bucket = tokens_P.shape[0]
-  cache = init_cache(cfg, 1, bucket, cache_dtype)
+  cache = init_cache(cfg, 1, bucket)
   _, cache = forward_cached(graphdef, params, tokens_P[None], jnp.arange(bucket)[None], cache)
   return Prefix(cache, tokens_P, length)
 
 
-def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings) -> DecodeState:
-  at = (0, slot, 0, 0, 0)
-  cache = KVCache(jax.lax.dynamic_update_slice(state.cache.k_LxBxSxKxD, prefix.cache.k_LxBxSxKxD, at),
-                  jax.lax.dynamic_update_slice(state.cache.v_LxBxSxKxD, prefix.cache.v_LxBxSxKxD, at))
+def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings, num_generated, table_row_M,
+            first_private) -> DecodeState:
+  """Puts a prefix into a slot; num_generated > 0 resumes a preempted sample (its prefix holds the completion)."""
+  if isinstance(state.cache, PagedKVCache):
+    cache = paged.write_prefix_pages(state.cache, prefix.cache, table_row_M, first_private, prefix.length)
+    cache = cache.replace(table_SxM=cache.table_SxM.at[slot].set(table_row_M))
+  else:
+    at = (0, slot, 0, 0, 0)
+    cache = KVCache(jax.lax.dynamic_update_slice(state.cache.k_NxSxTxKxD, prefix.cache.k_NxSxTxKxD, at),
+                    jax.lax.dynamic_update_slice(state.cache.v_NxSxTxKxD, prefix.cache.v_NxSxTxKxD, at))
   tokens = jax.lax.dynamic_update_slice(state.tokens_SxT, prefix.tokens_P[None], (slot, 0))
   put = lambda rows, value: rows.at[slot].set(value)
   return DecodeState(
@@ -87,12 +102,13 @@ def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings) ->
       tokens_SxT=tokens,
       pos_S=put(state.pos_S, prefix.length - 1),
       active_S=put(state.active_S, True),
-      num_generated_S=put(state.num_generated_S, 0),
+      num_generated_S=put(state.num_generated_S, num_generated),
       settings=jax.tree.map(put, state.settings, settings),
   )
 
 
-def _generate(graphdef, steps, params, version, state: DecodeState):
+def _generate(graphdef, steps, params, version, state: DecodeState, forward=forward_cached, draw=sample):
+  """`steps` decode steps; `forward` and `draw` are swappable only for bench/decode_baseline.py."""
   num_slots, max_len = state.tokens_SxT.shape
   rows = jnp.arange(num_slots)
   s = state.settings
@@ -101,9 +117,14 @@ def _generate(graphdef, steps, params, version, state: DecodeState):
   def step(i, carry):
     state, out = carry
     token_S = state.tokens_SxT[rows, state.pos_S]
-    logits, cache = forward_cached(graphdef, params, token_S[:, None], state.pos_S[:, None], state.cache)
+    cache = state.cache
+    if isinstance(cache, PagedKVCache):  # an idle slot's pages may belong to another slot by now: no writes
+      cache = cache.replace(write_end_S=jnp.where(state.active_S, state.pos_S + 1, 0))
+    # An idle row runs at position 0 (its output is dropped): attention reads stop at the live rows' positions.
+    pos_S = jnp.where(state.active_S, state.pos_S, 0)
+    logits, cache = forward(graphdef, params, token_S[:, None], pos_S[:, None], cache)
     keys = jax.vmap(jax.random.fold_in)(request_keys, state.num_generated_S)
-    new_S, logprob_S = sample(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
+    new_S, logprob_S = draw(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
     active = state.active_S
     next_pos = jnp.where(active, state.pos_S + 1, state.pos_S)
     tokens = state.tokens_SxT.at[rows, next_pos].set(jnp.where(active, new_S, state.tokens_SxT[rows, next_pos]))
@@ -144,18 +165,42 @@ class Engine:
   """Prefill / insert / generate over `max_slots` decode slots of `max_len` tokens on the sampler mesh."""
 
   def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
-               min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, cache_dtype=None,
+               min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, dtype: str | None = None,
+               kv: str = "dense", page_size: int = 16, num_pages: int | None = None, rebuild_rows: int = 8,
                rules=SAMPLER_RULES):
+    """dtype: of the sampler's weights, activations and KV cache: "float32" | "bfloat16" | "auto" (bfloat16 on
+    TPU/GPU, float32 on CPU, where XLA's float32 matmuls are exact and bfloat16 ones are not faster everywhere);
+    None: cfg.dtype. kv: "dense" (max_len positions per slot) or "paged" (a pool of num_pages pages of page_size
+    positions; None: as many as the dense cache holds, max_slots * max_len / page_size). A paged rebuild runs
+    calls of rebuild_rows chunks of rebuild_chunk positions (a call's cost is fixed: small calls waste less)."""
+    num_pages = max_slots * max_len // page_size if num_pages is None and page_size else num_pages
     for name, value in (("max_slots", max_slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
-                        ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk)):
+                        ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk),
+                        ("page_size", page_size), ("num_pages", num_pages), ("rebuild_rows", rebuild_rows)):
       if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"Engine: {name} must be a positive int (got {value!r})")
     if max_len < 2:
       raise ValueError(f"Engine: max_len must be >= 2 to hold a prompt token and a generated one (got {max_len})")
+    if kv not in KV_LAYOUTS:
+      raise ValueError(f"Engine: kv must be one of {KV_LAYOUTS} (got {kv!r})")
+    if kv == "paged" and max_len % page_size:
+      raise ValueError(f"Engine: max_len={max_len} must be a multiple of page_size={page_size} (whole pages)")
+    if kv == "paged" and num_pages < max_len // page_size:
+      raise ValueError(f"Engine: num_pages={num_pages} cannot hold one sample of max_len={max_len} "
+                       f"({max_len // page_size} pages of {page_size})")
+    self.kv, self.page_size, self.num_pages = kv, page_size, num_pages
+    self.pages_per_slot = max_len // page_size
+    dtype = cfg.dtype if dtype is None else dtype
+    if dtype == "auto":
+      dtype = "float32" if mesh.devices.flat[0].platform == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+      raise ValueError(f"Engine: dtype must be one of {DTYPES} or 'auto' (got {dtype!r})")
+    # Params are cast once when placed (not per step inside the decode program).
+    cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    self.dtype = cfg.compute_dtype
     self.cfg, self.mesh, self.rules = cfg, mesh, rules
     self.max_slots, self.max_len, self.steps_per_call = max_slots, max_len, steps_per_call
     self.max_stop_ids = max_stop_ids
-    self.cache_dtype = cache_dtype or cfg.compute_dtype
     buckets, b = [], min_bucket
     while b < max_len:
       buckets.append(b)
@@ -168,13 +213,21 @@ class Engine:
     result_shardings = ResultTokens(self._named("batch", None), self._named("batch", None),
                                     self._named("batch", None), self._named("batch"), self._named())
     g = self.graphdef
-    self._prefill = jax.jit(functools.partial(_prefill, g, cfg, self.cache_dtype), out_shardings=prefix_shardings)
-    self._insert = jax.jit(_insert, donate_argnums=1, out_shardings=self._state_shardings)
+    self._prefill = jax.jit(functools.partial(_prefill, g, cfg), out_shardings=prefix_shardings)
+    # Each engine jits its own function objects: jit keeps one cache per function, so compile_count() counts this
+    # engine's programs only (not those of other engines over the same module-level function).
+    own = functools.partial
+    self._insert = jax.jit(own(_insert), donate_argnums=1, out_shardings=self._state_shardings)
     self._generate = jax.jit(functools.partial(_generate, g, steps_per_call), donate_argnums=2,
                              out_shardings=(self._state_shardings, result_shardings))
     self._rebuild = jax.jit(functools.partial(_rebuild, g, rebuild_chunk), static_argnums=0, donate_argnums=2,
                             out_shardings=self._state_shardings)
-    self._release = jax.jit(_release, donate_argnums=0, out_shardings=self._state_shardings)
+    self._release = jax.jit(own(_release), donate_argnums=0, out_shardings=self._state_shardings)
+    self._store_prefix = jax.jit(own(paged.store_prefix), donate_argnums=1, out_shardings=self._state_shardings)
+    self._set_tables = jax.jit(own(paged.set_table), donate_argnums=0, out_shardings=self._state_shardings)
+    self._rebuild_rows = jax.jit(functools.partial(paged.rebuild_rows, g, rebuild_chunk), donate_argnums=1,
+                                 out_shardings=self._state_shardings)
+    self.rebuild_chunk, self.rebuild_rows = rebuild_chunk, rebuild_rows
     self._zeros = None
 
   def _named(self, *axes) -> NamedSharding:
@@ -193,7 +246,11 @@ class Engine:
   def _decode_state_shardings(self) -> DecodeState:
     vec = self._named("batch")
     mat = self._named("batch", None)
-    return DecodeState(self._kv_sharding(), mat, vec, vec, vec, SlotSettings(mat, vec, vec, vec, vec, vec, mat))
+    cache = self._kv_sharding()
+    if self.kv == "paged":  # the pool is not split by slot (any slot may own any page); heads still are
+      pages = self._named("layers", None, None, "kv_heads", "head_dim")
+      cache = PagedKVCache(pages, pages, mat, vec)
+    return DecodeState(cache, mat, vec, vec, vec, SlotSettings(mat, vec, vec, vec, vec, vec, mat))
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -207,15 +264,18 @@ class Engine:
     raise ValueError(f"a prompt of {length} tokens does not fit the cache (max_len={self.max_len})")
 
   def place(self, params, version: int) -> Versioned:
-    """Puts params onto the sampler shardings (a no-op for arrays already there)."""
-    return transfer(params, version, self.param_shardings)
+    """Puts params onto the sampler shardings in the engine's dtype (a no-op for arrays already there)."""
+    return transfer(params, version, self.param_shardings, self.dtype)
 
   def init_decode_state(self) -> DecodeState:
     s, t = self.max_slots, self.max_len
     key_shape = jax.random.key_data(jax.random.key(0)).shape
 
     def zeros():
-      cache = init_cache(self.cfg, s, t, self.cache_dtype)
+      if self.kv == "paged":
+        cache = init_paged_cache(self.cfg, s, self.num_pages, self.page_size, self.pages_per_slot)
+      else:
+        cache = init_cache(self.cfg, s, t)
       settings = SlotSettings(jnp.zeros((s, *key_shape), jnp.uint32), jnp.ones((s,), jnp.float32),
                               jnp.zeros((s,), jnp.int32), jnp.ones((s,), jnp.float32), jnp.zeros((s,), bool),
                               jnp.zeros((s,), jnp.int32), jnp.full((s, self.max_stop_ids), -1, jnp.int32))
@@ -251,17 +311,43 @@ class Engine:
                         np.int32(sampling.top_k), np.float32(sampling.top_p), np.bool_(sampling.greedy),
                         np.int32(max_new), stops)
 
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, settings: SlotSettings) -> DecodeState:
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, settings: SlotSettings, *,
+             num_generated: int = 0, table_row=None, first_private: int = 0) -> DecodeState:
+    """Puts a prefix into a slot. Paged: table_row is the slot's page table (from PageAllocator.table_row);
+    pages below first_private are the group's shared ones (already stored), the others get the prefix's pages.
+    num_generated > 0 resumes a sample whose prefix holds its first num_generated completion tokens."""
     if not 0 <= slot < self.max_slots:
       raise ValueError(f"slot {slot} is outside [0, {self.max_slots})")
+    if (self.kv == "paged") != (table_row is not None):
+      raise ValueError(f"Engine(kv={self.kv!r}).insert: table_row is required for a paged cache and only there")
+    row = np.zeros(self.pages_per_slot, np.int32) if table_row is None else np.asarray(table_row, np.int32)
     # The version is static metadata of Prefix: drop it so that a new policy version does not recompile insert.
-    return self._insert(prefix.replace(version=0), decode_state, np.int32(slot), settings)
+    return self._insert(prefix.replace(version=0), decode_state, np.int32(slot), settings, np.int32(num_generated),
+                        row, np.int32(first_private))
+
+  def store_prefix(self, prefix: Prefix, decode_state: DecodeState, pages) -> DecodeState:
+    """Paged: writes a group's shared prompt pages (ids in position order) once, before its samples' inserts."""
+    row = np.full(self.pages_per_slot, self.num_pages, np.int32)
+    row[: len(pages)] = pages
+    return self._store_prefix(prefix.replace(version=0), decode_state, row)
+
+  def set_tables(self, decode_state: DecodeState, table_SxM) -> DecodeState:
+    """Paged: the slots' page tables after the host reserved or freed pages."""
+    return self._set_tables(decode_state, np.asarray(table_SxM, np.int32))
+
+  def rebuild_spans(self, params: Versioned, decode_state: DecodeState, spans) -> DecodeState:
+    """Paged: recomputes (slot, start, end) spans in order with new params, in calls of rebuild_rows chunks."""
+    for slot_R, start_R, end_R in paged.spans_to_rows(spans, self.rebuild_chunk, self.rebuild_rows):
+      decode_state = self._rebuild_rows(params.params, decode_state, slot_R, start_R, end_R)
+    return decode_state
 
   def generate(self, params: Versioned, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
     return self._generate(params.params, np.int32(params.version), decode_state)
 
   def rebuild(self, params: Versioned, decode_state: DecodeState, length: int) -> DecodeState:
     """Recomputes the cache of positions [0, length) of all slots with new params (exact in-flight update)."""
+    if self.kv == "paged":
+      raise ValueError("Engine(kv='paged').rebuild: use rebuild_spans (it recomputes only the live tokens)")
     return self._rebuild(self.bucket(min(length, self.max_len)), params.params, decode_state)
 
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -270,4 +356,5 @@ class Engine:
 
   def compile_count(self) -> int:
     """Compiled executables across the engine's jitted functions (each shape compiles once)."""
-    return sum(f._cache_size() for f in (self._prefill, self._insert, self._generate, self._rebuild, self._release))
+    return sum(f._cache_size() for f in (self._prefill, self._insert, self._generate, self._rebuild, self._release,
+                                         self._store_prefix, self._set_tables, self._rebuild_rows))

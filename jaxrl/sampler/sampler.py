@@ -1,8 +1,17 @@
 """Host-side sampler loop: prompt groups in, finished Rollouts out, over an Engine's decode slots.
 
-`step()` admits waiting samples into free slots (one prefill per group, inserted into n slots), runs one generate
-call (`steps_per_call` decode steps) and returns the samples that finished. Between steps the caller may submit
-more prompts or swap the params (`update_params`). Not thread-safe: call it from one thread.
+`step()` admits waiting samples into free slots (one prefill per group, inserted into n slots), dispatches one
+generate call (`steps_per_call` decode steps) and returns the samples that finished. With `overlap` (the default)
+it reads the results of the previous call after dispatching the next one, so the host's work (collecting tokens,
+stop checks, admissions) runs while the device decodes; a slot that finishes then idles one call before it is
+refilled. Between steps the caller may submit more prompts or swap the params (`update_params`). Not thread-safe:
+call it from one thread.
+
+Over a paged engine (Engine(kv="paged")) the sampler also owns the page allocator: a group's prompt pages are
+shared by its samples, each live slot gets pages for the positions the next call may write before it is
+dispatched, and pages return to the pool when a sample ends. When the pool runs short, admission stops; when a
+live sample cannot grow, the most recently admitted live sample is preempted: its pages are freed and it waits,
+with its tokens so far, to be prefilled again (prompt + completion) and continued with the same sampling keys.
 """
 
 from __future__ import annotations
@@ -17,10 +26,14 @@ import numpy as np
 
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler.engine import Engine, Prefix, ResultTokens
+from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt, pages_for
 from jaxrl.sharding import Versioned
 
-ON_UPDATE = ("recompute", "finish")
+ON_UPDATE = ("recompute", "finish", "keep_kv")
 ADMISSION = ("continuous", "static")
+# Tokens of text re-decoded per new token for stop strings, past the longest stop string's length in characters
+# (a token decodes to at least one character except for a few partial UTF-8 bytes).
+_STOP_WINDOW = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +44,7 @@ class Request:
   group_id: int
   n: int = 1
   sampling: SamplingParams = SamplingParams()
-  max_tokens: int | None = None  # None: until the cache is full
+  max_tokens: int | Sequence[int] | None = None  # None: until the cache is full; a sequence: one per sample
   stop_token_ids: tuple[int, ...] = ()  # end the sample (finish_reason "stop"), kept in the completion
   stop_strings: tuple[str, ...] = ()  # needs the Sampler's `detokenize`
   ignore_eos: bool = False
@@ -43,10 +56,11 @@ class _Group:
   request: Request
   prompt: np.ndarray
   key: jax.Array
-  max_new: int
+  max_new: tuple[int, ...]  # per sample
   stop_ids: tuple[int, ...]
   placed: int = 0
   prefix: Prefix | None = None
+  shared: SharedPrompt | None = None  # paged: the prompt pages of `prefix` its samples share
 
 
 @dataclasses.dataclass
@@ -56,10 +70,19 @@ class _Sample:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  admitted: int = 0  # admission order (paged: the most recent live sample is preempted first)
 
   @property
   def pos(self) -> int:
     return len(self.group.prompt) + len(self.tokens) - 1
+
+
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched generate call: its results (not yet read) and the sample each slot held when it was dispatched."""
+
+  result: ResultTokens
+  occupants: list[_Sample | None]
 
 
 @dataclasses.dataclass
@@ -69,6 +92,8 @@ class SamplerStats:
   decode_calls: int = 0
   prefills: int = 0
   rebuilds: int = 0
+  rebuilt_tokens: int = 0  # positions an in-flight update recomputed (slots x length dense; live tokens paged)
+  preemptions: int = 0  # paged: samples whose pages were taken back (and recomputed later)
   finished: int = 0
   seconds: float = 0.0  # wall time inside step()
 
@@ -87,19 +112,26 @@ class Sampler:
 
   on_update: "recompute" swaps params at the next step and recomputes the KV cache of in-flight samples with
   them, so every token's logprob is exactly that of the version it is tagged with; "finish" stops admitting,
-  lets in-flight samples finish on the old params, then swaps.
+  lets in-flight samples finish on the old params, then swaps; "keep_kv" swaps at once and continues in-flight
+  samples over the keys/values the old params computed (no recompute: an update costs nothing). Each token is
+  still tagged with the version that computed its logits and its logprob is that of the distribution it was drawn
+  from, but that distribution is conditioned on stale keys/values (a policy no learner version is): the learner's
+  importance ratio then corrects for that mismatch too, not only for the version lag.
   admission: "continuous" refills a slot as soon as it frees; "static" waits until every slot is free (a
   static batch padded to its longest sample; the baseline of bench/sampler.py).
+  overlap: dispatch call k+1 before reading call k (see the module docstring); False reads each call at once.
   """
 
   def __init__(self, engine: Engine, params, version: int = 0, *, seed: int = 0, on_update: str = "recompute",
                admission: str = "continuous", eos_token_ids: Sequence[int] | None = None,
-               detokenize: Callable[[Sequence[int]], str] | None = None):
+               detokenize: Callable[[Sequence[int]], str] | None = None, overlap: bool = True):
     if on_update not in ON_UPDATE:
       raise ValueError(f"on_update must be one of {ON_UPDATE} (got {on_update!r})")
     if admission not in ADMISSION:
       raise ValueError(f"admission must be one of {ADMISSION} (got {admission!r})")
     self.engine, self.on_update, self.admission, self.detokenize = engine, on_update, admission, detokenize
+    self.overlap = overlap
+    self._in_flight: _InFlight | None = None
     self.eos_token_ids = tuple(engine.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
     self._check_ids(self.eos_token_ids, "eos token")
     self._params = engine.place(params, version)
@@ -107,6 +139,10 @@ class Sampler:
     self._state = engine.init_decode_state()
     self._slots: list[_Sample | None] = [None] * engine.max_slots
     self._waiting: collections.deque[_Group] = collections.deque()
+    self._preempted: collections.deque[_Sample] = collections.deque()
+    self._admissions = 0
+    self._pages = (PageAllocator(engine.num_pages, engine.page_size, engine.max_slots, engine.pages_per_slot)
+                   if engine.kv == "paged" else None)
     self._key = jax.random.key(seed)
     self.stats = SamplerStats()
 
@@ -121,8 +157,8 @@ class Sampler:
 
   @property
   def num_waiting(self) -> int:
-    """Samples submitted but not yet in a slot."""
-    return sum(g.request.n - g.placed for g in self._waiting)
+    """Samples submitted but not yet in a slot (preempted ones included)."""
+    return sum(g.request.n - g.placed for g in self._waiting) + len(self._preempted)
 
   def _check_ids(self, ids, what):
     v = self.engine.cfg.vocab_size
@@ -150,8 +186,10 @@ class Sampler:
       raise ValueError(f"group_id must be an int in [0, 2**31) (got {r.group_id!r})")
     if not isinstance(r.n, (int, np.integer)) or r.n < 1:
       raise ValueError(f"group {r.group_id}: n must be a positive int (got {r.n!r})")
-    if r.max_tokens is not None and r.max_tokens < 1:
-      raise ValueError(f"group {r.group_id}: max_tokens must be >= 1 (got {r.max_tokens})")
+    budgets = np.atleast_1d(np.asarray(room if r.max_tokens is None else r.max_tokens))
+    if budgets.ndim != 1 or len(budgets) not in (1, r.n) or not np.issubdtype(budgets.dtype, np.integer) \
+        or budgets.min() < 1:
+      raise ValueError(f"group {r.group_id}: max_tokens must be >= 1, or n={r.n} such ints (got {r.max_tokens})")
     if not isinstance(r.sampling, SamplingParams):
       raise ValueError(f"group {r.group_id}: sampling must be a SamplingParams (got {type(r.sampling).__name__})")
     if r.stop_strings and self.detokenize is None:
@@ -161,7 +199,7 @@ class Sampler:
     if len(stop_ids) > self.engine.max_stop_ids:
       raise ValueError(f"group {r.group_id}: {len(stop_ids)} stop ids (eos included) exceed the engine's "
                        f"max_stop_ids={self.engine.max_stop_ids}")
-    max_new = room if r.max_tokens is None else min(r.max_tokens, room)
+    max_new = tuple(min(int(b), room) for b in np.broadcast_to(budgets, (r.n,)))
     key = jax.random.fold_in(self._key, int(r.group_id))
     self._waiting.append(_Group(r, prompt.astype(np.int32), key, max_new, stop_ids))
 
@@ -177,23 +215,38 @@ class Sampler:
 
   def _swap(self, new: Versioned) -> None:
     self._params, self._pending = new, None
-    active = [s for s in self._slots if s is not None]
-    if active:
-      self._state = self.engine.rebuild(new, self._state, max(s.pos for s in active))
-      self.stats.rebuilds += 1
+    active = [(slot, s) for slot, s in enumerate(self._slots) if s is not None]
+    if not active or self.on_update == "keep_kv":
+      return
+    # A call in flight may have advanced every slot by up to steps_per_call tokens the host has not read yet.
+    ahead = self.engine.steps_per_call if self._in_flight is not None else 0
+    max_len = self.engine.max_len
+    if self._pages is None:
+      length = self.engine.bucket(min(max(s.pos for _, s in active) + ahead, max_len))
+      self._state = self.engine.rebuild(new, self._state, length)
+      self.stats.rebuilt_tokens += self.engine.max_slots * length
+    else:
+      spans = self._pages.live_spans([(slot, min(s.pos + 1 + ahead, max_len)) for slot, s in active])
+      self._state = self.engine.rebuild_spans(new, self._state, spans)
+      self.stats.rebuilt_tokens += sum(end - start for _, start, end in spans)
+    self.stats.rebuilds += 1
 
   def step(self) -> list[Rollout]:
-    """Admits waiting samples, runs one generate call, returns the samples that finished."""
+    """Admits waiting samples, dispatches one generate call, returns the samples that finished."""
     start = time.perf_counter()
     if self._pending is not None and not self.num_active:
       self._swap(self._pending)
     self._admit()
-    if not self.num_active:
-      return []
-    self._state, result = self.engine.generate(self._params, self._state)
-    finished = self._collect(jax.device_get(result))
-    self.stats.decode_calls += 1
-    self.stats.slot_steps += self.engine.max_slots * self.engine.steps_per_call
+    if self._pages is not None:
+      self._grow()
+    dispatched = None
+    if self.num_active:
+      self._state, result = self.engine.generate(self._params, self._state)
+      dispatched = _InFlight(result, list(self._slots))
+      self.stats.decode_calls += 1
+      self.stats.slot_steps += self.engine.max_slots * self.engine.steps_per_call
+    previous, self._in_flight = (self._in_flight, dispatched) if self.overlap else (dispatched, None)
+    finished = self._collect(previous) if previous is not None else []
     self.stats.finished += len(finished)
     self.stats.seconds += time.perf_counter() - start
     return finished
@@ -213,31 +266,98 @@ class Sampler:
         return
       yield from self.step()
 
+  def _horizon(self, pos: int) -> int:
+    """Positions a slot at host position `pos` needs pages for before the next call: the call in flight and the
+    next one may each write steps_per_call positions."""
+    return min(pos + 2 * self.engine.steps_per_call, self.engine.max_len)
+
   def _admit(self) -> None:
     if self._pending is not None or (self.admission == "static" and self.num_active):
       return
     for slot, occupant in enumerate(self._slots):
-      if not self._waiting:
-        break
       if occupant is not None:
         continue
-      g = self._waiting[0]
-      if g.prefix is None or g.prefix.version != self.version:  # the prefill is shared by the group's samples
-        g.prefix = self.engine.prefill(self._params, g.prompt)
-        self.stats.prefills += 1
-      r = g.request
-      settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new, g.stop_ids)
-      self._state = self.engine.insert(g.prefix, self._state, slot, settings)
-      self._slots[slot] = _Sample(g, g.placed)
-      g.placed += 1
-      if g.placed == r.n:
-        self._waiting.popleft()
+      try:
+        if self._preempted:
+          self._resume(slot, self._preempted[0])
+          self._preempted.popleft()
+        elif self._waiting:
+          self._place(slot, self._waiting[0])
+        else:
+          break
+      except OutOfPages:  # stop admitting until samples end and free pages
+        break
 
-  def _collect(self, result: ResultTokens) -> list[Rollout]:
+  def _place(self, slot: int, g: _Group) -> None:
+    if g.prefix is None or g.prefix.version != self.version:  # the prefill is shared by the group's samples
+      if g.shared is not None:  # samples placed before keep their references to the old pages
+        self._pages.release_prompt(g.shared)
+        g.shared = None
+      if self._pages is not None:
+        g.shared = self._pages.share_prompt(len(g.prompt))
+      g.prefix = self.engine.prefill(self._params, g.prompt)
+      self.stats.prefills += 1
+      if g.shared is not None:
+        self._state = self.engine.store_prefix(g.prefix, self._state, g.shared.pages)
+    r = g.request
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new[g.placed],
+                                         g.stop_ids)
+    self._insert(slot, g.prefix, settings, g.shared, 0)
+    self._slots[slot] = _Sample(g, g.placed, admitted=self._admissions)
+    g.placed += 1
+    if g.placed == r.n:
+      self._waiting.popleft()
+      if g.shared is not None:
+        self._pages.release_prompt(g.shared)
+      g.prefix = g.shared = None
+
+  def _insert(self, slot, prefix, settings, shared: SharedPrompt | None, num_generated: int) -> None:
+    row, first_private = None, 0
+    if self._pages is not None:
+      self._pages.attach(slot, shared, self._horizon(int(prefix.length) - 1))
+      row, first_private = self._pages.table_row(slot), int(self._pages.num_shared_S[slot])
+    self._state = self.engine.insert(prefix, self._state, slot, settings, num_generated=num_generated,
+                                     table_row=row, first_private=first_private)
+    self._admissions += 1
+
+  def _resume(self, slot: int, sample: _Sample) -> None:
+    """Continues a preempted sample: prefills its prompt and completion so far (with the current params)."""
+    g, r = sample.group, sample.group.request
+    tokens = np.concatenate([g.prompt, np.asarray(sample.tokens, np.int32)])
+    need = pages_for(self._horizon(len(tokens) - 1), self.engine.page_size)
+    if need > self._pages.num_free:  # before the prefill, which would be wasted
+      raise OutOfPages(f"{need} pages needed, {self._pages.num_free} free")
+    prefix = self.engine.prefill(self._params, tokens)
+    self.stats.prefills += 1
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling,
+                                         g.max_new[sample.index], g.stop_ids)
+    self._insert(slot, prefix, settings, None, len(sample.tokens))
+    sample.admitted = self._admissions
+    self._slots[slot] = sample
+
+  def _grow(self) -> None:
+    """Reserves pages for what the next call may write; preempts the latest admitted samples when they run out."""
+    live = sorted((i for i, s in enumerate(self._slots) if s is not None), key=lambda i: self._slots[i].admitted)
+    victims, grown = self._pages.reserve_or_preempt([(i, self._horizon(self._slots[i].pos)) for i in live])
+    for victim in victims:
+      self._preempted.append(self._slots[victim])
+      self._slots[victim] = None
+      self._state = self.engine.release(self._state, victim)
+      self.stats.preemptions += 1
+    if grown:
+      self._state = self.engine.set_tables(self._state, self._pages.table_SxM())
+
+  def _free(self, slot: int) -> None:
+    self._slots[slot] = None
+    if self._pages is not None:
+      self._pages.release(slot)
+
+  def _collect(self, call: _InFlight) -> list[Rollout]:
     finished = []
+    result = jax.device_get(call.result)
     version = int(result.version)
-    for slot, sample in enumerate(self._slots):
-      if sample is None:
+    for slot, sample in enumerate(call.occupants):
+      if sample is None or self._slots[slot] is not sample:  # empty, or ended by the host after this dispatch
         continue
       valid = result.valid_SxK[slot]
       before = len(sample.tokens)
@@ -254,7 +374,7 @@ class Sampler:
         reason = "stop"
       if reason is not None:
         finished.append(self._rollout(sample, reason))
-        self._slots[slot] = None
+        self._free(slot)
     return finished
 
   def _finish_reason(self, sample: _Sample) -> str:
@@ -264,12 +384,16 @@ class Sampler:
     return "length"
 
   def _stop_string_end(self, sample: _Sample, before: int) -> int | None:
-    """Number of tokens up to the one that completes a stop string, if a new token completed one."""
+    """Number of tokens up to the one that completes a stop string, if a new token completed one.
+
+    Each new token re-decodes only a window of the last tokens long enough to hold any stop string, so the cost
+    is proportional to the new tokens (re-decoding the whole completion per token was quadratic)."""
     stops = sample.group.request.stop_strings
     if not stops:
       return None
+    window = max(len(s) for s in stops) + _STOP_WINDOW
     for end in range(before + 1, len(sample.tokens) + 1):
-      text = self.detokenize(sample.tokens[:end])
+      text = self.detokenize(sample.tokens[max(0, end - window) : end])
       if any(s in text for s in stops):
         return end
     return None

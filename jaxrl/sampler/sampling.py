@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxrl.rollout import SamplingParams
 
 _NEG_INF = -jnp.inf
+_BLOCK = 128  # vocabulary block of the two-level inverse-CDF draw
 
 
 def _filter(scaled_NxV, top_k_N, top_p_N):
@@ -61,8 +62,41 @@ def sampling_logprobs(logits, tokens, sampling: SamplingParams):
   return jnp.take_along_axis(lp_NxV, tokens.reshape(-1, 1).astype(jnp.int32), axis=-1).reshape(lead)
 
 
+def _first_above(cum_NxM, target_N, weights_NxM):
+  """Index of the first entry whose cumulative weight exceeds the target, among entries of positive weight.
+
+  Float rounding may leave no such entry (a target at the very top); then the last entry of positive weight."""
+  m = cum_NxM.shape[-1]
+  positive_NxM = weights_NxM > 0
+  above_NxM = positive_NxM & (cum_NxM > target_N[:, None])
+  idx_M = jnp.arange(m)
+  first_N = jnp.min(jnp.where(above_NxM, idx_M, m), axis=-1)
+  last_N = jnp.max(jnp.where(positive_NxM, idx_M, -1), axis=-1)
+  return jnp.where(first_N < m, first_N, last_N)
+
+
+def _draw(keys_N, lp_NxV, block=_BLOCK):
+  """One token per row from exp(lp) by inverse CDF over (blocks of the vocabulary, then tokens in the block).
+
+  One uniform per row instead of Gumbel noise over the whole vocabulary (V random numbers per row, the larger
+  cost of a decode step's sampling on CPU); linear in V. A token of probability 0 is never drawn."""
+  n, v = lp_NxV.shape
+  nb = -(-v // block)
+  probs_NxV = jnp.pad(jnp.exp(lp_NxV), ((0, 0), (0, nb * block - v)))
+  probs_NxBxP = probs_NxV.reshape(n, nb, block)
+  mass_NxB = jnp.sum(probs_NxBxP, axis=-1)
+  cum_NxB = jnp.cumsum(mass_NxB, axis=-1)
+  u_N = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys_N)
+  target_N = u_N * cum_NxB[:, -1]
+  b_N = _first_above(cum_NxB, target_N, mass_NxB)
+  in_block_NxP = jnp.take_along_axis(probs_NxBxP, b_N[:, None, None], axis=1)[:, 0]
+  before_N = jnp.take_along_axis(cum_NxB - mass_NxB, b_N[:, None], axis=1)[:, 0]
+  j_N = _first_above(jnp.cumsum(in_block_NxP, axis=-1), target_N - before_N, in_block_NxP)
+  return (b_N * block + j_N).astype(jnp.int32)
+
+
 def sample(keys_N, logits_NxV, temperature_N, top_k_N, top_p_N, greedy_N):
   """Draws one token per row; returns (tokens_N, logprobs_N) with the logprob under the filtered distribution."""
   lp_NxV = filtered_logprobs(logits_NxV, temperature_N, top_k_N, top_p_N, greedy_N)
-  tokens_N = jax.vmap(jax.random.categorical)(keys_N, lp_NxV).astype(jnp.int32)
+  tokens_N = _draw(keys_N, lp_NxV)
   return tokens_N, jnp.take_along_axis(lp_NxV, tokens_N[:, None], axis=-1)[:, 0]

@@ -189,6 +189,16 @@ def kv_limited_batch(model: ModelSpec, hw: Hardware, devices: int, slot_tokens: 
   return max(0, int(free // (model.kv_bytes_per_token * slot_tokens)))
 
 
+def paged_kv_batch(model: ModelSpec, hw: Hardware, devices: int, live_tokens: float, page_size: int = 16,
+                   mem_fraction: float = 1.0) -> int:
+  """Live sequences a page pool holds next to the weights when sequences hold `live_tokens` positions on average
+  (rounded up to pages: half a page each): the paged cache's slots are limited by live tokens, not max_len."""
+  _check_positive("paged_kv_batch", devices=devices, live_tokens=live_tokens, page_size=page_size,
+                  mem_fraction=mem_fraction)
+  free = devices * hw.hbm_bytes * mem_fraction - model.weight_bytes
+  return max(0, int(free // (model.kv_bytes_per_token * (live_tokens + page_size / 2))))
+
+
 def min_engine_devices(model: ModelSpec, hw: Hardware, slot_tokens: int, min_batch: int,
                        mem_fraction: float = 1.0, max_devices: int = 1024) -> int:
   """Smallest power-of-two engine (tensor-parallel degree) that holds the weights and `min_batch` slots."""
@@ -257,6 +267,8 @@ class Costs:
   # Forward passes over the batch besides the trained one (old-policy log-probs of decoupled PPO, a reference
   # model for KL): each adds 2 N FLOPs per token to the 6 N of forward + backward.
   extra_forward_passes: int = 0
+  kv: str = "dense"  # KV cache layout: what an in-flight update recomputes (see rebuild_time)
+  rebuild_s_per_token: float = 0.0  # in-flight update: recompute per KV position (a chunked prefill); 0: free
 
   def __post_init__(self):
     _check_positive("Costs", devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
@@ -264,13 +276,15 @@ class Costs:
                     weight_bytes=self.weight_bytes, link_bandwidth=self.link_bandwidth)
     _check_nonnegative("Costs", prefill_s_per_token=self.prefill_s_per_token,
                        train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s,
-                       extra_forward_passes=self.extra_forward_passes)
+                       extra_forward_passes=self.extra_forward_passes, rebuild_s_per_token=self.rebuild_s_per_token)
     for field in ("train_scaling", "sync_train_scaling"):
       points = getattr(self, field)
       if any(len(p) != 2 or not p[0] >= 1 or not p[1] > 0 for p in points):
         raise ValueError(f"Costs.{field} must be (devices >= 1, tokens/s per device > 0) pairs (got {points})")
       if len({p[0] for p in points}) != len(points):
         raise ValueError(f"Costs.{field} names a device count twice (got {points})")
+    if self.kv not in ("dense", "paged"):
+      raise ValueError(f"Costs: kv must be 'dense' or 'paged' (got {self.kv!r})")
 
   def replace(self, **kw) -> Costs:
     return dataclasses.replace(self, **kw)
@@ -288,6 +302,12 @@ class Costs:
     flops_factor = 1.0 + self.extra_forward_passes / 3.0  # (6 + 2 extra) N over the 6 N the rate is for
     return self.train_overhead_s + tokens * flops_factor / (devices * self.train_tokens_per_s(devices, colocated))
 
+  def rebuild_time(self, context_tokens: float, longest: float) -> float:
+    """An in-flight update's KV recompute for live contexts totalling `context_tokens`, the longest `longest`:
+    paged recomputes the live tokens, dense every slot up to the longest live position (idle slots included)."""
+    positions = context_tokens if self.kv == "paged" else self.max_batch * longest
+    return self.rebuild_s_per_token * positions
+
   def sync_time(self, sender_devices: int, receiver_devices: int) -> float:
     """One weight publish: every engine of the receivers gets a full copy."""
     engines = receiver_devices // self.devices_per_engine
@@ -299,13 +319,22 @@ def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, s
                    mem_eff: float = 1.0, flop_eff: float = 1.0, mfu: float = 0.4, overhead_s: float = 0.0,
                    knee_sharpness: float = math.inf, kv_mem_fraction: float = 1.0, max_batch_cap: int = 1024,
                    train_overhead_s: float = 0.0, sync_overhead_s: float = 0.0, mfu_by_devices=None,
-                   sync_mfu_by_devices=None, extra_forward_passes: int = 0) -> Costs:
+                   sync_mfu_by_devices=None, extra_forward_passes: int = 0, kv: str | None = None,
+                   live_tokens: float | None = None, page_size: int = 16) -> Costs:
   """Costs from datasheet numbers and efficiency factors; `slot_tokens` is the KV reserved per sequence.
 
   mfu_by_devices / sync_mfu_by_devices: {devices: MFU} measured at several learner sizes (pipeline learner /
   colocated sync learner); they set Costs.train_scaling / sync_train_scaling.
-  """
-  max_batch = min(max_batch_cap, kv_limited_batch(model, hw, devices_per_engine, slot_tokens, kv_mem_fraction))
+  kv: None leaves in-flight updates free of recompute (as before paging); "dense" or "paged" charges their
+  recompute at the prefill rate (Costs.rebuild_time), and "paged" sizes the batch by the pages that sequences
+  of `live_tokens` positions on average take instead of slot_tokens each."""
+  if kv == "paged":
+    if live_tokens is None:
+      raise ValueError("roofline_costs: kv='paged' needs live_tokens (the mean positions a live sequence holds)")
+    fits = paged_kv_batch(model, hw, devices_per_engine, live_tokens, page_size, kv_mem_fraction)
+  else:
+    fits = kv_limited_batch(model, hw, devices_per_engine, slot_tokens, kv_mem_fraction)
+  max_batch = min(max_batch_cap, fits)
   if max_batch < 1:
     raise ValueError(f"{model.name} does not fit an engine of {devices_per_engine} {hw.name} devices with one "
                      f"slot of {slot_tokens} tokens; use more devices per engine")
@@ -318,7 +347,8 @@ def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, s
       weight_bytes=model.weight_bytes, link_bandwidth=hw.link_bandwidth,
       train_overhead_s=train_overhead_s, sync_overhead_s=sync_overhead_s,
       train_scaling=_scaling(model, hw, mfu_by_devices), sync_train_scaling=_scaling(model, hw, sync_mfu_by_devices),
-      extra_forward_passes=extra_forward_passes)
+      extra_forward_passes=extra_forward_passes, kv=kv or "dense",
+      rebuild_s_per_token=0.0 if kv is None else prefill_s_per_token(model, hw, devices_per_engine, flop_eff))
 
 
 def _scaling(model: ModelSpec, hw: Hardware, mfu_by_devices) -> tuple[tuple[int, float], ...]:

@@ -116,6 +116,13 @@ class EngineSim:
       started.append(sid)
     return started
 
+  def contexts(self) -> tuple[int, int]:
+    """(total, longest) context of the live samples."""
+    if not self.live:
+      return 0, 0
+    top = self.prompt_len + self.counter
+    return len(self.live) * top - self.start_sum, top - min(start for _, _, start in self.live)
+
   def stall(self, start: float, seconds: float):
     self.clock = max(self.clock, start)
     self._mark("sync", self.clock, self.clock + seconds)

@@ -231,7 +231,7 @@ class _Sim:
   def _apply_update(self, e: EngineSim):
     """A weight publish that reached the engine between boundaries lands at its next boundary."""
     t, version = e.update_due
-    e.stall(t, self.sync_s)
+    e.stall(t, self.sync_s + self.costs.rebuild_time(*e.contexts()))
     e.version, e.update_due = version, None
 
   # -- controller -----------------------------------------------------------------------------------------

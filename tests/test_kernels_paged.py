@@ -1,0 +1,79 @@
+"""Paged decode attention: XLA reference vs the dense cache and a masked softmax; Pallas GPU kernel in interpret
+mode vs the reference (bf16 tolerance); the Pallas TPU kernel lowers for a TPU target from the CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice
+
+from jaxrl.kernels import cached_attention, paged_attention
+
+N, P, Z, K, G, D = 2, 24, 4, 2, 3, 8
+
+
+def _case(seed, num_rows=3, pages_per_row=5, num_queries=1, head_dim=D, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  k, v = (rng.standard_normal((N, P, Z, K, head_dim)).astype(dtype) for _ in range(2))
+  table = rng.permutation(P)[: num_rows * pages_per_row].reshape(num_rows, pages_per_row).astype(np.int32)
+  q = rng.standard_normal((num_rows, num_queries, K, G, head_dim)).astype(dtype)
+  last = rng.integers(num_queries - 1, pages_per_row * Z, num_rows)
+  positions = (last[:, None] - np.arange(num_queries)[::-1][None]).astype(np.int32)
+  return q, k, v, table, positions
+
+
+@pytest.mark.parametrize("num_queries, block", [(1, 128), (1, 8), (3, 8), (3, 12)])
+def test_reference_equals_the_dense_cache_bit_for_bit(num_queries, block):
+  q, k, v, table, positions = _case(num_queries * 10 + block, num_queries=num_queries)
+  # The same keys laid out densely: row s's position t at [s, t].
+  dense_k, dense_v = (x[:, table].reshape(N, table.shape[0], -1, K, D) for x in (k, v))
+  paged = jax.jit(lambda *a: paged_attention(*a, block=block))(q, k, v, 1, table, positions)
+  dense = jax.jit(lambda *a: cached_attention(*a, block=block))(q, dense_k, dense_v, 1, positions)
+  np.testing.assert_array_equal(np.asarray(paged), np.asarray(dense))
+
+
+def test_reference_reads_only_the_live_blocks_of_pages():
+  q, k, v, table, positions = _case(7)
+  positions[:] = np.minimum(positions, 2 * Z - 1)  # live part: the first block of two pages of each row
+  free = np.setdiff1d(np.arange(P), table[:, :2])
+  k[:, free], v[:, free] = np.nan, np.nan
+  table[:, 2:] = P  # unused entries: the pool size
+  out = np.asarray(paged_attention(q, k, v, 0, table, positions, block=2 * Z))
+  assert np.isfinite(out).all()
+  scores = np.einsum("sckgd,stkd->skgct", q, k[0, table[:, :2]].reshape(3, -1, K, D)) / np.sqrt(D)
+  visible = np.arange(2 * Z)[None, None, :] <= positions[:, :, None]
+  p = np.exp(np.where(visible[:, None, None], scores, -np.inf))
+  expected = np.einsum("skgct,stkd->sckgd", p / p.sum(-1, keepdims=True), v[0, table[:, :2]].reshape(3, -1, K, D))
+  np.testing.assert_allclose(out, expected, atol=2e-6)
+
+
+def test_pallas_gpu_kernel_in_interpret_mode_equals_the_reference():
+  q, k, v, table, positions = (jnp.asarray(x) for x in _case(3, num_rows=2, pages_per_row=4))
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  ref = paged_attention(q, k, v, 1, table, positions)
+  out = paged_attention(q, k, v, 1, table, positions, impl="pallas_gpu", interpret=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_pallas_tpu_kernel_lowers_for_a_tpu_target():
+  sd = jax.ShapeDtypeStruct
+  f = jax.jit(lambda q, k, v, t, p: paged_attention(q, k, v, 1, t, p, impl="pallas_tpu"))
+  device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device)):
+    lowered = f.trace(sd((4, 1, 2, 4, 128), jnp.bfloat16), sd((2, 32, 16, 2, 128), jnp.bfloat16),
+                      sd((2, 32, 16, 2, 128), jnp.bfloat16), sd((4, 8), jnp.int32),
+                      sd((4, 1), jnp.int32)).lower(lowering_platforms=("tpu",))
+  assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_unknown_impl_is_named():
+  q, k, v, table, positions = _case(0)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    paged_attention(q, k, v, 0, table, positions, impl="cuda")
+
+
+def test_ragged_row_groups_equal_the_reference():
+  q, k, v, table, positions = _case(11, num_rows=6, pages_per_row=4, num_queries=2)
+  ragged = jax.jit(lambda *a: paged_attention(*a, block=8, rows_per_group=2))(q, k, v, 1, table, positions)
+  plain = jax.jit(lambda *a: paged_attention(*a, block=8, rows_per_group=6))(q, k, v, 1, table, positions)
+  np.testing.assert_allclose(np.asarray(ragged), np.asarray(plain), atol=1e-6)

@@ -1,0 +1,184 @@
+"""Paged engine + Sampler: equals the dense engine token for token and logprob for logprob, one prefill per group
+with shared prompt pages that no sample writes, preemption keeps every sample, rebuild recomputes live tokens only,
+keep_kv, no recompiles."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from test_sampler_engine import CFG, MAX_LEN, _check_logprobs_match_forward, _drain, _greedy_reference, _random_params
+
+from jaxrl.models.hf import abstract_params
+from jaxrl.rollout import SamplingParams
+from jaxrl.sampler import Engine, Sampler
+from jaxrl.sharding import make_mesh
+
+PAGE = 4
+SP = SamplingParams(temperature=1.0, top_k=20)
+
+
+@pytest.fixture(scope="module")
+def model():
+  graphdef, abstract = abstract_params(CFG)
+  return graphdef, _random_params(abstract, 0), _random_params(abstract, 1)
+
+
+@pytest.fixture(scope="module")
+def engines():
+  mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:])
+  make = lambda **kw: Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, **kw)
+  # The small pool holds 14 pages: a single sample may need 12, so four slots cannot all grow.
+  return make(), make(kv="paged", page_size=PAGE), make(kv="paged", page_size=PAGE, num_pages=14)
+
+
+def _groups(sampler, seed=1, groups=5, n=3):
+  rng = np.random.default_rng(seed)
+  for g in range(groups):
+    prompt = rng.integers(2, CFG.vocab_size, rng.integers(3, 14)).tolist()
+    sampler.submit(prompt, group_id=g, n=n, max_tokens=int(rng.integers(5, 30)), sampling=SP)
+
+
+def _run(engine, params, seed=1, **kw):
+  sampler = Sampler(engine, params, seed=0, eos_token_ids=(), **kw)
+  _groups(sampler, seed)
+  return _drain(sampler), sampler
+
+
+def test_paged_equals_dense_token_for_token(model, engines):
+  _, params, _ = model
+  dense, paged, _ = engines
+  want, _ = _run(dense, params)
+  got, sampler = _run(paged, params)
+  assert sorted(got) == sorted(want) == [(g, i) for g in range(5) for i in range(3)]
+  for k, r in want.items():
+    np.testing.assert_array_equal(got[k].completion_tokens, r.completion_tokens)
+    np.testing.assert_array_equal(got[k].logprobs, r.logprobs)
+    np.testing.assert_array_equal(got[k].versions, r.versions)
+  assert sampler.stats.prefills == 5 and sampler.stats.preemptions == 0  # one prefill per group
+  assert sampler._pages.num_free == paged.num_pages  # every page came back
+
+
+def test_out_of_pages_preempts_and_keeps_every_sample(model, engines):
+  _, params, _ = model
+  dense, _, small = engines
+  want, _ = _run(dense, params, seed=2)
+  got, sampler = _run(small, params, seed=2)
+  assert sampler.stats.preemptions > 0
+  assert sorted(got) == sorted(want)
+  for k, r in want.items():
+    np.testing.assert_array_equal(got[k].completion_tokens, r.completion_tokens)
+    np.testing.assert_allclose(got[k].logprobs, r.logprobs, atol=1e-5)  # a resumed sample's cache is a prefill's
+  assert sampler._pages.num_free == small.num_pages
+
+
+def test_continuous_batching_with_shared_prompts_equals_one_at_a_time(model, engines):
+  graphdef, params, _ = model
+  _, _, small = engines  # a small pool: samples it preempts must resume the same greedy sequence
+  sampler = Sampler(small, params, seed=0)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (13, 6, 9, 17)]
+  budgets = [(30, 4), (12, 25), (40, 2), (7, 20)]  # per sample: groups whose samples end at different times
+  for g, (p, b) in enumerate(zip(prompts, budgets, strict=True)):
+    sampler.submit(p, group_id=g, n=2, max_tokens=b, sampling=SamplingParams(greedy=True))
+  got = _drain(sampler)
+  assert sampler.stats.prefills >= 4 and sorted(got) == [(g, i) for g in range(4) for i in range(2)]
+  for (g, i), r in got.items():
+    completion, reason = _greedy_reference(graphdef, params, prompts[g], budgets[g][i])
+    assert r.completion_tokens.tolist() == completion and r.finish_reason == reason, (g, i)
+
+
+def test_samples_never_write_the_shared_prompt_pages(model, engines):
+  _, params, _ = model
+  _, paged, _ = engines
+  sampler = Sampler(paged, params, seed=0, eos_token_ids=())
+  prompt = list(range(2, 15))  # 13 tokens: positions 0..11 fill 3 shared pages, 12 (rewritten) is private
+  sampler.submit(prompt, group_id=0, n=3, max_tokens=20, sampling=SP)
+  sampler.step()
+  tables = [sampler._pages.tables[s] for s in range(3)]
+  shared = tables[0][:3]
+  assert all(t[:3] == shared for t in tables) and len({t[3] for t in tables}) == 3
+  assert list(sampler._pages.num_shared_S[:3]) == [3, 3, 3]
+  before = np.asarray(sampler._state.cache.k_NxPxZxKxD)
+  prefix = paged.prefill(sampler._params, prompt)
+  expected = np.asarray(prefix.cache.k_NxSxTxKxD)[:, 0, :12].reshape(CFG.num_layers, 3, PAGE, *before.shape[3:])
+  np.testing.assert_array_equal(before[:, shared], expected)
+  sampler.step()
+  sampler.step()
+  after = np.asarray(sampler._state.cache.k_NxPxZxKxD)
+  np.testing.assert_array_equal(after[:, shared], before[:, shared])
+  assert all(not np.array_equal(after[:, t[4]], before[:, t[4]]) for t in tables)  # private pages did change
+
+
+def test_in_flight_update_recomputes_only_live_tokens(model, engines):
+  dense, paged, _ = engines
+  _, params, params_v1 = model
+  out, stats = {}, {}
+  for name, engine in (("dense", dense), ("paged", paged)):
+    sampler = Sampler(engine, params, seed=0, eos_token_ids=())
+    _groups(sampler, seed=4)
+    first = sampler.step() + sampler.step()
+    sampler.update_params(params_v1, version=1)
+    out[name] = {**{(r.group_id, r.sample_index): r for r in first}, **_drain(sampler)}
+    stats[name] = sampler.stats
+  assert stats["paged"].rebuilds == stats["dense"].rebuilds == 1
+  # Dense recomputes every slot up to the longest live position (its bucket); paged only the live tokens.
+  assert stats["paged"].rebuilt_tokens < stats["dense"].rebuilt_tokens / 2
+  for k, r in out["dense"].items():
+    np.testing.assert_array_equal(out["paged"][k].completion_tokens, r.completion_tokens)
+    np.testing.assert_array_equal(out["paged"][k].versions, r.versions)
+    _check_logprobs_match_forward(model, out["paged"][k])
+  assert any(set(r.versions.tolist()) == {0, 1} for r in out["paged"].values())
+
+
+@pytest.mark.parametrize("kv", ["dense", "paged"])
+def test_keep_kv_swaps_without_recompute(model, engines, kv):
+  _, params, params_v1 = model
+  engine = engines[0] if kv == "dense" else engines[1]
+  sampler = Sampler(engine, params, seed=0, eos_token_ids=(), on_update="keep_kv")
+  sampler.submit(list(range(2, 12)), group_id=0, n=4, max_tokens=20, sampling=SP)
+  sampler.step()
+  sampler.step()
+  sampler.update_params(params_v1, version=1)
+  assert sampler.version == 1 and sampler.num_active == 4
+  got = _drain(sampler)
+  assert sampler.stats.rebuilds == 0 and sampler.stats.rebuilt_tokens == 0
+  for r in got.values():
+    assert r.versions.tolist() == [0] * 8 + [1] * 12
+    # Tokens drawn before the update are exact under v0; later ones came from v1 over v0's keys/values.
+    before = dataclasses.replace(r, completion_tokens=r.completion_tokens[:8], logprobs=r.logprobs[:8],
+                                 versions=r.versions[:8])
+    _check_logprobs_match_forward(model[:2], before)
+
+
+def test_paged_engine_does_not_recompile(model, engines):
+  _, params, _ = model
+  _, paged, _ = engines
+  _run(paged, params, seed=5)
+  before = paged.compile_count()
+  _run(paged, params, seed=6)
+  assert paged.compile_count() == before
+
+
+def test_paged_configuration_errors_name_the_problem(engines):
+  dense = engines[0]
+  with pytest.raises(ValueError, match="multiple of page_size"):
+    Engine(CFG, dense.mesh, max_slots=2, max_len=10, kv="paged", page_size=4)
+  with pytest.raises(ValueError, match="cannot hold one sample"):
+    Engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="paged", page_size=4, num_pages=3)
+  with pytest.raises(ValueError, match="kv must be one of"):
+    Engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="ragged")
+
+
+def test_config_selects_the_paged_cache():
+  from jaxrl import config as config_lib
+
+  c = config_lib.override(config_lib.base(), **{"sampler.kv": "paged", "sampler.page_size": 8,
+                                                "sampler.on_update": "keep_kv"})
+  config_lib.validate(c)
+  kw = config_lib.engine_kwargs(c)
+  assert (kw["kv"], kw["page_size"], kw["num_pages"]) == ("paged", 8, None)
+  with pytest.raises(config_lib.ConfigError, match="multiple of sampler.page_size=5"):
+    config_lib.validate(config_lib.override(c, **{"sampler.page_size": 5}))
+  with pytest.raises(config_lib.ConfigError, match="sampler.kv='ragged'; allowed"):
+    config_lib.validate(config_lib.override(c, **{"sampler.kv": "ragged"}))
