@@ -1,6 +1,7 @@
 """Policy-gradient surrogates, off-policy corrections, KL and entropy terms, and loss aggregation.
 
-All functions work on [B, L] arrays aligned with the batch's tokens (see jaxrl/rollout.py) and are pure.
+All functions work on [B, L] arrays aligned with the batch's tokens (see jaxrl/rollout.py) and are pure. With
+segment_ids_BxL (packed rows, see jaxrl/learner/packing.py) every per-sample sum runs over a segment, not a row.
 `policy_objective` combines them as LossConfig says; it returns the scalar loss of one micro-batch and the
 sums its metrics are made from, so that micro-batches and mini-batches add up exactly.
 """
@@ -11,20 +12,30 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.learner.config import LossConfig
+from jaxrl.learner.packing import segment_sums, to_tokens
 
 # Stats reduced by max / min across micro-batches; every other stat is a sum.
 MAX_STATS = ("ratio_max",)
 MIN_STATS = ("ratio_min",)
 
 
-def aggregation_weights(loss_mask_BxL, sample_mask_B, aggregation: str, norm_length: int = 0):
-  """Per-token weights w such that sum(w * loss_t) is the aggregated loss of these rows."""
-  mask = loss_mask_BxL.astype(jnp.float32) * sample_mask_B.astype(jnp.float32)[:, None]
+def aggregation_weights(loss_mask_BxL, sample_mask_B, aggregation: str, norm_length: int = 0,
+                        segment_ids_BxL=None):
+  """Per-token weights w such that sum(w * loss_t) is the aggregated loss of these rows' samples.
+
+  sample_mask_B: [B] (one sample per row) or [B, G] (packed: column g is segment g + 1, needs segment_ids_BxL).
+  """
+  sample_mask_B = sample_mask_B.astype(jnp.float32)
+  if segment_ids_BxL is None:
+    sample_BxL = sample_mask_B[:, None]
+  else:
+    sample_BxL = to_tokens(sample_mask_B, segment_ids_BxL)
+  mask = loss_mask_BxL.astype(jnp.float32) * sample_BxL
   if aggregation == "token_mean":
     return mask / jnp.maximum(mask.sum(), 1.0)
-  num_samples = jnp.maximum(sample_mask_B.astype(jnp.float32).sum(), 1.0)
+  num_samples = jnp.maximum(sample_mask_B.sum(), 1.0)
   if aggregation == "seq_mean":
-    return mask / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0) / num_samples
+    return mask / jnp.maximum(segment_sums(mask, segment_ids_BxL), 1.0) / num_samples
   if aggregation == "seq_sum_norm":
     return mask / (num_samples * (norm_length or mask.shape[1]))
   raise ValueError(f"unknown aggregation {aggregation!r}")
@@ -45,23 +56,25 @@ def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float):
   return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high)
 
 
-def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float):
+def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float, segment_ids_BxL=None):
   """GSPO: PPO-clip on the sequence ratio exp(mean over the sample's tokens of log u), broadcast to tokens."""
   mask = mask_BxL.astype(jnp.float32)
-  seq_log_ratio = (log_ratio_BxL * mask).sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1.0)
-  loss, low, high = ppo_surrogate(seq_log_ratio, adv_BxL[:, :1], clip_low, clip_high)
+  seq_log_ratio = (segment_sums(log_ratio_BxL * mask, segment_ids_BxL)
+                   / jnp.maximum(segment_sums(mask, segment_ids_BxL), 1.0))
+  adv = adv_BxL if segment_ids_BxL is not None else adv_BxL[:, :1]
+  loss, low, high = ppo_surrogate(seq_log_ratio, adv, clip_low, clip_high)
   shape = log_ratio_BxL.shape
   return jnp.broadcast_to(loss, shape), jnp.broadcast_to(low, shape), jnp.broadcast_to(high, shape)
 
 
-def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig):
+def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig, segment_ids_BxL=None):
   """Importance weights prox / mu at token or sequence level, truncated and masked as cfg says.
 
   Returns (w_BxL, keep_BxL, truncated_BxL); w carries no gradient.
   """
   log_w = jnp.where(mask_BxL, prox_logp_BxL - behavior_logp_BxL, 0.0)
   if cfg.is_level == "sequence":
-    log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+    log_w = jnp.broadcast_to(segment_sums(log_w, segment_ids_BxL), log_w.shape)
   w = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_w), -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
   keep = jnp.ones(w.shape, bool)
   if cfg.is_mask_low is not None:
@@ -84,8 +97,10 @@ def kl_penalty(logp_BxL, ref_logp_BxL, estimator: str):
 
 
 def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossConfig, *, prox_logp_BxL=None,
-                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None):
+                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None, segment_ids_BxL=None):
   """(loss, stats) of one micro-batch: sum over tokens of weights * (w * surrogate + KL term - entropy bonus).
+
+  adv_B: per sample [B], or per token [B, L] (packed rows, with segment_ids_BxL).
 
   prox_logp_BxL is required unless cfg.proximal == "behavior"; ref_logp_BxL when cfg.kl_coef > 0;
   entropy_BxL when cfg.entropy_coef > 0. Tokens with weight 0 or outside the sampling support do not count.
@@ -97,7 +112,7 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
   # Off-token entries may hold anything (padding, NaN); zeroing them keeps NaN out of the gradients.
   behavior_logp_BxL = jnp.where(counted, behavior_logp_BxL, 0.0)
   logp_BxL = jnp.where(counted, logp_BxL, 0.0)
-  adv_BxL = jnp.broadcast_to(adv_B[:, None], logp_BxL.shape)
+  adv_BxL = jnp.broadcast_to(adv_B if adv_B.ndim == 2 else adv_B[:, None], logp_BxL.shape)
 
   if cfg.proximal == "behavior":
     anchor = behavior_logp_BxL
@@ -114,12 +129,13 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
   elif cfg.policy_loss == "ppo":
     surrogate, clip_lo, clip_hi = ppo_surrogate(log_ratio, adv_BxL, cfg.clip_low, cfg.clip_high)
   else:
-    surrogate, clip_lo, clip_hi = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low, cfg.clip_high)
+    surrogate, clip_lo, clip_hi = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low, cfg.clip_high,
+                                                   segment_ids_BxL)
 
   if cfg.is_level == "none":
     w, keep, truncated = jnp.ones(logp_BxL.shape), jnp.ones(logp_BxL.shape, bool), no_clip
   else:
-    w, keep, truncated = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg)
+    w, keep, truncated = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg, segment_ids_BxL)
   active = counted & keep
   policy_loss = jnp.sum(weights_BxL * jnp.where(active, w * surrogate, 0.0))
 

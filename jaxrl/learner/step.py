@@ -23,6 +23,7 @@ from jaxrl.learner.advantages import compute_advantages
 from jaxrl.learner.config import LossConfig
 from jaxrl.learner.logprobs import token_logprobs
 from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, policy_objective
+from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.rollout import Batch
 
@@ -42,13 +43,18 @@ def as_logits_fn(model: LogitsFn | nnx.GraphDef) -> LogitsFn:
   raise TypeError(f"expected a logits_fn or an nnx.GraphDef, got {type(model).__name__}")
 
 
-def check_batch(batch: Batch, batch_size: int, seq_len: int) -> None:
-  """Raises ValueError naming the first field whose shape or dtype kind disagrees with [batch_size, seq_len]."""
+def check_batch(batch: Batch, batch_size: int, seq_len: int, row_buckets: tuple[int, ...] = ()) -> None:
+  """Raises ValueError naming the first field whose shape or dtype kind disagrees with [batch_size, seq_len].
+
+  row_buckets: further row counts accepted (packed batches); per-sample fields may be [B] or [B, G] (packed).
+  """
   if not isinstance(batch, Batch):
     raise TypeError(f"expected a jaxrl.rollout.Batch, got {type(batch).__name__}")
+  rows = batch.tokens_BxL.shape[0] if batch.tokens_BxL.shape[0] in row_buckets else batch_size
+  slots = batch.sample_mask_B.shape[1:]
   for name in _BxL + _B:
     x = getattr(batch, name)
-    want = (batch_size, seq_len) if name in _BxL else (batch_size,)
+    want = (rows, seq_len) if name in _BxL else (rows, *slots)
     if tuple(x.shape) != want:
       raise ValueError(f"Batch.{name} has shape {tuple(x.shape)}; this train step expects {want} "
                        f"(batch_size={batch_size}, seq_len={seq_len})")
@@ -73,11 +79,13 @@ def _cast_floats(tree, dtype):
 def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
                     compute_dtype=None, state_shardings: TrainState | None = None,
-                    batch_sharding: NamedSharding | None = None, staleness_bins: int = 8):
+                    batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
+                    row_buckets: tuple[int, ...] = ()):
   """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
-  batch_size, seq_len: the only Batch shape accepted (anything else raises ValueError when traced).
+  batch_size, seq_len: the Batch shape accepted (anything else raises ValueError when traced); row_buckets adds
+  row counts (packed batches, jaxrl.learner.packing: one compilation each), each divisible as batch_size is.
   num_minibatches: optimizer updates per call, over disjoint row subsets drawn by a permutation from `rng`.
   num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
   compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
@@ -95,19 +103,22 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     raise ValueError(f"batch_size={batch_size} is not divisible by num_minibatches * num_microbatches = {m * k}")
   if (state_shardings is None) != (batch_sharding is None):
     raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
-  rows = batch_size // (m * k)
   lead = None
+  shards = 1
   if batch_sharding is not None:
     lead = batch_sharding.spec[0] if len(batch_sharding.spec) else None
     names = (lead,) if isinstance(lead, str) else tuple(lead or ())
     shards = math.prod(batch_sharding.mesh.shape[a] for a in names)
-    if rows % shards:
-      raise ValueError(f"each micro-batch has {rows} rows, not divisible by the {shards} devices of the batch axes "
-                       f"{names}; change batch_size, num_minibatches or num_microbatches")
+  for b in (batch_size, *row_buckets):
+    if b % (m * k * shards):
+      raise ValueError(f"a batch of {b} rows makes micro-batches of {b / (m * k):g} rows, not divisible by the "
+                       f"{shards} devices of the batch axes; change batch_size, row_buckets, num_minibatches or "
+                       f"num_microbatches")
   prox_pass = cfg.proximal == "recompute" and m > 1
 
   def split(x):
     """[B, ...] -> [M, K, rows, ...]; row i*M*K + j*K + c goes to mini-batch j, micro-batch c (shard-local)."""
+    rows = x.shape[0] // (m * k)
     x = jnp.moveaxis(x.reshape(rows, m, k, *x.shape[1:]), 0, 2)
     if lead is not None:
       x = jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(None, None, lead)))
@@ -118,6 +129,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     return token_logprobs(logits, x["tokens"], cfg.sampling, cfg.renormalize_support)
 
   def micro_loss(params, x, weights_BxL, ref_params, v0, v_now):
+    segments = x["segments"]
     logp, in_support, entropy = logprobs(params, x)
     behavior = x["behavior"]
     prox = None
@@ -131,10 +143,12 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     if cfg.kl_coef > 0:
       ref = jax.lax.stop_gradient(logprobs(ref_params, x)[0])
     return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox, ref_logp_BxL=ref,
-                            entropy_BxL=entropy, in_support_BxL=in_support)
+                            entropy_BxL=entropy, in_support_BxL=in_support, segment_ids_BxL=segments)
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
-    check_batch(batch, batch_size, seq_len)
+    check_batch(batch, batch_size, seq_len, row_buckets)
+    b = batch.tokens_BxL.shape[0]
+    rows = b // (m * k)
     if cfg.kl_coef > 0 and state.ref_params is None:
       raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
     valid_B = batch.sample_mask_B > 0
@@ -144,11 +158,14 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
         "tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
         "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
         "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
-        "sample_mask": batch.sample_mask_B.astype(jnp.float32),
-        "adv": compute_advantages(batch.rewards_B, batch.group_ids_B, batch.sample_mask_B, cfg),
+        "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1),
+        # Advantages over every sample of the batch (a group may span rows), then onto each sample's tokens.
+        "adv": to_tokens(compute_advantages(batch.rewards_B.reshape(-1), batch.group_ids_B.reshape(-1),
+                                            batch.sample_mask_B.reshape(-1), cfg).reshape(b, -1),
+                         batch.segment_ids_BxL),
     }
     if m > 1:
-      order = jax.random.permutation(rng, batch_size)
+      order = jax.random.permutation(rng, b)
       per_row = jax.tree.map(lambda x: x[order], per_row)
     parts = jax.tree.map(split, per_row)
     if prox_pass:
@@ -158,7 +175,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
 
     def update(state: TrainState, mini):
       weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len),
-                                    mini["sample_mask"].reshape(k * rows), cfg.aggregation, cfg.norm_length)
+                                    mini["sample_mask"].reshape(k * rows, -1), cfg.aggregation, cfg.norm_length,
+                                    mini["segments"].reshape(k * rows, seq_len))
       weights = weights.reshape(k, rows, seq_len)
 
       def accumulate(grads, xs):
@@ -206,7 +224,7 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
   per_token = lambda name: total(name) / jnp.maximum(tokens, 1.0)
   ratio_mean = per_token("ratio_sum")
   ratio_sq = per_token("ratio_sq_sum")
-  trained_BxL = (batch.loss_mask_BxL > 0) & valid_B[:, None]
+  trained_BxL = (batch.loss_mask_BxL > 0) & to_tokens(valid_B, batch.segment_ids_BxL, fill=False)
   staleness = jnp.where(trained_BxL, v0 - batch.versions_BxL, 0)
   hist_bin = jnp.clip(staleness, 0, staleness_bins)
   hist = jnp.sum(jax.nn.one_hot(hist_bin, staleness_bins + 1, dtype=jnp.float32) * trained_BxL[..., None], (0, 1))

@@ -1,0 +1,117 @@
+"""Sequence packing: several samples per learner row, each its own segment, and the per-segment arithmetic.
+
+A packed row holds up to G samples back to back, each a segment (ids 1..G in order, 0 for padding) whose
+positions restart at 0; the decoder's attention never crosses segments. The per-sample arrays of a packed
+Batch (rewards, group ids, sample mask) are [B, G]: column g describes the sample with segment id g + 1 in that
+row. An unpacked Batch is the special case G = 1 with [B] arrays (make_batch).
+
+Train cost follows the packed tokens: rows are filled first-fit decreasing under the token budget L, and the
+row count is rounded up to one of a few buckets so that the train step compiles once per bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.rollout import Batch, Rollout
+
+
+def row_buckets(batch_size: int, unit: int = 1) -> tuple[int, ...]:
+  """Row counts a packed batch may have: unit * 2^i below batch_size, then batch_size (multiples of unit)."""
+  if unit < 1 or batch_size < unit or batch_size % unit:
+    raise ValueError(f"batch_size={batch_size} must be a positive multiple of unit={unit}")
+  buckets, rows = [], unit
+  while rows < batch_size:
+    buckets.append(rows)
+    rows *= 2
+  return (*buckets, batch_size)
+
+
+def first_fit_decreasing(lengths: Sequence[int], budget: int, max_segments: int) -> list[list[int]]:
+  """Sample indices per row: longest first, each into the first row with room (tokens and segment slots)."""
+  rows: list[list[int]] = []
+  room: list[int] = []
+  for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for r, free in enumerate(room):
+      if free >= lengths[i] and len(rows[r]) < max_segments:
+        rows[r].append(i)
+        room[r] -= lengths[i]
+        break
+    else:
+      rows.append([i])
+      room.append(budget - lengths[i])
+  return rows
+
+
+def pack_batch(rollouts: Sequence[Rollout], seq_len: int, buckets: Sequence[int], max_segments: int,
+               pad_id: int = 0) -> Batch:
+  """Packs rollouts into rows of seq_len tokens (first-fit decreasing), as many rows as the smallest bucket
+  that holds them; per-sample arrays are [rows, max_segments]. Raises ValueError naming a sample that does not
+  fit a row or a batch that no bucket holds."""
+  if max_segments < 1:
+    raise ValueError(f"max_segments must be >= 1 (got {max_segments})")
+  lengths = []
+  for i, r in enumerate(rollouts):
+    if len(r.prompt_tokens) == 0:
+      raise ValueError(f"rollout {i} (group {r.group_id}) has an empty prompt")
+    if r.num_tokens > seq_len:
+      raise ValueError(f"rollout {i} (group {r.group_id}) has {r.num_tokens} tokens, more than seq_len={seq_len}")
+    lengths.append(r.num_tokens)
+  layout = first_fit_decreasing(lengths, seq_len, max_segments)
+  fits = [b for b in sorted(buckets) if b >= len(layout)]
+  if not fits:
+    raise ValueError(f"{len(rollouts)} rollouts need {len(layout)} packed rows of {seq_len} tokens, more than the "
+                     f"largest row bucket {max(buckets)}")
+  b, g = fits[0], max_segments
+  tokens = np.full((b, seq_len), pad_id, np.int32)
+  positions = np.zeros((b, seq_len), np.int32)
+  segments = np.zeros((b, seq_len), np.int32)
+  loss_mask = np.zeros((b, seq_len), np.float32)
+  logprobs = np.zeros((b, seq_len), np.float32)
+  versions = np.full((b, seq_len), -1, np.int32)
+  rewards = np.zeros((b, g), np.float32)
+  group_ids = np.full((b, g), -1, np.int32)
+  sample_mask = np.zeros((b, g), np.float32)
+  for row, members in enumerate(layout):
+    start = 0
+    # Rollout order within a row (not length order) keeps a group's samples in index order, as make_batch does.
+    for slot, i in enumerate(sorted(members)):
+      r = rollouts[i]
+      p, c = len(r.prompt_tokens), len(r.completion_tokens)
+      end = start + p + c
+      tokens[row, start : start + p] = r.prompt_tokens
+      tokens[row, start + p : end] = r.completion_tokens
+      positions[row, start:end] = np.arange(p + c)
+      segments[row, start:end] = slot + 1
+      loss_mask[row, start + p : end] = 1.0
+      logprobs[row, start + p : end] = r.logprobs
+      versions[row, start + p : end] = r.versions
+      rewards[row, slot] = r.reward
+      group_ids[row, slot] = r.group_id
+      sample_mask[row, slot] = 1.0
+      start = end
+  return Batch(tokens, positions, segments, loss_mask, logprobs, versions, rewards, group_ids, sample_mask)
+
+
+def to_tokens(values_BxG: jax.Array, segment_ids_BxL: jax.Array, fill=0) -> jax.Array:
+  """Each token's entry of its sample's value ([B] or [B, G] per-sample values); `fill` on padding."""
+  values_BxG = values_BxG.reshape(values_BxG.shape[0], -1)
+  slot = jnp.clip(segment_ids_BxL - 1, 0, values_BxG.shape[1] - 1)
+  return jnp.where(segment_ids_BxL > 0, jnp.take_along_axis(values_BxG, slot, axis=1), fill)
+
+
+def segment_sums(x_BxL: jax.Array, segment_ids_BxL: jax.Array | None) -> jax.Array:
+  """Sum of x over each token's segment, at every token of it: the per-sample sums of a packed row.
+
+  segment_ids None: one sample per row (the row sum, [B, 1]). All per-sample aggregation (sequence means,
+  sequence-level ratios and importance weights) goes through here, so packed and unpacked rows agree.
+  """
+  if segment_ids_BxL is None:
+    return x_BxL.sum(axis=1, keepdims=True)
+  b, l = x_BxL.shape
+  ids = (jnp.arange(b)[:, None] * (l + 1) + segment_ids_BxL).reshape(-1)
+  return jax.ops.segment_sum(x_BxL.reshape(-1), ids, b * (l + 1))[ids].reshape(b, l)
