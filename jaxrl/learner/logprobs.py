@@ -47,8 +47,40 @@ def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array, sampling: Sam
   a token outside that support (possible when the policy moved since sampling) gets in_support False and a
   finite logprob that callers must drop. Entropy is that of the predicting distribution at t - 1.
   """
-  x_BxLxV = logits_BxLxV[:, :-1].astype(jnp.float32) / sampling.temperature
-  targets_BxL = tokens_BxL[:, 1:]
+  scores = _score(logits_BxLxV[:, :-1].astype(jnp.float32) / sampling.temperature, tokens_BxL[:, 1:], sampling,
+                  renormalize)
+  return tuple(_front(a, fill) for a, fill in zip(scores, (0.0, True, 0.0), strict=True))
+
+
+def chunked_token_logprobs(hidden_BxLxE: jax.Array, head_ExV: jax.Array, tokens_BxL: jax.Array,
+                           sampling: SamplingParams = _PLAIN, renormalize: bool = False, chunk: int = 256):
+  """token_logprobs(hidden @ head, ...) computed `chunk` positions at a time, each chunk's logits recomputed in
+  the backward pass: the live logits are [B, chunk, V], never [B, L, V]. Same values as the unchunked path."""
+  b, l, e = hidden_BxLxE.shape
+  n = -(-(l - 1) // chunk)
+  pad = n * chunk - (l - 1)
+  x_NxBxCxE = jnp.moveaxis(jnp.pad(hidden_BxLxE[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, e), 1, 0)
+  t_NxBxC = jnp.moveaxis(jnp.pad(tokens_BxL[:, 1:], ((0, 0), (0, pad))).reshape(b, n, chunk), 1, 0)
+  head = head_ExV.astype(hidden_BxLxE.dtype)
+
+  @jax.checkpoint
+  def one_chunk(args):
+    x_BxCxE, targets_BxC = args
+    logits = jnp.einsum("bte,ev->btv", x_BxCxE, head, preferred_element_type=jnp.float32)
+    return _score(logits / sampling.temperature, targets_BxC, sampling, renormalize)
+
+  scores = jax.lax.map(one_chunk, (x_NxBxCxE, t_NxBxC))
+  unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, n * chunk)[:, : l - 1]
+  return tuple(_front(unchunk(a), fill) for a, fill in zip(scores, (0.0, True, 0.0), strict=True))
+
+
+def _front(a, fill):
+  """Prepends entry 0 (never a target) to a [B, L - 1] array."""
+  return jnp.concatenate([jnp.full((a.shape[0], 1), fill, a.dtype), a], axis=1)
+
+
+def _score(x_BxLxV, targets_BxL, sampling: SamplingParams, renormalize: bool):
+  """(logprob, in_support, entropy) of each target under softmax of the scaled logits x predicting it."""
   target_logit = jnp.take_along_axis(x_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
   filtered = renormalize and (sampling.top_k > 0 or sampling.top_p < 1.0)
   if filtered:
@@ -64,8 +96,4 @@ def token_logprobs(logits_BxLxV: jax.Array, tokens_BxL: jax.Array, sampling: Sam
     probs = jnp.exp(x_BxLxV - log_z[..., None])
   logp = target_logit - log_z
   entropy = log_z - jnp.sum(probs * x_BxLxV, axis=-1)
-
-  def front(a, fill):
-    return jnp.concatenate([jnp.full((a.shape[0], 1), fill, a.dtype), a], axis=1)
-
-  return front(logp, 0.0), front(in_support, True), front(entropy, 0.0)
+  return logp, in_support, entropy

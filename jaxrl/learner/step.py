@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.learner.advantages import compute_advantages
 from jaxrl.learner.config import LossConfig
-from jaxrl.learner.logprobs import token_logprobs
+from jaxrl.learner.logprobs import chunked_token_logprobs, token_logprobs
 from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, policy_objective
 from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
@@ -80,7 +80,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
                     compute_dtype=None, state_shardings: TrainState | None = None,
                     batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
-                    row_buckets: tuple[int, ...] = ()):
+                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0):
   """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
@@ -91,6 +91,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
   state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
   step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
+  logprob_chunk: if > 0 (model an nnx GraphDef of a Decoder), log-probs and entropies are computed that many
+  positions at a time from the hidden states, never holding float32 [B, L, V] logits.
   """
   cfg = loss_config
   logits_fn = as_logits_fn(model)
@@ -101,6 +103,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {batch_size}, {seq_len})")
   if batch_size % (m * k):
     raise ValueError(f"batch_size={batch_size} is not divisible by num_minibatches * num_microbatches = {m * k}")
+  if logprob_chunk < 0 or (logprob_chunk and not isinstance(model, nnx.GraphDef)):
+    raise ValueError(f"logprob_chunk={logprob_chunk} needs to be >= 0, and > 0 only with an nnx GraphDef model")
   if (state_shardings is None) != (batch_sharding is None):
     raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
   lead = None
@@ -125,7 +129,13 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     return x
 
   def logprobs(params, x):
-    logits = logits_fn(_cast_floats(params, compute_dtype), x["tokens"], x["positions"], x["segments"])
+    params = _cast_floats(params, compute_dtype)
+    if logprob_chunk:
+      decoder = nnx.merge(model, params)
+      hidden = decoder(x["tokens"], x["positions"], x["segments"], hidden=True)
+      return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], cfg.sampling, cfg.renormalize_support,
+                                    logprob_chunk)
+    logits = logits_fn(params, x["tokens"], x["positions"], x["segments"])
     return token_logprobs(logits, x["tokens"], cfg.sampling, cfg.renormalize_support)
 
   def micro_loss(params, x, weights_BxL, ref_params, v0, v_now):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.kernels.train_attention import attention
 from jaxrl.models.config import ModelConfig
 
 _NEG_INF = -1e30
@@ -116,21 +117,19 @@ class Attention(nnx.Module):
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
 
+    o_proj = self.o_proj[...].astype(dt)
     if cache_kv is None:  # full sequence: causal by index within equal, non-zero segment ids
-      keys, values = k, v
-      t = x_BxTxE.shape[1]
-      causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-      same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-      mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
-      new_cache_kv = None
-    else:  # cache index = position; a query at position p sees entries 0..p
-      cache_k, cache_v = cache_kv
-      rows = jnp.arange(x_BxTxE.shape[0])[:, None]
-      keys = cache_k.at[rows, positions_BxT].set(k.astype(cache_k.dtype), mode="drop")
-      values = cache_v.at[rows, positions_BxT].set(v.astype(cache_v.dtype), mode="drop")
-      new_cache_kv = (keys, values)
-      keys, values = keys.astype(dt), values.astype(dt)
-      mask_BxTxS = jnp.arange(keys.shape[1])[None, None, :] <= positions_BxT[:, :, None]
+      impl = None if cfg.train_attention == "auto" else cfg.train_attention
+      out = attention(q, k, v, segment_ids_BxT, impl, cfg.attention_block)
+      return jnp.einsum("bthd,hde->bte", out, o_proj), None
+    # Cached: cache index = position; a query at position p sees entries 0..p.
+    cache_k, cache_v = cache_kv
+    rows = jnp.arange(x_BxTxE.shape[0])[:, None]
+    keys = cache_k.at[rows, positions_BxT].set(k.astype(cache_k.dtype), mode="drop")
+    values = cache_v.at[rows, positions_BxT].set(v.astype(cache_v.dtype), mode="drop")
+    new_cache_kv = (keys, values)
+    keys, values = keys.astype(dt), values.astype(dt)
+    mask_BxTxS = jnp.arange(keys.shape[1])[None, None, :] <= positions_BxT[:, :, None]
 
     b, t, h, d = q.shape
     groups = h // cfg.num_kv_heads
@@ -139,7 +138,7 @@ class Attention(nnx.Module):
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_cache_kv
+    return jnp.einsum("bthd,hde->bte", out, o_proj), new_cache_kv
 
 
 class MLP(nnx.Module):
@@ -187,8 +186,17 @@ class Decoder(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, fan_in=cfg.hidden_size)
 
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *, cache: KVCache | None = None):
-    """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache)."""
+  def head(self) -> jax.Array:
+    """The [E, V] output projection (the tied embedding, transposed, or lm_head)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *, cache: KVCache | None = None,
+               hidden: bool = False):
+    """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache).
+
+    hidden: return the final-normed hidden states [B, T, E] instead of logits (full path; the learner applies
+    head() in chunks, never holding [B, T, V] logits).
+    """
     cfg = self.cfg
     if cache is None and segment_ids_BxT is None:
       raise ValueError("the full-sequence path needs segment_ids_BxT (0 marks padding)")
@@ -202,12 +210,13 @@ class Decoder(nnx.Module):
       return x, kv
 
     if cfg.remat:
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+      body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
     xs = (stacked, None if cache is None else (cache.k_LxBxSxKxD, cache.v_LxBxSxKxD))
     x, new_kv = jax.lax.scan(body, x, xs)
     x = self.final_norm(x)
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    if hidden and cache is None:
+      return x
+    logits = jnp.einsum("bte,ev->btv", x, self.head().astype(x.dtype), preferred_element_type=jnp.float32)
     if cache is None:
       return logits
     return logits, KVCache(*new_kv)

@@ -1,0 +1,1 @@
+"""Attention kernels: the learner's full-sequence (training) attention per backend."""
