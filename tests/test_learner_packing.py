@@ -41,8 +41,8 @@ def rollouts(seed=0, n=N):
 
 
 def test_row_buckets():
-  assert row_buckets(12) == (1, 2, 4, 8, 12)
-  assert row_buckets(16, 4) == (4, 8, 16)
+  assert row_buckets(12) == (1, 2, 3, 4, 6, 8, 12)
+  assert row_buckets(16, 4) == (4, 8, 12, 16)
   with pytest.raises(ValueError, match="multiple of unit"):
     row_buckets(12, 8)
 

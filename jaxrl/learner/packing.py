@@ -21,14 +21,17 @@ from jaxrl.rollout import Batch, Rollout
 
 
 def row_buckets(batch_size: int, unit: int = 1) -> tuple[int, ...]:
-  """Row counts a packed batch may have: unit * 2^i below batch_size, then batch_size (multiples of unit)."""
+  """Row counts a packed batch may have: unit x (1, 2, 3, 4, 6, 8, 12, ...) below batch_size, then batch_size.
+
+  Steps of at most 1.5x waste at most a third of a bucket's rows; about 2 log2(batch_size / unit) compilations.
+  """
   if unit < 1 or batch_size < unit or batch_size % unit:
     raise ValueError(f"batch_size={batch_size} must be a positive multiple of unit={unit}")
-  buckets, rows = [], unit
-  while rows < batch_size:
-    buckets.append(rows)
-    rows *= 2
-  return (*buckets, batch_size)
+  sizes, p = set(), 1
+  while unit * p < batch_size:
+    sizes.update(n for n in (p, 3 * p // 2) if n and unit * n < batch_size)
+    p *= 2
+  return (*sorted(unit * n for n in sizes), batch_size)
 
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int, max_segments: int) -> list[list[int]]:
