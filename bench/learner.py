@@ -89,6 +89,7 @@ _TAIL = flags.DEFINE_float("tail", 10.0, "longtail: p99 / median of the lognorma
 _CHUNK = flags.DEFINE_integer("logprob_chunk", 512, "longtail: positions per log-prob chunk.")
 _BUDGET = flags.DEFINE_float("budget_gib", 8.0, "longtail: memory budget (compiled temporaries) in GiB.")
 _MEM_LIMIT = flags.DEFINE_integer("mem_limit", 65536, "longtail: longest row tried for the memory budget.")
+_PADDED_MICRO = flags.DEFINE_integer("padded_micro", 8, "longtail: micro-batches of the padded batches.")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "learner.json"), "JSON path.")
 
 
@@ -98,7 +99,7 @@ def main(_):
     out = _OUT.value if _OUT.present else str(pathlib.Path(_OUT.value).with_name("learner_longtail.json"))
     return learner_longtail.main(_LAYERS.value, _HIDDEN.value, _HEADS.value, _KV_HEADS.value, _MLP.value,
                                  _VOCAB.value, _SAMPLES.value, _LONGEST.value, _TAIL.value, _STEPS.value,
-                                 _CHUNK.value, _BUDGET.value, _MEM_LIMIT.value, out)
+                                 _CHUNK.value, _BUDGET.value, _MEM_LIMIT.value, _PADDED_MICRO.value, out)
   cfg = ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value, intermediate_size=_MLP.value,
                     num_layers=_LAYERS.value, num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
                     head_dim=_HIDDEN.value // _HEADS.value, max_position_embeddings=_SEQ.value)

@@ -56,24 +56,26 @@ def rollouts(lengths: np.ndarray, vocab: int, seed: int) -> list[Rollout]:
   return out
 
 
-def throughput(cfg: ModelConfig, rs: list[Rollout], longest: int, steps: int, logprob_chunk: int) -> dict:
-  """Median step time and real tokens/s of the three variants, run interleaved."""
+def throughput(cfg: ModelConfig, rs: list[Rollout], longest: int, steps: int, logprob_chunk: int,
+               padded_micro: int) -> dict:
+  """Median step time and real tokens/s of the three variants, run interleaved. The padded batches run as
+  padded_micro accumulated micro-batches (the same update) so that the [L, L] scores fit in memory."""
   n = len(rs)
   opt = make_optimizer(1e-5, warmup_steps=1, decay_steps=1000)
   loss_cfg = LossConfig(proximal="recompute", is_level="token", is_cap=2.0)
   buckets = row_buckets(n)
   packed = pack_batch(rs, longest, buckets, max_segments=64)
   variants = {
-      "padded_before": (cfg.replace(train_attention="reference"), make_batch(rs, n, longest), (), 0),
-      "padded_after": (cfg, make_batch(rs, n, longest), (), logprob_chunk),
-      "packed": (cfg, packed, buckets, logprob_chunk),
+      "padded_before": (cfg.replace(train_attention="reference"), make_batch(rs, n, longest), (), 0, padded_micro),
+      "padded_after": (cfg, make_batch(rs, n, longest), (), logprob_chunk, padded_micro),
+      "packed": (cfg, packed, buckets, logprob_chunk, 1),
   }
   real = int(sum(r.num_tokens for r in rs))
   runs, times = {}, {name: [] for name in variants}
-  for name, (c, batch, rows, chunk) in variants.items():
+  for name, (c, batch, rows, chunk, micro) in variants.items():
     graphdef, params = nnx.split(Decoder(c, nnx.Rngs(0)))
     step = make_train_step(graphdef, opt, loss_cfg, batch_size=n, seq_len=longest, row_buckets=rows,
-                           logprob_chunk=chunk)
+                           logprob_chunk=chunk, num_microbatches=micro)
     state = init_train_state(params, opt)
     key = jax.random.key(0)
     t0 = time.perf_counter()
@@ -94,7 +96,8 @@ def throughput(cfg: ModelConfig, rs: list[Rollout], longest: int, steps: int, lo
     if run["real_tokens"] != real:
       raise RuntimeError(f"{name} trained {run['real_tokens']} real tokens, not {real}")
     step_s = float(np.median(times[name]))
-    out[name] = {"rows": run["rows"], "row_tokens": run["rows"] * longest, "real_tokens": real,
+    out[name] = {"rows": run["rows"], "microbatches": variants[name][4], "row_tokens": run["rows"] * longest,
+                 "real_tokens": real,
                  "padding_frac": 1 - real / (run["rows"] * longest), "compile_s": run["compile_s"],
                  "step_s_median": step_s, "step_s_all": times[name], "real_tokens_per_s": real / step_s}
   return out
@@ -124,7 +127,7 @@ def longest_within(cfg: ModelConfig, budget: int, start: int, limit: int, logpro
 
 
 def main(layers, hidden, heads, kv_heads, mlp, vocab, samples, longest, tail, steps, logprob_chunk, budget_gib,
-         mem_limit, out_path):
+         mem_limit, padded_micro, out_path):
   load = os.getloadavg()
   cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
                     num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
@@ -132,7 +135,7 @@ def main(layers, hidden, heads, kv_heads, mlp, vocab, samples, longest, tail, st
   lengths = longtail_lengths(samples, longest, tail, seed=0)
   print(f"{samples} samples: median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
         f"max {lengths.max()} tokens (sum {lengths.sum()}); load average {load[0]:.1f}", flush=True)
-  tp = throughput(cfg, rollouts(lengths, vocab, seed=1), longest, steps, logprob_chunk)
+  tp = throughput(cfg, rollouts(lengths, vocab, seed=1), longest, steps, logprob_chunk, padded_micro)
   for name, r in tp.items():
     print(f"{name:>14}: {r['rows']:>3} rows, {100 * r['padding_frac']:4.1f}% padding, step "
           f"{r['step_s_median']:.2f}s, {r['real_tokens_per_s']:,.0f} real tokens/s", flush=True)

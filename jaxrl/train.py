@@ -34,7 +34,15 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import evaluate, make_prompt_source, make_scorer
 from jaxrl.controller.loops import Controller, RunRecord, RunSpec
 from jaxrl.controller.queue import WeightPublisher
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+from jaxrl.learner import (
+    LossConfig,
+    batch_shards,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    train_state_shardings,
+)
+from jaxrl.learner.packing import row_buckets
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.policy import base_params, model_source
@@ -98,13 +106,14 @@ def build(c, workdir: str | Path) -> Run:
   psh = lambda params: sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES)
   model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
 
-  spec = run_spec(c)
+  rows = sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES)
+  spec = run_spec(c, batch_shards(rows))
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
   state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
-                               state_shardings=state_sh,
-                               batch_sharding=sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES))
+                               state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
+                               logprob_chunk=c.rl.logprob_chunk)
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
 
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
@@ -142,13 +151,17 @@ def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, Ru
   return state, record
 
 
-def run_spec(c) -> RunSpec:
-  """The loop sizes of a config (sync mode is the pipeline's bookkeeping with max_staleness 0)."""
+def run_spec(c, rows_unit: int = 1) -> RunSpec:
+  """The loop sizes of a config (sync mode is the pipeline's bookkeeping with max_staleness 0); packed row
+  counts are multiples of rows_unit (the learner's batch devices)."""
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  batch_size = c.rl.group_size * c.rl.groups_per_step
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
                  seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
                  on_stale=c.rl.on_stale, queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens,
-                 sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
+                 sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row,
+                 pack=c.rl.pack, max_segments=c.rl.max_segments,
+                 row_buckets=row_buckets(batch_size, rows_unit) if c.rl.pack else ())
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, StalenessPolicy, Stopped, WeightPublisher
+from jaxrl.learner.packing import pack_batch
 from jaxrl.rollout import Rollout, make_batch
 
 
@@ -61,10 +62,19 @@ class RunSpec:
   stop_token_ids: tuple[int, ...] = ()
   seed: int = 0
   max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
+  pack: bool = False  # several samples per row of seq_len tokens (jaxrl.learner.packing)
+  max_segments: int = 16  # samples per packed row at most
+  row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
 
   @property
   def batch_size(self) -> int:
     return self.group_size * self.groups_per_step
+
+  def make_batch(self, samples: list[Rollout]):
+    """The learner's batch of these samples: packed into the smallest row bucket, or one sample per row."""
+    if self.pack:
+      return pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments)
+    return make_batch(samples, self.batch_size, self.seq_len)
 
 
 class Controller:
@@ -191,7 +201,7 @@ class Controller:
     """One train step on the groups; an update the learner skipped (non-finite) drops them, counted."""
     samples = [r for g in groups for r in g]
     step = self.version
-    batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
+    batch = self.spec.make_batch(samples)
     train_step = int(jax.device_get(self.state.step))
     key = jax.random.fold_in(self._base_key, train_step)
     state, metrics = self.train_step(self.state, batch, key)

@@ -44,11 +44,13 @@ from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import (
   LossConfig,
   batch_shardings,
+  batch_shards,
   init_train_state,
   make_optimizer,
   make_train_step,
   train_state_shardings,
 )
+from jaxrl.learner.packing import pack_batch
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import hf
 from jaxrl.policy import base_params, model_source
@@ -119,8 +121,10 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
   state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh)
   rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
+  spec = run_spec(c, batch_shards(rows))
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
-                               state_shardings=state_sh, batch_sharding=rows)
+                               state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
+                               logprob_chunk=c.rl.logprob_chunk)
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
   # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
@@ -139,7 +143,11 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   # Compile what has collectives before running any of it, then start together: gloo gives up on a peer that
   # reaches the first collective 30 s late (e.g. still compiling while the other process found a cached binary).
   key = jax.random.fold_in(jax.random.key(c.seed), 0)
-  train_step.lower(state, jax.device_put(make_batch([], spec.batch_size, c.rl.seq_len), batch_sh), key).compile()
+  # Every packed row bucket too: a bucket compiled mid-run on one learner would stall the others' collectives.
+  empties = [make_batch([], spec.batch_size, c.rl.seq_len)]
+  empties += [pack_batch([], c.rl.seq_len, (b,), spec.max_segments) for b in spec.row_buckets]
+  for empty in empties:
+    train_step.lower(state, jax.device_put(empty, batch_sh), key).compile()
   publisher.compile(state.params)
   store.barrier("learners_compiled", topology.learner_processes)
   metrics = None

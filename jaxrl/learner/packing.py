@@ -50,6 +50,19 @@ def first_fit_decreasing(lengths: Sequence[int], budget: int, max_segments: int)
   return rows
 
 
+def _bucket(rows: int, buckets: Sequence[int], seq_len: int) -> int:
+  fits = [b for b in sorted(buckets) if b >= rows]
+  if not fits:
+    raise ValueError(f"the samples need {rows} packed rows of {seq_len} tokens, more than the largest row bucket "
+                     f"{max(buckets)}")
+  return fits[0]
+
+
+def packed_rows(lengths: Sequence[int], seq_len: int, max_segments: int, buckets: Sequence[int]) -> int:
+  """Rows a batch of samples of these lengths (prompt + completion) takes packed: what a train step costs."""
+  return _bucket(len(first_fit_decreasing(lengths, seq_len, max_segments)), buckets, seq_len)
+
+
 def pack_batch(rollouts: Sequence[Rollout], seq_len: int, buckets: Sequence[int], max_segments: int,
                pad_id: int = 0) -> Batch:
   """Packs rollouts into rows of seq_len tokens (first-fit decreasing), as many rows as the smallest bucket
@@ -65,11 +78,7 @@ def pack_batch(rollouts: Sequence[Rollout], seq_len: int, buckets: Sequence[int]
       raise ValueError(f"rollout {i} (group {r.group_id}) has {r.num_tokens} tokens, more than seq_len={seq_len}")
     lengths.append(r.num_tokens)
   layout = first_fit_decreasing(lengths, seq_len, max_segments)
-  fits = [b for b in sorted(buckets) if b >= len(layout)]
-  if not fits:
-    raise ValueError(f"{len(rollouts)} rollouts need {len(layout)} packed rows of {seq_len} tokens, more than the "
-                     f"largest row bucket {max(buckets)}")
-  b, g = fits[0], max_segments
+  b, g = _bucket(len(layout), buckets, seq_len), max_segments
   tokens = np.full((b, seq_len), pad_id, np.int32)
   positions = np.zeros((b, seq_len), np.int32)
   segments = np.zeros((b, seq_len), np.int32)

@@ -70,6 +70,15 @@ def batch_shardings(sharding_BxL: NamedSharding) -> Batch:
   return Batch(**{name: rows_cols if name in _BxL else rows for name in _BxL + _B})
 
 
+def batch_shards(batch_sharding: NamedSharding | None) -> int:
+  """Devices the batch rows are split over (1 without a sharding): row counts must be multiples of it."""
+  if batch_sharding is None or not len(batch_sharding.spec):
+    return 1
+  lead = batch_sharding.spec[0]
+  names = (lead,) if isinstance(lead, str) else tuple(lead or ())
+  return math.prod(batch_sharding.mesh.shape[a] for a in names)
+
+
 def _cast_floats(tree, dtype):
   if dtype is None:
     return tree
@@ -108,11 +117,9 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   if (state_shardings is None) != (batch_sharding is None):
     raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
   lead = None
-  shards = 1
+  shards = batch_shards(batch_sharding)
   if batch_sharding is not None:
     lead = batch_sharding.spec[0] if len(batch_sharding.spec) else None
-    names = (lead,) if isinstance(lead, str) else tuple(lead or ())
-    shards = math.prod(batch_sharding.mesh.shape[a] for a in names)
   for b in (batch_size, *row_buckets):
     if b % (m * k * shards):
       raise ValueError(f"a batch of {b} rows makes micro-batches of {b / (m * k):g} rows, not divisible by the "

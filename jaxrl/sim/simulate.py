@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import heapq
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,6 +50,9 @@ class RunSpec:
   warmup_steps: int = -1  # learner steps simulated first and not measured; -1: max_staleness + 1
   queue_groups: int = 0  # finished groups the queue may hold; 0: bounded by admission only
   seed: int = 0
+  # Tokens a train step is charged for, from its samples' lengths (prompt + completion): e.g. the packed rows
+  # times their length (jaxrl.learner.packing.packed_rows); None charges the real tokens.
+  train_tokens: Callable[[np.ndarray], float] | None = None
 
   def __post_init__(self):
     for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
@@ -395,7 +399,8 @@ class _Sim:
     self.s["step"][sids] = step
     self.s["staleness"][sids] = step - self.s["start_version"][sids]
     self.s["trained_s"][sids] = t
-    tokens = int(self.s["length"][sids].sum()) + sids.size * self.spec.prompt_len
+    lengths = self.s["length"][sids] + self.spec.prompt_len
+    tokens = self.spec.train_tokens(lengths) if self.spec.train_tokens else int(lengths.sum())
     dt = self.costs.train_time(tokens, self.learner_devices)
     self.step_start.append(t)
     self.learner_spans.append(["train", t, t + dt])
