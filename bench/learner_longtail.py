@@ -143,6 +143,21 @@ def main(layers, hidden, heads, kv_heads, mlp, vocab, samples, longest, tail, st
   ratio_kernels = tp["packed"]["real_tokens_per_s"] / tp["padded_after"]["real_tokens_per_s"]
   print(f"packed / padded (previous kernels): {ratio:.2f}x; packed / padded (same kernels): {ratio_kernels:.2f}x")
 
+  result = {
+      "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cpus, shared with other jobs",
+      "load_average_1_5_15": list(load), "load_average_end": list(os.getloadavg()),
+      "model": {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "mlp": mlp,
+                "vocab": vocab},
+      "lengths": {"samples": samples, "median": float(np.median(lengths)),
+                  "p99": float(np.percentile(lengths, 99)), "max": int(lengths.max()), "sum": int(lengths.sum()),
+                  "tail_p99_over_median": tail},
+      "logprob_chunk": logprob_chunk, "throughput": tp,
+      "packed_over_padded_before": ratio, "packed_over_padded_same_kernels": ratio_kernels,
+  }
+  out = pathlib.Path(out_path)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=2) + "\n")  # the throughput part, should the memory part not finish
+
   from jaxrl import assets
   from jaxrl.models.hf import load_config
   smol = load_config(assets.smollm2_path())
@@ -155,19 +170,7 @@ def main(layers, hidden, heads, kv_heads, mlp, vocab, samples, longest, tail, st
                          logprob_chunk)
   print(f"longest row within {budget_gib} GiB: before {before['longest_fitting']}, after {after['longest_fitting']}"
         f"{' (the limit tried)' if after['longest_fitting'] >= mem_limit else ''}")
-  result = {
-      "machine": f"{jax.devices()[0].device_kind}, {os.cpu_count()} cpus, shared with other jobs",
-      "load_average_1_5_15": list(load), "load_average_end": list(os.getloadavg()),
-      "model": {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "mlp": mlp,
-                "vocab": vocab},
-      "lengths": {"samples": samples, "median": float(np.median(lengths)),
-                  "p99": float(np.percentile(lengths, 99)), "max": int(lengths.max()), "sum": int(lengths.sum()),
-                  "tail_p99_over_median": tail},
-      "logprob_chunk": logprob_chunk, "throughput": tp,
-      "packed_over_padded_before": ratio, "packed_over_padded_same_kernels": ratio_kernels,
-      "memory": {"model": "SmolLM2-135M", "budget_gib": budget_gib, "before": before, "after": after},
-  }
-  out = pathlib.Path(out_path)
-  out.parent.mkdir(parents=True, exist_ok=True)
+  result["memory"] = {"model": "SmolLM2-135M", "budget_gib": budget_gib, "before": before, "after": after}
+  result["load_average_end"] = list(os.getloadavg())
   out.write_text(json.dumps(result, indent=2) + "\n")
   print(f"wrote {out}")

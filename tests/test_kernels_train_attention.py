@@ -72,3 +72,13 @@ def test_unknown_implementation():
   q, k, v, seg = inputs()
   with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
     attention(q, k, v, seg, "flash")
+
+
+def test_splash_lowers_for_tpu():
+  """The TPU path lowers to Mosaic kernels from this CPU host: forward one, backward two more (dq, dkv)."""
+  shapes = [(2, 256, 4, 128), (2, 256, 2, 128), (2, 256, 2, 128)]
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes] + [jax.ShapeDtypeStruct((2, 256), jnp.int32)]
+  loss = lambda q, k, v, s: jnp.sum(splash_attention(q, k, v, s).astype(jnp.float32) ** 2)
+  for fn, kernels in ((splash_attention, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == kernels

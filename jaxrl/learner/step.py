@@ -146,7 +146,6 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     return token_logprobs(logits, x["tokens"], cfg.sampling, cfg.renormalize_support)
 
   def micro_loss(params, x, weights_BxL, ref_params, v0, v_now):
-    segments = x["segments"]
     logp, in_support, entropy = logprobs(params, x)
     behavior = x["behavior"]
     prox = None
@@ -160,7 +159,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     if cfg.kl_coef > 0:
       ref = jax.lax.stop_gradient(logprobs(ref_params, x)[0])
     return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox, ref_logp_BxL=ref,
-                            entropy_BxL=entropy, in_support_BxL=in_support, segment_ids_BxL=segments)
+                            entropy_BxL=entropy, in_support_BxL=in_support,
+                            segment_ids_BxL=x["segments"])
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
     check_batch(batch, batch_size, seq_len, row_buckets)
