@@ -35,8 +35,7 @@ def base() -> ml_collections.ConfigDict:
   c.model.source = "tiny"  # "tiny" (random ModelConfig.tiny), "smollm2" (fetched by jaxrl-assets), or a HF dir
   c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                                                 num_heads=4, num_kv_heads=2, head_dim=8))  # sizes for "tiny"
-  # Compute dtype of learner and sampler ("float32" | "bfloat16" | "auto": bfloat16 on GPU/TPU, float32 on CPU)
-  c.model.dtype = "auto"
+  c.model.dtype = "auto"  # compute dtype of learner and sampler: "float32" | "bfloat16" | "auto" (bf16 on GPU/TPU)
   c.model.param_dtype = "float32"  # master weights ("float32" | "bfloat16")
   c.model.remat = False  # rematerialise blocks in the backward pass (saves learner memory)
   c.model.remat_policy = "nothing_saveable"  # what a remat block keeps: a jax.checkpoint_policies name
@@ -70,9 +69,9 @@ def base() -> ml_collections.ConfigDict:
   c.rl.group_size = 4  # samples per prompt (GRPO group)
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded), the packed row length
-  # Pack samples into rows of seq_len tokens (first-fit decreasing, each sample its own segment), rows rounded up
+  # Several samples per row of seq_len tokens (first-fit decreasing, each sample its own segment), rows rounded up
   # to a few buckets (one compilation each): train cost follows the real tokens, not batch x seq_len
-  c.rl.pack = False
+  c.rl.pack = False  # pack the learner's batches
   c.rl.max_segments = 16  # samples per packed row at most
   c.rl.logprob_chunk = 0  # > 0: log-probs computed this many positions at a time (no [B, L, V] logits)
   c.rl.max_staleness = 1  # k: no sample is trained with staleness above k (pipeline mode)
