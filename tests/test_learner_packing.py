@@ -86,7 +86,7 @@ def test_pack_batch_errors():
                  "length", group_id=7)
   with pytest.raises(ValueError, match=r"rollout 12 \(group 7\) has 16 tokens, more than seq_len=12"):
     pack_batch([*rs, long], L, row_buckets(N), G)
-  with pytest.raises(ValueError, match="need 7 packed rows of 12 tokens, more than the largest row bucket 2"):
+  with pytest.raises(ValueError, match="need 6 packed rows of 12 tokens, more than the largest row bucket 2"):
     pack_batch(rs, L, (1, 2), G)
   with pytest.raises(ValueError, match="max_segments"):
     pack_batch(rs, L, (N,), 0)
