@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxrl.rollout import Batch, Rollout
+from jaxrl.rollout import Batch, Rollout, check_fits, fill_batch
 
 
 def row_buckets(batch_size: int, unit: int = 1) -> tuple[int, ...]:
@@ -70,43 +69,17 @@ def pack_batch(rollouts: Sequence[Rollout], seq_len: int, buckets: Sequence[int]
   fit a row or a batch that no bucket holds."""
   if max_segments < 1:
     raise ValueError(f"max_segments must be >= 1 (got {max_segments})")
-  lengths = []
-  for i, r in enumerate(rollouts):
-    if len(r.prompt_tokens) == 0:
-      raise ValueError(f"rollout {i} (group {r.group_id}) has an empty prompt")
-    if r.num_tokens > seq_len:
-      raise ValueError(f"rollout {i} (group {r.group_id}) has {r.num_tokens} tokens, more than seq_len={seq_len}")
-    lengths.append(r.num_tokens)
-  layout = first_fit_decreasing(lengths, seq_len, max_segments)
-  b, g = _bucket(len(layout), buckets, seq_len), max_segments
-  tokens = np.full((b, seq_len), pad_id, np.int32)
-  positions = np.zeros((b, seq_len), np.int32)
-  segments = np.zeros((b, seq_len), np.int32)
-  loss_mask = np.zeros((b, seq_len), np.float32)
-  logprobs = np.zeros((b, seq_len), np.float32)
-  versions = np.full((b, seq_len), -1, np.int32)
-  rewards = np.zeros((b, g), np.float32)
-  group_ids = np.full((b, g), -1, np.int32)
-  sample_mask = np.zeros((b, g), np.float32)
+  check_fits(rollouts, seq_len)
+  layout = first_fit_decreasing([r.num_tokens for r in rollouts], seq_len, max_segments)
+  placements = []
   for row, members in enumerate(layout):
     start = 0
     # Rollout order within a row (not length order) keeps a group's samples in index order, as make_batch does.
     for slot, i in enumerate(sorted(members)):
-      r = rollouts[i]
-      p, c = len(r.prompt_tokens), len(r.completion_tokens)
-      end = start + p + c
-      tokens[row, start : start + p] = r.prompt_tokens
-      tokens[row, start + p : end] = r.completion_tokens
-      positions[row, start:end] = np.arange(p + c)
-      segments[row, start:end] = slot + 1
-      loss_mask[row, start + p : end] = 1.0
-      logprobs[row, start + p : end] = r.logprobs
-      versions[row, start + p : end] = r.versions
-      rewards[row, slot] = r.reward
-      group_ids[row, slot] = r.group_id
-      sample_mask[row, slot] = 1.0
-      start = end
-  return Batch(tokens, positions, segments, loss_mask, logprobs, versions, rewards, group_ids, sample_mask)
+      placements.append((rollouts[i], row, start, slot + 1, (row, slot)))
+      start += rollouts[i].num_tokens
+  rows = _bucket(len(layout), buckets, seq_len)
+  return fill_batch(placements, rows, seq_len, (rows, max_segments), pad_id)
 
 
 def to_tokens(values_BxG: jax.Array, segment_ids_BxL: jax.Array, fill=0) -> jax.Array:
