@@ -48,6 +48,9 @@ def test_every_base_field_is_commented():
     ({"mode": "async"}, "mode"),
     ({"sampler.max_new_tokens": 48}, "no room for a prompt"),
     ({"model.source": "/no/such/model"}, "neither"),
+    ({"rl.max_segments": 0}, "rl.max_segments must be an int >= 1"),
+    ({"model.train_attention": "flash"}, "model.train_attention='flash'; allowed"),
+    ({"model.remat_policy": "some"}, "model.remat_policy='some'; allowed"),
 ])
 def test_bad_values_raise_config_error(override, message, tmp_path):
   c = _load("tiny").get_config()
