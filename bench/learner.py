@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/learner.py            # default: a ~20M-parameter decoder, 8 x 256 tokens, float32
     .venv/bin/python bench/learner.py --layers=2 --hidden=256 --seq=128   # smaller, for a quick look
+    .venv/bin/python bench/learner.py --workload=longtail   # packed vs padded on long-tailed lengths, and memory
+                                                            # (bench/learner_longtail.py)
 
 The peak is the best float32 GEMM rate of this process on a square matmul (jitted, best of 3), measured between
 consecutive timed steps; each step is set against the better of its two neighbouring peaks (the machine may be
@@ -79,10 +81,25 @@ _SEQ = flags.DEFINE_integer("seq", 256, "Tokens per row.")
 _MICRO = flags.DEFINE_integer("microbatches", 1, "Gradient-accumulation micro-batches per step.")
 _STEPS = flags.DEFINE_integer("steps", 4, "Timed steps (after one warm-up step).")
 _PEAK_N = flags.DEFINE_integer("peak_n", 2048, "Size of the square matmul that measures the peak.")
+_WORKLOAD = flags.DEFINE_enum("workload", "full", ["full", "longtail"],
+                              "full: full-length rows vs the matmul peak; longtail: bench/learner_longtail.py.")
+_SAMPLES = flags.DEFINE_integer("samples", 32, "longtail: samples in the batch.")
+_LONGEST = flags.DEFINE_integer("longest", 2048, "longtail: the longest sample and the packed row length.")
+_TAIL = flags.DEFINE_float("tail", 10.0, "longtail: p99 / median of the lognormal lengths.")
+_CHUNK = flags.DEFINE_integer("logprob_chunk", 512, "longtail: positions per log-prob chunk.")
+_BUDGET = flags.DEFINE_float("budget_gib", 8.0, "longtail: memory budget (compiled temporaries) in GiB.")
+_MEM_LIMIT = flags.DEFINE_integer("mem_limit", 65536, "longtail: longest row tried for the memory budget.")
+_PADDED_MICRO = flags.DEFINE_integer("padded_micro", 8, "longtail: micro-batches of the padded batches.")
 _OUT = flags.DEFINE_string("out", str(pathlib.Path(__file__).parent / "results" / "learner.json"), "JSON path.")
 
 
 def main(_):
+  if _WORKLOAD.value == "longtail":
+    import learner_longtail  # bench/ is the script's directory, on sys.path
+    out = _OUT.value if _OUT.present else str(pathlib.Path(_OUT.value).with_name("learner_longtail.json"))
+    return learner_longtail.main(_LAYERS.value, _HIDDEN.value, _HEADS.value, _KV_HEADS.value, _MLP.value,
+                                 _VOCAB.value, _SAMPLES.value, _LONGEST.value, _TAIL.value, _STEPS.value,
+                                 _CHUNK.value, _BUDGET.value, _MEM_LIMIT.value, _PADDED_MICRO.value, out)
   cfg = ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value, intermediate_size=_MLP.value,
                     num_layers=_LAYERS.value, num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
                     head_dim=_HIDDEN.value // _HEADS.value, max_position_embeddings=_SEQ.value)

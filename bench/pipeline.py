@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxrl.controller.loops import Controller
 from jaxrl.controller.queue import WeightPublisher
+from jaxrl.learner.packing import pack_batch
 from jaxrl.profile import pooled, profile, summary
 from jaxrl.sampler import Engine, Sampler
 from jaxrl.sim.calibrate import fit_calibration
@@ -136,6 +137,10 @@ def warm_up(bench: Bench) -> None:
   for b in engine.buckets:
     state = engine.rebuild(params, state, b)
   jax.block_until_ready(state)
+  ctl = bench.run.controller
+  for rows in ctl.spec.row_buckets:  # packed batches: the train step at every row bucket
+    empty = pack_batch([], ctl.spec.seq_len, (rows,), ctl.spec.max_segments)
+    jax.block_until_ready(ctl.train_step(jax.tree.map(jnp.copy, bench.state0), empty, jax.random.key(0)))
 
 
 def _slope(step_end: np.ndarray, warmup: int) -> float:
@@ -194,7 +199,7 @@ def prediction(bench: Bench, cal, measured_steps: int) -> Prediction:
       batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
       lengths=Replay(bench.lengths, c.rl.group_size), max_staleness=c.rl.max_staleness, prompt_len=bench.prompt_len,
       steps=measured_steps, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
-      steps_per_call=c.sampler.steps_per_call))
+      steps_per_call=c.sampler.steps_per_call, pack=c.rl.pack, max_segments=c.rl.max_segments))
 
 
 def shared_step_s(sampler_s: float, learner_s: float, decode_c: float, train_c: float) -> float:

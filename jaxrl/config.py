@@ -17,6 +17,7 @@ import ml_collections
 
 MODES = ("pipeline", "sync")
 DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", *DTYPES)
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
 # that says so (rather than "no such field").
 REMOVED = {"rl.on_stale": "batch assembly is deadline-based: no group is dropped for staleness and every trained "
@@ -37,9 +38,11 @@ def base() -> ml_collections.ConfigDict:
   c.model.source = "tiny"  # "tiny" (random ModelConfig.tiny), "smollm2" (fetched by jaxrl-assets), or a HF dir
   c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                                                 num_heads=4, num_kv_heads=2, head_dim=8))  # sizes for "tiny"
-  c.model.dtype = "float32"  # compute dtype of learner and sampler ("float32" | "bfloat16")
+  c.model.dtype = "auto"  # compute dtype of learner and sampler: "float32" | "bfloat16" | "auto" (bf16 on GPU/TPU)
   c.model.param_dtype = "float32"  # master weights ("float32" | "bfloat16")
   c.model.remat = False  # rematerialise blocks in the backward pass (saves learner memory)
+  c.model.remat_policy = "nothing_saveable"  # what a remat block keeps: a jax.checkpoint_policies name
+  c.model.train_attention = "auto"  # learner attention: "auto" | "reference" | "chunked" | "cudnn" | "splash"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.num_devices = -1  # devices used in all (-1: every device)
@@ -72,7 +75,12 @@ def base() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict()
   c.rl.group_size = 4  # samples per prompt (GRPO group)
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
-  c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
+  c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded), the packed row length
+  # Several samples per row of seq_len tokens (first-fit decreasing, each sample its own segment), rows rounded up
+  # to a few buckets (one compilation each): train cost follows the real tokens, not batch x seq_len
+  c.rl.pack = False  # pack the learner's batches
+  c.rl.max_segments = 16  # samples per packed row at most
+  c.rl.logprob_chunk = 0  # > 0: log-probs computed this many positions at a time (no [B, L, V] logits)
   # k: a group admitted at sampler version v is trained by step v + k, late or not (nothing is dropped for
   # staleness): every trained token has staleness <= k, in learner steps (pipeline mode; sync is k = 0). "auto":
   # admission moves k within [auto_staleness.k_min, auto_staleness.k_max] from the measured drift
@@ -174,13 +182,17 @@ _INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_st
          ("sampler.max_len", 2), ("sampler.steps_per_call", 1), ("sampler.max_new_tokens", 1), ("sampler.top_k", 0),
          ("sampler.page_size", 1), ("sampler.num_pages", 0),
          ("task.max_prompt_tokens", 1), ("checkpoint.every_steps", 1), ("checkpoint.max_to_keep", 1),
-         ("eval.num_examples", 0), ("eval.max_new_tokens", 1), ("optimizer.warmup_steps", 0))
+         ("eval.num_examples", 0), ("eval.max_new_tokens", 1), ("optimizer.warmup_steps", 0),
+         ("rl.max_segments", 1), ("rl.logprob_chunk", 0))
 # (field, check, what it must be) of every real-valued field.
 _REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperature", lambda v: v > 0, "> 0"),
           ("sampler.top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("optimizer.learning_rate", lambda v: v > 0, "> 0"),
           ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
-_BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace")
-_CHOICES = (("mode", MODES), ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
+_BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace", "rl.pack")
+_CHOICES = (("mode", MODES), ("model.dtype", COMPUTE_DTYPES), ("model.param_dtype", DTYPES),
+            ("model.train_attention", ("auto", "reference", "chunked", "cudnn", "splash")),
+            ("model.remat_policy", ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                                    "everything_saveable")),
             ("sampler.on_update", ("recompute", "finish", "keep_kv")), ("sampler.dtype", ("auto", *DTYPES)),
             ("sampler.kv", ("dense", "paged")))
 

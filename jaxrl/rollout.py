@@ -79,11 +79,16 @@ def check_sampling(rollouts: Sequence[Rollout], sampling: SamplingParams) -> Non
 
 @flax.struct.dataclass
 class Batch:
-  """Fixed-shape learner input; rows are right-padded samples (segment id 0 marks padding)."""
+  """Fixed-shape learner input: one right-padded sample per row (make_batch), or several per row (packed,
+  jaxrl.learner.packing), each a segment with positions from 0; segment id 0 marks padding.
+
+  The per-sample fields (`_B`) are [B] with one sample per row, [B, G] packed: entry [b, g] is the sample with
+  segment id g + 1 in row b.
+  """
 
   tokens_BxL: jax.Array  # int32
   positions_BxL: jax.Array  # int32
-  segment_ids_BxL: jax.Array  # int32, 1 for real tokens, 0 for padding
+  segment_ids_BxL: jax.Array  # int32, 1.. per sample of the row (1 unpacked), 0 for padding
   loss_mask_BxL: jax.Array  # float32, 1 on completion tokens (the ones trained on)
   behavior_logprobs_BxL: jax.Array  # float32, 0 off the completion
   versions_BxL: jax.Array  # int32, -1 off the completion
@@ -100,29 +105,41 @@ def make_batch(rollouts: Sequence[Rollout], batch_size: int, seq_len: int, pad_i
   """Packs rollouts into a right-padded numpy Batch of exactly [batch_size, seq_len]."""
   if len(rollouts) > batch_size:
     raise ValueError(f"{len(rollouts)} rollouts do not fit a batch of {batch_size}")
-  tokens = np.full((batch_size, seq_len), pad_id, np.int32)
-  positions = np.zeros((batch_size, seq_len), np.int32)
-  segments = np.zeros((batch_size, seq_len), np.int32)
-  loss_mask = np.zeros((batch_size, seq_len), np.float32)
-  logprobs = np.zeros((batch_size, seq_len), np.float32)
-  versions = np.full((batch_size, seq_len), -1, np.int32)
-  rewards = np.zeros((batch_size,), np.float32)
-  group_ids = np.full((batch_size,), -1, np.int32)
-  sample_mask = np.zeros((batch_size,), np.float32)
-  for b, r in enumerate(rollouts):
-    p, c = len(r.prompt_tokens), len(r.completion_tokens)
-    if p == 0:
-      raise ValueError(f"rollout {b} (group {r.group_id}) has an empty prompt")
-    if p + c > seq_len:
-      raise ValueError(f"rollout {b} (group {r.group_id}) has {p + c} tokens, more than seq_len={seq_len}")
-    tokens[b, :p] = r.prompt_tokens
-    tokens[b, p : p + c] = r.completion_tokens
-    positions[b, : p + c] = np.arange(p + c)
-    segments[b, : p + c] = 1
-    loss_mask[b, p : p + c] = 1.0
-    logprobs[b, p : p + c] = r.logprobs
-    versions[b, p : p + c] = r.versions
-    rewards[b] = r.reward
-    group_ids[b] = r.group_id
-    sample_mask[b] = 1.0
+  check_fits(rollouts, seq_len)
+  return fill_batch([(r, b, 0, 1, b) for b, r in enumerate(rollouts)], batch_size, seq_len, (batch_size,), pad_id)
+
+
+def check_fits(rollouts: Sequence[Rollout], seq_len: int) -> None:
+  """Raises ValueError naming the first rollout with an empty prompt or more than seq_len tokens."""
+  for i, r in enumerate(rollouts):
+    if len(r.prompt_tokens) == 0:
+      raise ValueError(f"rollout {i} (group {r.group_id}) has an empty prompt")
+    if r.num_tokens > seq_len:
+      raise ValueError(f"rollout {i} (group {r.group_id}) has {r.num_tokens} tokens, more than seq_len={seq_len}")
+
+
+def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ...], pad_id: int = 0) -> Batch:
+  """A numpy Batch of [rows, seq_len] with per-sample arrays of samples_shape, from (rollout, row, start column,
+  segment id, per-sample index) placements; everything else is padding."""
+  tokens = np.full((rows, seq_len), pad_id, np.int32)
+  positions = np.zeros((rows, seq_len), np.int32)
+  segments = np.zeros((rows, seq_len), np.int32)
+  loss_mask = np.zeros((rows, seq_len), np.float32)
+  logprobs = np.zeros((rows, seq_len), np.float32)
+  versions = np.full((rows, seq_len), -1, np.int32)
+  rewards = np.zeros(samples_shape, np.float32)
+  group_ids = np.full(samples_shape, -1, np.int32)
+  sample_mask = np.zeros(samples_shape, np.float32)
+  for r, row, start, segment, index in placements:
+    p, end = start + len(r.prompt_tokens), start + r.num_tokens
+    tokens[row, start:p] = r.prompt_tokens
+    tokens[row, p:end] = r.completion_tokens
+    positions[row, start:end] = np.arange(r.num_tokens)
+    segments[row, start:end] = segment
+    loss_mask[row, p:end] = 1.0
+    logprobs[row, p:end] = r.logprobs
+    versions[row, p:end] = r.versions
+    rewards[index] = r.reward
+    group_ids[index] = r.group_id
+    sample_mask[index] = 1.0
   return Batch(tokens, positions, segments, loss_mask, logprobs, versions, rewards, group_ids, sample_mask)

@@ -88,7 +88,7 @@ def build(c, workdir: str | Path) -> Run:
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
   meshes = sharding.split_mesh(c.mesh.sampler_devices, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(),
                                devices)
-  spec = build_lib.run_spec(c)
+  spec = build_lib.run_spec(c, build_lib.rows_unit(meshes.learner))
   learner = build_lib.build_learner(c, meshes.learner, model_cfg, path, spec)
   checkpointer = build_lib.open_checkpointer(c, workdir)
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)

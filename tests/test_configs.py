@@ -49,6 +49,9 @@ def test_every_base_field_is_commented():
     ({"sampler.max_new_tokens": 48}, "no room for a prompt"),
     ({"model.source": "/no/such/model"}, "neither"),
     ({"sampler.dtype": "fp16"}, "sampler.dtype"),
+    ({"rl.max_segments": 0}, "rl.max_segments must be an int >= 1"),
+    ({"model.train_attention": "flash"}, "model.train_attention='flash'; allowed"),
+    ({"model.remat_policy": "some"}, "model.remat_policy='some'; allowed"),
 ])
 def test_bad_values_raise_config_error(override, message, tmp_path):
   c = _load("tiny").get_config()

@@ -28,10 +28,11 @@ def _config(mode, **overrides):
   return override(c, **overrides)
 
 
-@pytest.fixture(scope="module", params=["sync", "pipeline"])
+@pytest.fixture(scope="module", params=["sync", "pipeline", "pipeline_packed"])
 def tiny_run(request, tmp_path_factory):
   workdir = tmp_path_factory.mktemp(request.param)
-  c = _config(request.param, **{"eval.num_examples": 8})
+  mode, _, packed = request.param.partition("_")
+  c = _config(mode, **{"eval.num_examples": 8}, **({"rl.pack": True} if packed else {}))
   summary = train(c, workdir)
   return c, summary, read_jsonl(workdir / "metrics.jsonl"), workdir
 

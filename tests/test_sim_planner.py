@@ -128,6 +128,25 @@ def test_plan_cli_writes_table_and_plots(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
 
 
+def test_predict_prices_packed_rows():
+  """Packed: a step costs its packed rows x seq_len, between the real tokens and the padded batch."""
+  from jaxrl.learner.packing import packed_rows, row_buckets
+  costs = small_costs().replace(train_overhead_s=0.0)
+  logged = np.random.default_rng(1).lognormal(np.log(40), 0.9, 400).astype(int) + 1
+  kw = dict(sampler_devices=2, learner_devices=2, batch_size=32, group_size=4, lengths=logged, max_staleness=0,
+            prompt_len=16, steps=4)
+  real, padded, packed = (planner.predict(costs, planner.RunDescription(**kw, **extra)).sync
+                          for extra in ({}, dict(seq_len=512), dict(seq_len=512, pack=True)))
+  train_s = lambda sim: sum(end - start for lane, kind, start, end in sim.timeline if kind == "train")
+  assert train_s(real) < train_s(packed) < 0.5 * train_s(padded)
+  # The charge is exactly the packed rows of each step's samples (prompt + completion, first-fit decreasing).
+  step, length = packed.samples["step"], packed.samples["length"]
+  rows = [packed_rows((length[step == s] + 16).tolist(), 512, 16, row_buckets(32)) for s in np.unique(step[step >= 0])]
+  assert train_s(packed) == pytest.approx(sum(costs.train_time(r * 512, 2) for r in rows), rel=1e-9)
+  with pytest.raises(ValueError, match="pack needs seq_len"):
+    planner.predict(costs, planner.RunDescription(**kw, pack=True))
+
+
 @pytest.mark.parametrize("arg, tolerance", [("128", 0.05), ("64", 0.10)])
 def test_published_verl_runs_predicted(arg, tolerance):
   # The 128-GPU async step fixed the lengths' spread; the 64-GPU run's async step is predicted out of sample.

@@ -16,7 +16,15 @@ from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.loops import RunRecord, RunSpec
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+from jaxrl.learner import (
+    LossConfig,
+    batch_shards,
+    init_train_state,
+    make_optimizer,
+    make_train_step,
+    train_state_shardings,
+)
+from jaxrl.learner.packing import row_buckets
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.rollout import SamplingParams
@@ -25,7 +33,10 @@ from jaxrl.sampler import Engine, Sampler
 
 def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
   """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
-  overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
+  # bfloat16 compute (float32 master weights by default) on accelerators; float32 on CPU, where bf16 is slow.
+  dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  overrides = dict(dtype=dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
+                   remat_policy=c.model.remat_policy, train_attention=c.model.train_attention)
   if c.model.source == "tiny":
     cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
     return cfg, None, None
@@ -58,14 +69,24 @@ def max_staleness(c) -> int:
   return c.rl.auto_staleness.k_max if c.rl.max_staleness == "auto" else c.rl.max_staleness
 
 
-def run_spec(c) -> RunSpec:
-  """The loop sizes of a config (sync mode is the pipeline with max_staleness 0)."""
+def run_spec(c, rows_unit: int = 1) -> RunSpec:
+  """The loop sizes of a config (sync mode is the pipeline with max_staleness 0); packed row counts are multiples
+  of rows_unit (the learner's batch devices, rows_unit(learner mesh)) times rl.num_minibatches, so that every
+  mini-batch of a packed batch splits evenly over those devices too."""
   sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  batch_size = c.rl.group_size * c.rl.groups_per_step
+  unit = rows_unit * c.rl.num_minibatches
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
                  seq_len=c.rl.seq_len, max_staleness=max_staleness(c),
                  auto_staleness=config_lib.auto_staleness(c) if c.mode == "pipeline" else None,
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
-                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
+                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
+                 max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else ())
+
+
+def rows_unit(mesh) -> int:
+  """Devices a learner batch's rows are split over on `mesh`: packed row counts are multiples of it."""
+  return batch_shards(sharding.batch_sharding(mesh, sharding.LEARNER_RULES))
 
 
 def build_task(c, tokenizer, model_cfg):
@@ -115,7 +136,8 @@ def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunS
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
                                num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,
-                               state_shardings=state_sh, batch_sharding=rows)
+                               state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
+                               logprob_chunk=c.rl.logprob_chunk)
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh,
                            ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
   return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)

@@ -23,6 +23,7 @@ import numpy as np
 from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import DeadlineBook, reject_reason
 from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, Stopped, WeightPublisher
+from jaxrl.learner.packing import pack_batch
 from jaxrl.rollout import Rollout, check_sampling, make_batch
 
 
@@ -63,10 +64,19 @@ class RunSpec:
   seed: int = 0
   max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
   auto_staleness: Any = None  # jaxrl.controller.adaptive.AutoStaleness: k adapts below max_staleness; None: fixed
+  pack: bool = False  # several samples per row of seq_len tokens (jaxrl.learner.packing)
+  max_segments: int = 16  # samples per packed row at most
+  row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
 
   @property
   def batch_size(self) -> int:
     return self.group_size * self.groups_per_step
+
+  def make_batch(self, samples: list[Rollout]):
+    """The learner's batch of these samples: packed into the smallest row bucket, or one sample per row."""
+    if self.pack:
+      return pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments)
+    return make_batch(samples, self.batch_size, self.seq_len)
 
 
 class Controller:
@@ -206,7 +216,7 @@ class Controller:
       raise RuntimeError(f"staleness invariant broken at step {step}: (group, staleness) {over[:4]} over "
                          f"max_staleness={self.spec.max_staleness}")
     check_sampling(samples, self.spec.sampling)
-    batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
+    batch = self.spec.make_batch(samples)
     train_step = int(jax.device_get(self.state.step))
     key = jax.random.fold_in(self._base_key, train_step)
     state, metrics = self.train_step(self.state, batch, key)

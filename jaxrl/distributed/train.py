@@ -43,6 +43,7 @@ from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher, 
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
+from jaxrl.learner.packing import pack_batch
 from jaxrl.models import hf
 from jaxrl.rollout import make_batch
 
@@ -101,6 +102,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
                                  score=score, make_sampler=make_sampler, evaluate=evaluate, **common)
 
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
+  spec = build_lib.run_spec(c, build_lib.rows_unit(learner_mesh))  # the learner's packed row buckets
   learner = build_lib.build_learner(c, learner_mesh, model_cfg, path, spec)
   train_step = learner.train_step
   # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
@@ -118,7 +120,11 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   # Compile what has collectives before running any of it, then start together: gloo gives up on a peer that
   # reaches the first collective 30 s late (e.g. still compiling while the other process found a cached binary).
   key = jax.random.fold_in(jax.random.key(c.seed), 0)
-  train_step.lower(state, jax.device_put(make_batch([], spec.batch_size, c.rl.seq_len), batch_sh), key).compile()
+  # Every packed row bucket too: a bucket compiled mid-run on one learner would stall the others' collectives.
+  empties = [make_batch([], spec.batch_size, c.rl.seq_len)]
+  empties += [pack_batch([], c.rl.seq_len, (b,), spec.max_segments) for b in spec.row_buckets]
+  for empty in empties:
+    train_step.lower(state, jax.device_put(empty, batch_sh), key).compile()
   publisher.compile(state.params)
   store.barrier("learners_compiled", topology.learner_processes)
   metrics = None

@@ -23,7 +23,7 @@ from jaxrl.learner.losses import (
 )
 from jaxrl.learner.optim import make_optimizer
 from jaxrl.learner.state import TrainState, init_train_state, train_state_shardings
-from jaxrl.learner.step import as_logits_fn, batch_shardings, check_batch, make_train_step, timed_step
+from jaxrl.learner.step import as_logits_fn, batch_shardings, batch_shards, check_batch, make_train_step, timed_step
 
 __all__ = [
     "LossConfig",
@@ -31,6 +31,7 @@ __all__ = [
     "aggregation_weights",
     "as_logits_fn",
     "batch_shardings",
+    "batch_shards",
     "behavior_weights",
     "check_batch",
     "compute_advantages",

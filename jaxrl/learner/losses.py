@@ -1,6 +1,7 @@
 """Policy-gradient surrogates, off-policy corrections, KL and entropy terms, and loss aggregation.
 
-All functions work on [B, L] arrays aligned with the batch's tokens (see jaxrl/rollout.py) and are pure.
+All functions work on [B, L] arrays aligned with the batch's tokens (see jaxrl/rollout.py) and are pure. With
+segment_ids_BxL (packed rows, see jaxrl/learner/packing.py) every per-sample sum runs over a segment, not a row.
 `policy_objective` combines them as LossConfig says; it returns the scalar loss of one micro-batch and the
 sums its metrics are made from, so that micro-batches and mini-batches add up exactly.
 """
@@ -11,20 +12,30 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.learner.config import LossConfig
+from jaxrl.learner.packing import segment_sums, to_tokens
 
 # Stats reduced by max / min across micro-batches; every other stat is a sum.
 MAX_STATS = ("ratio_max",)
 MIN_STATS = ("ratio_min", "is_cap_min")
 
 
-def aggregation_weights(loss_mask_BxL, sample_mask_B, aggregation: str, norm_length: int = 0):
-  """Per-token weights w such that sum(w * loss_t) is the aggregated loss of these rows."""
-  mask = loss_mask_BxL.astype(jnp.float32) * sample_mask_B.astype(jnp.float32)[:, None]
+def aggregation_weights(loss_mask_BxL, sample_mask_B, aggregation: str, norm_length: int = 0,
+                        segment_ids_BxL=None):
+  """Per-token weights w such that sum(w * loss_t) is the aggregated loss of these rows' samples.
+
+  sample_mask_B: [B] (one sample per row) or [B, G] (packed: column g is segment g + 1, needs segment_ids_BxL).
+  """
+  sample_mask_B = sample_mask_B.astype(jnp.float32)
+  if segment_ids_BxL is None:
+    sample_BxL = sample_mask_B[:, None]
+  else:
+    sample_BxL = to_tokens(sample_mask_B, segment_ids_BxL)
+  mask = loss_mask_BxL.astype(jnp.float32) * sample_BxL
   if aggregation == "token_mean":
     return mask / jnp.maximum(mask.sum(), 1.0)
-  num_samples = jnp.maximum(sample_mask_B.astype(jnp.float32).sum(), 1.0)
+  num_samples = jnp.maximum(sample_mask_B.sum(), 1.0)
   if aggregation == "seq_mean":
-    return mask / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0) / num_samples
+    return mask / jnp.maximum(segment_sums(mask, segment_ids_BxL), 1.0) / num_samples
   if aggregation == "seq_sum_norm":
     return mask / (num_samples * (norm_length or mask.shape[1]))
   raise ValueError(f"unknown aggregation {aggregation!r}")
@@ -50,20 +61,23 @@ def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float, dua
   return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high), dual
 
 
-def sequence_mean(x_BxL, mask_BxL):
-  """Mean over each row's masked entries, [B, 1] (0 for a row without any)."""
+def sequence_mean(x_BxL, mask_BxL, segment_ids_BxL=None):
+  """Mean over each sample's masked entries (0 for a sample without any): [B, 1] with one sample per row, at
+  every token of its segment [B, L] with packed rows (segment_ids_BxL)."""
   mask = mask_BxL.astype(jnp.float32)
-  return (x_BxL * mask).sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1.0)
+  return (segment_sums(x_BxL * mask, segment_ids_BxL)
+          / jnp.maximum(segment_sums(mask, segment_ids_BxL), 1.0))
 
 
 def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float,
-                   dual_clip: float | None = None):
+                   dual_clip: float | None = None, segment_ids_BxL=None):
   """GSPO: PPO-clip on the sequence ratio exp(mean over the sample's tokens of log u), broadcast to tokens.
 
   Every token of a sample carries the sample's loss; seq_mean aggregation (LossConfig requires it) then counts
   each sample once, whatever its length.
   """
-  out = ppo_surrogate(sequence_mean(log_ratio_BxL, mask_BxL), adv_BxL[:, :1], clip_low, clip_high, dual_clip)
+  adv = adv_BxL if segment_ids_BxL is not None else adv_BxL[:, :1]  # packed: per token, constant per segment
+  out = ppo_surrogate(sequence_mean(log_ratio_BxL, mask_BxL, segment_ids_BxL), adv, clip_low, clip_high, dual_clip)
   return tuple(jnp.broadcast_to(x, log_ratio_BxL.shape) for x in out)
 
 
@@ -92,7 +106,7 @@ def ess_cap(w_BxL, valid_BxL, ess_min: float, max_log_cap: float, iterations: in
   return jnp.exp(jnp.where(ok(jnp.float32(max_log_cap)), max_log_cap, lo))
 
 
-def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig):
+def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig, segment_ids_BxL=None):
   """Importance weights prox / mu at token or sequence level, truncated and masked as cfg says.
 
   Returns (w_BxL, keep_BxL, truncated_BxL, cap); w carries no gradient; cap is the truncation applied (inf
@@ -100,9 +114,9 @@ def behavior_weights(prox_logp_BxL, behavior_logp_BxL, mask_BxL, cfg: LossConfig
   """
   log_w = jnp.where(mask_BxL, prox_logp_BxL - behavior_logp_BxL, 0.0)
   if cfg.is_level == "sequence":
-    log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
+    log_w = jnp.broadcast_to(segment_sums(log_w, segment_ids_BxL), log_w.shape)
   elif cfg.is_level == "sequence_mean":
-    log_w = jnp.broadcast_to(sequence_mean(log_w, mask_BxL), log_w.shape)
+    log_w = jnp.broadcast_to(sequence_mean(log_w, mask_BxL, segment_ids_BxL), log_w.shape)
   w = jnp.exp(jnp.clip(jax.lax.stop_gradient(log_w), -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
   keep = jnp.ones(w.shape, bool)
   if cfg.is_mask_low is not None:
@@ -130,8 +144,10 @@ def kl_k3(logp_BxL, ref_logp_BxL):
 
 
 def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossConfig, *, prox_logp_BxL=None,
-                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None):
+                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None, segment_ids_BxL=None):
   """(loss, stats) of one micro-batch: sum over tokens of weights * (w * surrogate + KL term - entropy bonus).
+
+  adv_B: per sample [B], or per token [B, L] (packed rows, with segment_ids_BxL).
 
   prox_logp_BxL is required unless cfg.proximal == "behavior"; ref_logp_BxL when cfg.kl_coef > 0 (with
   kl_estimator="k1_reward" it only feeds the kl_ref metric: the penalty is in the advantages already);
@@ -144,7 +160,7 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
   # Off-token entries may hold anything (padding, NaN); zeroing them keeps NaN out of the gradients.
   behavior_logp_BxL = jnp.where(counted, behavior_logp_BxL, 0.0)
   logp_BxL = jnp.where(counted, logp_BxL, 0.0)
-  adv_BxL = jnp.broadcast_to(adv_B[:, None], logp_BxL.shape)
+  adv_BxL = jnp.broadcast_to(adv_B if adv_B.ndim == 2 else adv_B[:, None], logp_BxL.shape)
 
   if cfg.proximal == "behavior":
     anchor = behavior_logp_BxL
@@ -163,13 +179,13 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
                                                            cfg.dual_clip)
   else:
     surrogate, clip_lo, clip_hi, clip_dual = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low,
-                                                            cfg.clip_high, cfg.dual_clip)
+                                                            cfg.clip_high, cfg.dual_clip, segment_ids_BxL)
 
   cap = jnp.float32(jnp.inf)
   if cfg.is_level == "none":
     w, keep, truncated = jnp.ones(logp_BxL.shape), jnp.ones(logp_BxL.shape, bool), no_clip
   else:
-    w, keep, truncated, cap = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg)
+    w, keep, truncated, cap = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg, segment_ids_BxL)
   active = counted & keep
   policy_loss = jnp.sum(weights_BxL * jnp.where(active, w * surrogate, 0.0))
 

@@ -6,7 +6,9 @@ mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned
 one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds it.
 A step applies in full or is skipped (params and optimizer state as before it, version not bumped, skip counted)
 when any of its updates has a non-finite loss or gradient, a valid sample's reward is non-finite, or it has no
-completion tokens at all (a mini-batch of padding rows only is a no-op).
+completion tokens at all (a mini-batch of padding rows only is a no-op). A batch may be packed (several samples
+per row, jaxrl.learner.packing; its row count one of row_buckets): every per-sample sum then runs over a segment,
+and mini-batches are drawn over rows.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl.learner.advantages import compute_advantages
 from jaxrl.learner.config import LossConfig
-from jaxrl.learner.logprobs import token_logprobs
+from jaxrl.learner.logprobs import chunked_token_logprobs, token_logprobs
 from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, policy_objective
+from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.rollout import Batch
 
@@ -45,13 +48,18 @@ def as_logits_fn(model: LogitsFn | nnx.GraphDef) -> LogitsFn:
   raise TypeError(f"expected a logits_fn or an nnx.GraphDef, got {type(model).__name__}")
 
 
-def check_batch(batch: Batch, batch_size: int, seq_len: int) -> None:
-  """Raises ValueError naming the first field whose shape or dtype kind disagrees with [batch_size, seq_len]."""
+def check_batch(batch: Batch, batch_size: int, seq_len: int, row_buckets: tuple[int, ...] = ()) -> None:
+  """Raises ValueError naming the first field whose shape or dtype kind disagrees with [batch_size, seq_len].
+
+  row_buckets: further row counts accepted (packed batches); per-sample fields may be [B] or [B, G] (packed).
+  """
   if not isinstance(batch, Batch):
     raise TypeError(f"expected a jaxrl.rollout.Batch, got {type(batch).__name__}")
+  rows = batch.tokens_BxL.shape[0] if batch.tokens_BxL.shape[0] in row_buckets else batch_size
+  slots = batch.sample_mask_B.shape[1:]
   for name in _BxL + _B:
     x = getattr(batch, name)
-    want = (batch_size, seq_len) if name in _BxL else (batch_size,)
+    want = (rows, seq_len) if name in _BxL else (rows, *slots)
     if tuple(x.shape) != want:
       raise ValueError(f"Batch.{name} has shape {tuple(x.shape)}; this train step expects {want} "
                        f"(batch_size={batch_size}, seq_len={seq_len})")
@@ -67,6 +75,15 @@ def batch_shardings(sharding_BxL: NamedSharding) -> Batch:
   return Batch(**{name: rows_cols if name in _BxL else rows for name in _BxL + _B})
 
 
+def batch_shards(batch_sharding: NamedSharding | None) -> int:
+  """Devices the batch rows are split over (1 without a sharding): row counts must be multiples of it."""
+  if batch_sharding is None or not len(batch_sharding.spec):
+    return 1
+  lead = batch_sharding.spec[0]
+  names = (lead,) if isinstance(lead, str) else tuple(lead or ())
+  return math.prod(batch_sharding.mesh.shape[a] for a in names)
+
+
 def _cast_floats(tree, dtype):
   if dtype is None:
     return tree
@@ -76,17 +93,21 @@ def _cast_floats(tree, dtype):
 def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
                     num_epochs: int = 1, compute_dtype=None, state_shardings: TrainState | None = None,
-                    batch_sharding: NamedSharding | None = None, staleness_bins: int = 8):
+                    batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
+                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0):
   """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
-  batch_size, seq_len: the only Batch shape accepted (anything else raises ValueError when traced).
+  batch_size, seq_len: the Batch shape accepted (anything else raises ValueError when traced); row_buckets adds
+  row counts (packed batches, jaxrl.learner.packing: one compilation each), each divisible as batch_size is.
   num_minibatches: optimizer updates per epoch, over disjoint row subsets drawn by a permutation from `rng`.
   num_epochs: passes over the batch per step (PPO epochs), each with its own permutation.
   num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
   compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
   state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
   step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
+  logprob_chunk: if > 0 (model an nnx GraphDef of a Decoder), log-probs and entropies are computed that many
+  positions at a time from the hidden states, never holding float32 [B, L, V] logits.
   """
   cfg = loss_config
   logits_fn = as_logits_fn(model)
@@ -97,17 +118,19 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {batch_size}, {seq_len})")
   if batch_size % (m * k):
     raise ValueError(f"batch_size={batch_size} is not divisible by num_minibatches * num_microbatches = {m * k}")
+  if logprob_chunk < 0 or (logprob_chunk and not isinstance(model, nnx.GraphDef)):
+    raise ValueError(f"logprob_chunk={logprob_chunk} needs to be >= 0, and > 0 only with an nnx GraphDef model")
   if (state_shardings is None) != (batch_sharding is None):
     raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
-  rows = batch_size // (m * k)
   lead = None
+  shards = batch_shards(batch_sharding)
   if batch_sharding is not None:
     lead = batch_sharding.spec[0] if len(batch_sharding.spec) else None
-    names = (lead,) if isinstance(lead, str) else tuple(lead or ())
-    shards = math.prod(batch_sharding.mesh.shape[a] for a in names)
-    if rows % shards:
-      raise ValueError(f"each micro-batch has {rows} rows, not divisible by the {shards} devices of the batch axes "
-                       f"{names}; change batch_size, num_minibatches or num_microbatches")
+  for b in (batch_size, *row_buckets):
+    if b % (m * k * shards):
+      raise ValueError(f"a batch of {b} rows makes micro-batches of {b / (m * k):g} rows, not divisible by the "
+                       f"{shards} devices of the batch axes; change batch_size, row_buckets, num_minibatches or "
+                       f"num_microbatches")
   updates_per_step = m * e
   prox_pass = cfg.proximal == "recompute" and updates_per_step > 1
   ref_pass = cfg.kl_coef > 0
@@ -122,17 +145,25 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   def split(x):
     """[E*B, ...] -> [E*M, K, rows, ...]; row i*M*K + j*K + c of an epoch goes to its mini-batch j, micro-batch c
     (shard-local)."""
+    rows = x.shape[0] // (e * m * k)
     x = x.reshape(e, rows, m, k, *x.shape[1:])
     return constrain(jnp.moveaxis(x, 1, 3).reshape(e * m, k, rows, *x.shape[4:]), 2)
 
   def chunked(fn, x):
     """fn over the batch in the K*M shard-local chunks of `split`, one at a time (bounded memory); [B, L] out."""
-    parts = jax.tree.map(lambda a: constrain(jnp.moveaxis(a.reshape(rows, m * k, *a.shape[1:]), 0, 1), 1), x)
+    b = jax.tree.leaves(x)[0].shape[0]
+    parts = jax.tree.map(lambda a: constrain(jnp.moveaxis(a.reshape(b // (m * k), m * k, *a.shape[1:]), 0, 1), 1),
+                         x)
     out = jax.lax.map(fn, parts)
-    return jnp.moveaxis(out, 0, 1).reshape(batch_size, *out.shape[2:])
+    return jnp.moveaxis(out, 0, 1).reshape(b, *out.shape[2:])
 
   def logprobs(params, x):
-    logits = logits_fn(_cast_floats(params, compute_dtype), x["tokens"], x["positions"], x["segments"])
+    params = _cast_floats(params, compute_dtype)
+    if logprob_chunk:
+      decoder = nnx.merge(model, params)
+      hidden = decoder(x["tokens"], x["positions"], x["segments"], hidden=True)
+      return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], cfg.sampling, logprob_chunk)
+    logits = logits_fn(params, x["tokens"], x["positions"], x["segments"])
     return token_logprobs(logits, x["tokens"], cfg.sampling)
 
   def micro_loss(params, x, weights_BxL, v0, v_now):
@@ -146,10 +177,13 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
       alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)
       prox = behavior + alpha * (jax.lax.stop_gradient(logp) - behavior)
     return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox,
-                            ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support)
+                            ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support,
+                            segment_ids_BxL=x["segments"])
 
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
-    check_batch(batch, batch_size, seq_len)
+    check_batch(batch, batch_size, seq_len, row_buckets)
+    b = batch.tokens_BxL.shape[0]
+    rows = b // (m * k)
     if ref_pass and state.ref_params is None:
       raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
     valid_B = batch.sample_mask_B > 0
@@ -159,30 +193,39 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
         "tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
         "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
         "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
-        "sample_mask": batch.sample_mask_B.astype(jnp.float32),
+        "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1),
     }
     # Forward passes at fixed params, before any update: prox (decoupled PPO's pre-update policy) and ref.
     if prox_pass:
       per_row["prox"] = chunked(lambda x: logprobs(state.params, x)[0], per_row)
     if ref_pass:
       per_row["ref"] = jax.lax.stop_gradient(chunked(lambda x: logprobs(state.ref_params, x)[0], per_row))
-    rewards_B = batch.rewards_B
+    rewards_B = batch.rewards_B  # [B], or [B, G] for packed rows (column g: segment g + 1)
     kl_reward_B = jnp.zeros_like(rewards_B)
     if ref_pass and cfg.kl_estimator == "k1_reward":
-      on_tokens = (per_row["loss_mask"] > 0) & valid_B[:, None]
-      kl_reward_B = jnp.sum(jnp.where(on_tokens, per_row["behavior"] - per_row["ref"], 0.0), axis=1)
+      on_tokens = (per_row["loss_mask"] > 0) & to_tokens(valid_B.reshape(b, -1), batch.segment_ids_BxL, fill=False)
+      kl_BxL = jnp.where(on_tokens, per_row["behavior"] - per_row["ref"], 0.0)
+      if rewards_B.ndim == 1:
+        kl_reward_B = jnp.sum(kl_BxL, axis=1)
+      else:  # the sum over each sample's segment
+        segment_BxLxG = jax.nn.one_hot(batch.segment_ids_BxL - 1, rewards_B.shape[1], dtype=jnp.float32)
+        kl_reward_B = jnp.einsum("bl,blg->bg", kl_BxL, segment_BxLxG)
       rewards_B = rewards_B - cfg.kl_coef * kl_reward_B
-    per_row["adv"] = compute_advantages(rewards_B, batch.group_ids_B, batch.sample_mask_B, cfg)
+    # Advantages over every sample of the batch (a group may span rows), then onto each sample's tokens.
+    per_row["adv"] = to_tokens(compute_advantages(rewards_B.reshape(-1), batch.group_ids_B.reshape(-1),
+                                                  batch.sample_mask_B.reshape(-1), cfg).reshape(b, -1),
+                               batch.segment_ids_BxL)
     if updates_per_step > 1:
       keys = rng[None] if e == 1 else jax.random.split(rng, e)
-      order = jax.vmap(lambda key: jax.random.permutation(key, batch_size))(keys).reshape(-1)
+      order = jax.vmap(lambda key: jax.random.permutation(key, b))(keys).reshape(-1)
       per_row = jax.tree.map(lambda x: x[order], per_row)
     parts = jax.tree.map(split, per_row)
 
     def update(carry, mini):
       state, n_applied = carry
       weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len),
-                                    mini["sample_mask"].reshape(k * rows), cfg.aggregation, cfg.norm_length)
+                                    mini["sample_mask"].reshape(k * rows, -1), cfg.aggregation, cfg.norm_length,
+                                    mini["segments"].reshape(k * rows, seq_len))
       weights = weights.reshape(k, rows, seq_len)
       # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
       v_now = v0 + n_applied / updates_per_step
@@ -248,7 +291,7 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
   per_token = lambda name: total(name) / jnp.maximum(tokens, 1.0)
   ratio_mean = per_token("ratio_sum")
   ratio_sq = per_token("ratio_sq_sum")
-  trained_BxL = (batch.loss_mask_BxL > 0) & valid_B[:, None]
+  trained_BxL = (batch.loss_mask_BxL > 0) & to_tokens(valid_B, batch.segment_ids_BxL, fill=False)
   staleness = jnp.where(trained_BxL, v0 - batch.versions_BxL, 0)
   hist_bin = jnp.clip(staleness, 0, staleness_bins)
   hist = jnp.sum(jax.nn.one_hot(hist_bin, staleness_bins + 1, dtype=jnp.float32) * trained_BxL[..., None], (0, 1))

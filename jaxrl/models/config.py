@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+
+from jaxrl.kernels import train_attention
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -36,6 +39,13 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each block in the backward pass (learner memory)
+  # What a rematerialised block keeps from its forward pass: a jax.checkpoint_policies name
+  # (nothing_saveable: recompute everything; dots_with_no_batch_dims_saveable: keep the weight matmuls).
+  remat_policy: str = "nothing_saveable"
+  # The learner's full-sequence attention (jaxrl/kernels/train_attention.py): "auto" is cuDNN flash on GPU in
+  # bf16/fp16, splash (Pallas) on TPU, the chunked XLA path on CPU for rows longer than attention_block.
+  train_attention: str = "auto"
+  attention_block: int = 512  # query and key block of the chunked path
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -52,6 +62,13 @@ class ModelConfig:
       raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
     if self.rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if self.train_attention not in ("auto", *train_attention.IMPLEMENTATIONS):
+      raise ValueError(f"ModelConfig.train_attention={self.train_attention!r}; allowed: "
+                       f"{('auto', *train_attention.IMPLEMENTATIONS)}")
+    if not callable(getattr(jax.checkpoint_policies, self.remat_policy, None)):
+      raise ValueError(f"ModelConfig.remat_policy={self.remat_policy!r} is not a jax.checkpoint_policies policy")
+    if self.attention_block < 1:
+      raise ValueError(f"ModelConfig.attention_block must be positive (got {self.attention_block})")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {tuple(_DTYPES)} (got {getattr(self, name)!r})")

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.kernels import cached_attention, paged_attention
+from jaxrl.kernels.train_attention import attention
 from jaxrl.models.config import ModelConfig
-
-_NEG_INF = -1e30
 
 
 @flax.struct.dataclass
@@ -137,21 +136,13 @@ class Attention(nnx.Module):
     q = apply_rope(q, positions_BxT, inv_freq)
     k = apply_rope(k, positions_BxT, inv_freq)
 
-    b, t, h, d = q.shape
-    groups = h // cfg.num_kv_heads
-    q = q.reshape(b, t, cfg.num_kv_heads, groups, d)
     if cache_kv is not None:
+      b, t, h, d = q.shape
+      q = q.reshape(b, t, cfg.num_kv_heads, h // cfg.num_kv_heads, d)
       return self._cached(q, k, v, positions_BxT, cache_kv)
-
-    # full sequence: causal by index within equal, non-zero segment ids
-    keys, values = k, v
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-    mask_BxTxS = causal[None] & same & (segment_ids_BxT[:, None, :] != 0)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32) / math.sqrt(d)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, d)
+    # Full sequence: causal by index within equal, non-zero segment ids (the learner's kernel per backend).
+    impl = None if cfg.train_attention == "auto" else cfg.train_attention
+    out = attention(q, k, v, segment_ids_BxT, impl, cfg.attention_block)
     return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), None
 
   def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
@@ -223,9 +214,17 @@ class Decoder(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, fan_in=cfg.hidden_size)
 
+  def head(self) -> jax.Array:
+    """The [E, V] output projection (the tied embedding, transposed, or lm_head)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
   def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *,
-               cache: KVCache | PagedKVCache | None = None):
-    """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache)."""
+               cache: KVCache | PagedKVCache | None = None, hidden: bool = False):
+    """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache).
+
+    hidden: return the final-normed hidden states [B, T, E] instead of logits (full path; the learner applies
+    head() in chunks, never holding [B, T, V] logits).
+    """
     cfg = self.cfg
     if cache is None and segment_ids_BxT is None:
       raise ValueError("the full-sequence path needs segment_ids_BxT (0 marks padding)")
@@ -239,7 +238,7 @@ class Decoder(nnx.Module):
         return x, None
 
       if cfg.remat:
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
       x, _ = jax.lax.scan(body, x, stacked)
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
@@ -258,8 +257,9 @@ class Decoder(nnx.Module):
       (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, *kv), (jnp.arange(cfg.num_layers), stacked))
       cache = cache.replace(k_NxPxZxKxD=k_cache, v_NxPxZxKxD=v_cache) if paged else KVCache(k_cache, v_cache)
     x = self.final_norm(x)
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    if hidden and cache is None:
+      return x
+    logits = jnp.einsum("bte,ev->btv", x, self.head().astype(x.dtype), preferred_element_type=jnp.float32)
     if cache is None:
       return logits
     return logits, cache

@@ -153,6 +153,10 @@ class RunDescription:
   # jaxrl's learner trains fixed-shape batches of batch_size x seq_len tokens (rows right-padded), so a step costs
   # the same whatever the lengths; 0 charges the real prompt + completion tokens instead.
   seq_len: int = 0
+  # With seq_len: samples packed into rows of seq_len tokens (rl.pack), a step charged for its packed rows (first-fit
+  # decreasing, rounded up to a row bucket) times seq_len; samples longer than seq_len count as seq_len.
+  pack: bool = False
+  max_segments: int = 16
   # jaxrl's engine runs this many decode steps per call, and samples leave and join slots only between calls: a
   # sample holds its slot for a whole number of calls (with seq_len=0 the train charge counts those rounded lengths).
   steps_per_call: int = 1
@@ -169,6 +173,16 @@ class Prediction:
   pipeline: SimResult
   decode_slowdown: float = 1.0  # contention charged to the pipeline's decode steps (1: none)
   train_slowdown: float = 1.0  # ... and to its train steps
+
+
+def _packed_tokens(run: RunDescription):
+  from jaxrl.learner.packing import packed_rows, row_buckets
+
+  if not run.seq_len:
+    raise ValueError("RunDescription.pack needs seq_len, the packed row length")
+  buckets = row_buckets(run.batch_size)
+  return lambda lengths: run.seq_len * packed_rows(np.minimum(lengths, run.seq_len).tolist(), run.seq_len,
+                                                   run.max_segments, buckets)
 
 
 class _WholeCalls(LengthDist):
@@ -247,7 +261,7 @@ def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction
   if run.steps_per_call > 1:
     lengths = _WholeCalls(lengths, run.steps_per_call)
   def padded(costs: Costs, learner_devices: int) -> Costs:
-    if not run.seq_len:
+    if not run.seq_len or run.pack:
       return costs
     step_s = costs.train_time(run.batch_size * run.seq_len, learner_devices)
     return costs.replace(train_overhead_s=step_s, train_tokens_per_s_per_device=math.inf, train_scaling=(),
@@ -256,7 +270,7 @@ def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction
   spec = RunSpec(sampler_devices=run.sampler_devices, learner_devices=run.learner_devices,
                  batch_size=run.batch_size, group_size=run.group_size, max_staleness=run.max_staleness,
                  lengths=lengths, prompt_len=run.prompt_len, steps=run.steps, seed=run.seed,
-                 queue_groups=run.queue_groups)
+                 queue_groups=run.queue_groups, train_tokens=_packed_tokens(run) if run.pack else None)
   pool = run.sampler_devices + run.learner_devices
   colocated = simulate_sync(padded(costs, pool), spec, colocated=True)
   costs = padded(costs, run.learner_devices)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -61,6 +62,9 @@ class RunSpec:
   admission: str = "deadline"  # "deadline" (per-group deadline v + k) | "budget" (see the module docstring)
   admission_budget: float = 0.0  # with admission="budget": steps of groups admitted ahead (may be fractional)
   partial_rollouts: bool = True  # live samples continue on new weights (False: engines drain before updates)
+  # Tokens a train step is charged for, from its samples' lengths (prompt + completion): e.g. the packed rows
+  # times their length (jaxrl.learner.packing.packed_rows); None charges the real tokens.
+  train_tokens: Callable[[np.ndarray], float] | None = None
 
   def __post_init__(self):
     for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
@@ -318,7 +322,8 @@ class _Sim:
     self.s["step"][sids] = step
     self.s["staleness"][sids] = step - self.s["start_version"][sids]
     self.s["trained_s"][sids] = t
-    tokens = int(self.s["length"][sids].sum()) + sids.size * self.spec.prompt_len
+    lengths = self.s["length"][sids] + self.spec.prompt_len
+    tokens = self.spec.train_tokens(lengths) if self.spec.train_tokens else int(lengths.sum())
     dt = self.costs.train_time(tokens, self.learner_devices, self.colocated)
     self.step_start.append(t)
     self.learner_spans.append(["train", t, t + dt])
