@@ -7,7 +7,8 @@ simulator, calibrated by jaxrl.profile on this machine in the same session, pred
 Completion lengths are lognormal per group (p99 = p99_ratio x median), forced with per-request max_tokens and EOS
 ignored (a Sampler subclass reads the length of group g from a table: the Controller submits every group with
 RunSpec.max_new_tokens). Both modes are built once by jaxrl.train.build (same engine, train step, prompts and
-rewards; only the controller loop differs) and warmed up (every executable compiled, every KV-rebuild bucket too).
+rewards, and the same controller loop: sync is max_staleness 0) and warmed up (every executable compiled, every
+KV-rebuild bucket too).
 Then `repeats` rounds each time a sync and a pipeline run from the same initial state on the same groups, with a
 profile before every run and after the last; the sampler alone (continuous batching, no barrier) and the learner
 alone are timed too. Reports wall time per trained token, steady-state step time (least-squares slope after the
@@ -128,7 +129,7 @@ def warm_up(bench: Bench) -> None:
   """Compiles everything both timed runs use: a short run of each mode, and a KV rebuild at every bucket."""
   for mode, steps in (("sync", 2), ("pipeline", bench.config.rl.max_staleness + 2)):
     ctl = bench.controller(mode, steps)
-    getattr(ctl, f"run_{mode}")()
+    ctl.run_pipeline()
   engine = bench.engine
   params = engine.place(bench.state0.params, 0)
   state = engine.init_decode_state()
@@ -155,7 +156,7 @@ def timed(bench: Bench, mode: str, measured_steps: int) -> dict[str, Any]:
 
   ctl = bench.controller(mode, warmup + measured_steps, on_step)
   t0 = time.perf_counter()
-  getattr(ctl, f"run_{mode}")()
+  ctl.run_pipeline()
   wall = time.perf_counter() - t0
   ends, tokens = np.asarray(ends), np.asarray(tokens)
   steady_tokens = tokens[warmup:].sum()
@@ -167,7 +168,7 @@ def timed(bench: Bench, mode: str, measured_steps: int) -> dict[str, Any]:
       sampler_idle=1 - ctl.busy["sampler"] / wall, learner_idle=1 - ctl.busy["learner"] / wall,
       sampler_busy_s_per_step=ctl.busy["sampler"] / len(ends), learner_busy_s_per_step=ctl.busy["learner"] / len(ends),
       staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
-      dropped=dict(ctl.ledger.dropped), length_bias=ctl.ledger.length_bias(), kept_stale=ctl.ledger.kept_stale,
+      dropped=dict(ctl.ledger.dropped), length_bias=ctl.ledger.length_bias(),
       groups_admitted=ctl.ledger.groups_admitted,
       decode_calls=ctl.sampler.stats.decode_calls, kv_rebuilds=ctl.sampler.stats.rebuilds,
       step_end_s=[round(float(e), 3) for e in ends])
@@ -277,7 +278,7 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
                   learner_devices=bench.run.meshes.learner.size, max_slots=c.sampler.max_slots,
                   max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call, group_size=c.rl.group_size,
                   groups_per_step=gb, seq_len=c.rl.seq_len, max_staleness=k, queue_groups=c.rl.queue_groups,
-                  on_update=c.sampler.on_update, on_stale=c.rl.on_stale, prompt_len=bench.prompt_len,
+                  on_update=c.sampler.on_update, prompt_len=bench.prompt_len,
                   measured_steps=steps,
                   repeats=c.bench.repeats, seed=c.seed),
       lengths=dict(median=c.bench.median, p99_ratio=c.bench.p99_ratio,
@@ -331,13 +332,11 @@ def table(report: dict) -> str:
       f"ideal pipeline step: {a['ideal_step_separate_s']:.3f} s on separate hardware, {a['ideal_step_shared_s']:.3f} s "
       f"sharing these cores (sync measured {v['sync']['measured_step_s']:.3f} s)",
   ]
-  for i, r in enumerate(report["rounds"]):  # what the staleness filter did to the pipeline's length distribution
-    p, bias = r["pipeline"], r["pipeline"]["length_bias"]
-    seen = [f"trained {bias['trained_mean_len']:.1f}"]
-    seen += [f"{k.removesuffix('_mean_len').replace('_', ' ')} {v:.1f}" for k, v in bias.items()
-             if k.endswith("_mean_len") and k != "trained_mean_len"]
-    lines.append(f"round {i} pipeline (on_stale={report['config']['on_stale']}): mean completion length "
-                 f"{', '.join(seen)}; samples kept over the bound {p['kept_stale']}")
+  for i, r in enumerate(report["rounds"]):  # deadline-based assembly: what is trained is what was generated
+    for mode in r["order"]:
+      bias = r[mode]["length_bias"]
+      lines.append(f"round {i} {mode}: mean completion length generated {bias['generated_mean_len']:.1f}, trained "
+                   f"{bias['trained_mean_len']:.1f}; dropped {sum(r[mode]['dropped'].values())}")
   return "\n".join(lines)
 
 

@@ -42,6 +42,10 @@ class Checkpointer:
       raise ValueError(f"checkpoint every_steps must be >= 1, got {every_steps}")
     self.directory = Path(directory).absolute()
     self.every_steps = every_steps
+    # Orbax refuses a fully addressable jax.Array in a multi-process job ("Cannot serialize host local
+    # jax.Array"), which is what the state is when one learner process holds all of it: that process saves the
+    # values instead (the same files; a checkpoint of any split restores on any other).
+    self._save_values = processes is not None and len(processes) == 1 and jax.process_count() > 1
     multiprocessing, create = ocp.options.MultiprocessingOptions(), True
     if processes is not None:
       self.directory.mkdir(parents=True, exist_ok=True)  # Orbax does not create it for a subset of processes
@@ -66,7 +70,8 @@ class Checkpointer:
 
   def save(self, step: int, state, record: dict[str, Any], force: bool = False) -> bool:
     """Starts an (asynchronous) save of the state and the JSON record at `step`."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(_savable(state)), record=ocp.args.JsonSave(record))
+    state = jax.device_get(_savable(state)) if self._save_values else _savable(state)
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
     return self._manager.save(step, args=args, force=force)
 
   def restore(self, abstract_state, step: int | None = None):

@@ -17,7 +17,10 @@ import ml_collections
 
 MODES = ("pipeline", "sync")
 DTYPES = ("float32", "bfloat16")
-ON_STALE = ("drop", "keep")  # what batch assembly does with a group over the staleness bound
+# Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
+# that says so (rather than "no such field").
+REMOVED = {"rl.on_stale": "batch assembly is deadline-based: no group is dropped for staleness and every trained "
+                          "token's staleness is <= rl.max_staleness; delete the setting"}
 
 
 class ConfigError(ValueError):
@@ -67,10 +70,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.group_size = 4  # samples per prompt (GRPO group)
   c.rl.groups_per_step = 4  # groups per learner step; batch = group_size * groups_per_step
   c.rl.seq_len = 48  # learner sequence length (prompt + completion, right-padded)
-  c.rl.max_staleness = 1  # k: no sample is trained with staleness above k (pipeline mode)
-  # A group found over k at batch assembly (it finished late): "drop" it (a hard bound, biased against long
-  # answers: the summary's length_bias measures it) or "keep" it (trained, counted; IS weights correct it)
-  c.rl.on_stale = "drop"  # "drop" | "keep"
+  # A group admitted at sampler version v is trained by step v + k, late or not: nothing is dropped for staleness
+  c.rl.max_staleness = 1  # k: every trained token has staleness <= k (pipeline mode; sync is k = 0)
   c.rl.queue_groups = 8  # rollout queue capacity, in groups (back-pressure beyond)
   # Skipped prompts + dropped groups + skipped updates in a row (no applied update between) before the run stops
   c.rl.max_failures_in_a_row = 100  # with an error: broken data or rewards fail loudly instead of looping forever
@@ -104,6 +105,8 @@ def override(c: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDic
   A field the config does not have is a ConfigError naming it (ConfigDict's types are still checked on set)."""
   for key, value in fields.items():
     node, path = c, key.replace("__", ".").split(".")
+    if ".".join(path) in REMOVED:
+      raise ConfigError(f"config: {'.'.join(path)} was removed: {REMOVED['.'.join(path)]}")
     for i, part in enumerate(path):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
         raise ConfigError(f"config: no field {'.'.join(path[:i + 1])!r} (setting {'.'.join(path)})")
@@ -125,7 +128,8 @@ def parse_cli(prog: str, argv=None, flag_values=None) -> None:
   try:
     rest = flag_values(argv)
   except (AttributeError, KeyError) as e:  # ml_collections: a --config.<key> the config does not have
-    _cli_error(prog, f"unknown config key {str(e).strip(chr(34))}")
+    removed = [f"--config.{k} was removed: {why}" for k, why in REMOVED.items() if f"--config.{k}" in " ".join(argv)]
+    _cli_error(prog, removed[0] if removed else f"unknown config key {str(e).strip(chr(34))}")
   except (flags.Error, TypeError, ValueError) as e:
     _cli_error(prog, f"bad flag: {e}")
   finally:
@@ -159,8 +163,7 @@ _REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperatu
           ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
 _BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace")
 _CHOICES = (("mode", MODES), ("model.dtype", DTYPES), ("model.param_dtype", DTYPES),
-            ("sampler.on_update", ("recompute", "finish")), ("sampler.dtype", ("auto", *DTYPES)),
-            ("rl.on_stale", ON_STALE))
+            ("sampler.on_update", ("recompute", "finish")), ("sampler.dtype", ("auto", *DTYPES)))
 
 
 def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None, num_devices: int | None = None):
@@ -179,6 +182,9 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
         raise ConfigError(f"config: missing field {path}") from None
     return node
 
+  for path, why in REMOVED.items():
+    head, _, leaf = path.rpartition(".")
+    need(leaf not in get(head), f"{path} was removed: {why}")
   for path, choices in _CHOICES:
     v = get(path)
     need(isinstance(v, str) and v in choices, f"{path}={v!r}; allowed: {choices}")

@@ -20,7 +20,7 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.learner import init_train_state, make_optimizer, train_state_shardings
+from jaxrl.controller.build import abstract_train_state, base_params, model_source
 from jaxrl.models import ModelConfig, hf
 
 
@@ -34,34 +34,6 @@ class Policy:
   source_dir: Path | None  # the base model's HF folder (tokenizer files), None for a tiny model
   mesh: Any
   checkpoint_step: int | None = None  # the checkpoint the params came from
-
-
-def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
-  """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
-  overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
-  if c.model.source == "tiny":
-    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
-    return cfg, None, None
-  if c.model.source == "smollm2":
-    from jaxrl.assets import smollm2_path
-
-    path = smollm2_path()
-  else:
-    path = Path(c.model.source).expanduser()
-  import transformers
-
-  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
-
-
-def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
-  """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from."""
-  from jaxrl.models import init_params
-
-  if path is None:
-    graphdef, params = init_params(cfg, c.seed)
-    return cfg, graphdef, jax.device_put(params, shardings_fn(params))
-  abstract = hf.abstract_params(cfg)[1]
-  return hf.load_params(path, cfg, shardings=shardings_fn(abstract))
 
 
 def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Policy:
@@ -84,10 +56,7 @@ def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Po
       raise FileNotFoundError(f"no checkpoint in {directory}")
     graphdef, abstract_params = hf.abstract_params(cfg)
     # The saved TrainState holds the optimizer moments too: restored as the run saved them, then dropped.
-    optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
-    state_sh = train_state_shardings(abstract_params, optimizer, shardings_fn(abstract_params), mesh)
-    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed), abstract_params)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
+    abstract = abstract_train_state(c, abstract_params, mesh)
     try:
       state, _ = checkpointer.restore(abstract, step)
     except (ValueError, KeyError, TypeError) as e:  # a checkpoint of another model or optimizer

@@ -1,4 +1,4 @@
-"""jaxrl-train: builds a run from a config and drives it with the sync or pipeline controller.
+"""jaxrl-train: builds a run from a config and drives it with the controller (sync mode: max_staleness 0).
 
   jaxrl-train --config=configs/tiny.py --workdir=/tmp/jaxrl-tiny
   jaxrl-train --config=configs/default.py --config.mode=sync --workdir=runs/smollm2-sync
@@ -31,15 +31,13 @@ import numpy as np
 from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.controller.data import evaluate, make_prompt_source, make_scorer
-from jaxrl.controller.loops import Controller, RunRecord, RunSpec
+from jaxrl.controller import build as build_lib
+from jaxrl.controller.data import evaluate
+from jaxrl.controller.loops import Controller
 from jaxrl.controller.queue import WeightPublisher
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
-from jaxrl.policy import base_params, model_source
-from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Engine
 
 
 @dataclasses.dataclass
@@ -85,70 +83,26 @@ class TraceWriter:
 def build(c, workdir: str | Path) -> Run:
   workdir = Path(workdir)
   config_lib.validate(c, workdir, num_devices=len(jax.devices()))
-  model_cfg, tokenizer, path = model_source(c)
-  # Task data, prompt rendering and reward fns are checked before any params are loaded or compiled.
-  try:
-    task, prompts = make_prompt_source(c, tokenizer, model_cfg)
-    score = make_scorer(c, task, tokenizer)
-  except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad data file, no chat template, unknown reward
-    raise config_lib.ConfigError(f"task {c.task.name!r}: {e}") from e
+  model_cfg, tokenizer, path = build_lib.model_source(c)
+  task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
   meshes = sharding.split_mesh(c.mesh.sampler_devices, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(),
                                devices)
-  psh = lambda params: sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES)
-  model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
-
-  spec = run_spec(c)
-  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
-  optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
-  state_sh = train_state_shardings(params, optimizer, psh(params), meshes.learner)
-  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
-                               state_shardings=state_sh,
-                               batch_sharding=sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES))
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
-
-  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
-                              every_steps=c.checkpoint.every_steps)
+  spec = build_lib.run_spec(c)
+  learner = build_lib.build_learner(c, meshes.learner, model_cfg, path, spec)
+  checkpointer = build_lib.open_checkpointer(c, workdir)
   resumed_from = checkpointer.latest_step()
-  state, record = restore(checkpointer, state, state_sh)
+  state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
 
-  engine = Engine(model_cfg, meshes.sampler, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
-                  steps_per_call=c.sampler.steps_per_call, dtype=c.sampler.dtype)
-  version = int(jax.device_get(state.version))
-  detok = tokenizer.decode if tokenizer is not None else None
-  sampler = Sampler(engine, state.params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
-  publisher = WeightPublisher(engine.param_shardings, engine.dtype)
-  metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
-                          resume_step=resumed_from or 0)
+  engine = build_lib.build_engine(c, learner.model_config, meshes.sampler)
+  sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
+  metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
-  controller = Controller(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
-                          prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
-                          trace=trace)
-  return Run(c, workdir, meshes, model_cfg, graphdef, tokenizer, engine, controller, checkpointer, metrics, task,
-             resumed_from, trace)
-
-
-def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, RunRecord]:
-  """(state, run record) from the newest checkpoint, placed on `state_shardings`; (state, a new record) if none.
-
-  Samples finished but not trained at the checkpoint are forgotten: the ledger counts as generated only what was
-  trained or dropped, and the pending groups are generated again (single-host) or skipped (multi-process)."""
-  if checkpointer.latest_step() is None:
-    return state, RunRecord()
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
-  state, saved = checkpointer.restore(abstract)
-  record = RunRecord.from_json(saved)
-  record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
-  return state, record
-
-
-def run_spec(c) -> RunSpec:
-  """The loop sizes of a config (sync mode is the pipeline's bookkeeping with max_staleness 0)."""
-  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
-  return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
-                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
-                 on_stale=c.rl.on_stale, queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens,
-                 sampling=sampling, seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
+  controller = Controller(spec, sampler=sampler, train_step=learner.train_step, state=state,
+                          publisher=WeightPublisher(engine.param_shardings, engine.dtype), prompts=prompts, score=score,
+                          record=record, checkpointer=checkpointer, metrics=metrics, trace=trace)
+  return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
+             metrics, task, resumed_from, trace)
 
 
 @contextlib.contextmanager
@@ -191,10 +145,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   finished = False
   try:
     with _stop_on_signals(ctl, stop_signals):
-      if c.mode == "sync":
-        ctl.run_sync()
-      else:
-        ctl.run_pipeline()
+      ctl.run_pipeline()  # sync mode is this loop with max_staleness 0 (run_spec)
     finished = ctl.stop_reason is None
   finally:
     ctl.finish()

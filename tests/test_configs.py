@@ -68,6 +68,7 @@ def test_unwritable_workdir(tmp_path):
     ("--config.no_such_key=1", "no_such_key"),
     ("--config.num_steps=abc", "num_steps"),
     ("--config.rl.max_staleness=-2", "max_staleness"),
+    ("--config.rl.on_stale=keep", "--config.rl.on_stale was removed: batch assembly is deadline-based"),
 ])
 def test_cli_rejects_bad_flags_with_one_clear_line(flag, message, tmp_path):
   cmd = [sys.executable, "-m", "jaxrl.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}", flag]
@@ -88,6 +89,15 @@ def test_override_sets_dotted_fields_and_names_a_missing_one():
     config_lib.override(c, **{"num_steps.x": 2})
   with pytest.raises(TypeError):  # ConfigDict still checks the type
     config_lib.override(c, num_steps="many")
+
+
+def test_a_removed_setting_is_an_error_that_says_what_replaced_it(tmp_path):
+  c = _load("tiny").get_config()
+  with pytest.raises(config_lib.ConfigError, match=r"rl.on_stale was removed: .* no group is dropped for staleness"):
+    config_lib.override(c, rl__on_stale="drop")
+  c.rl.on_stale = "keep"  # a config file that still sets it
+  with pytest.raises(config_lib.ConfigError, match="rl.on_stale was removed: batch assembly is deadline-based"):
+    config_lib.validate(c, tmp_path, num_devices=8)
 
 
 def test_every_cli_module_imports_next_to_the_others():

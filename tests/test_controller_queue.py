@@ -1,4 +1,4 @@
-"""Controller plumbing: staleness policy, group assembly, bounded queue, weight publisher, ledger."""
+"""Controller plumbing: group assembly, bounded queue, weight publisher, ledger."""
 
 import threading
 import time
@@ -8,37 +8,13 @@ import numpy as np
 import pytest
 
 from jaxrl import sharding
-from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, StalenessPolicy, Stopped, WeightPublisher
+from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, Stopped, WeightPublisher
 from jaxrl.rollout import Rollout
 
 
 def _rollout(gid, idx=0, versions=(0,)):
   v = np.asarray(versions, np.int32)
   return Rollout(np.array([1], np.int32), np.zeros(len(v), np.int32), np.zeros(len(v), np.float32), v, "eos", gid, idx)
-
-
-def test_admission_bounds_staleness_in_fifo_order():
-  """Simulate FIFO consumption: every admitted group is trained with staleness <= k."""
-  for k in range(4):
-    policy = StalenessPolicy(max_staleness=k, groups_per_step=3)
-    admitted_at = []  # sampler version at admission
-    version = 0
-    for _ in range(30):
-      while policy.may_admit(len(admitted_at), version):
-        admitted_at.append(version)
-      version += 1  # one learner step: consumes the next 3 groups
-    for g, v in enumerate(admitted_at[: 3 * 29]):
-      assert g // 3 - v <= k
-    assert max(g // 3 - v for g, v in enumerate(admitted_at[: 3 * 29])) == k  # the bound is reached, not loose
-
-
-def test_staleness_of_a_group_uses_its_oldest_token():
-  group = [_rollout(0, 0, [3, 4, 5]), _rollout(0, 1, [2, 5])]
-  assert StalenessPolicy.staleness(group, 5) == 3
-  policy = StalenessPolicy(2, 1)
-  assert not policy.is_fresh(group, 5) and policy.is_fresh(group, 4)
-  with pytest.raises(ValueError, match="max_staleness"):
-    StalenessPolicy(-1, 1)
 
 
 def test_group_released_only_when_complete_and_sorted():
@@ -97,9 +73,9 @@ def test_publisher_versions_and_bitwise_params():
 
 def test_ledger_round_trip():
   led = Ledger(samples_generated=10, samples_trained=6)
-  led.drop([_rollout(0), _rollout(0, 1)], "stale")
+  led.drop([_rollout(0), _rollout(0, 1)], "too_long")
   back = Ledger.from_json(led.to_json())
-  assert back.samples_dropped == 2 and back.dropped["stale"] == 2 and back.samples_trained == 6
+  assert back.samples_dropped == 2 and back.dropped["too_long"] == 2 and back.samples_trained == 6
   back.drop([_rollout(1)], "reward_failed")
   assert back.dropped_groups == 2
 
@@ -108,33 +84,20 @@ def _long(gid, idx, n_tokens, version=0):
   return _rollout(gid, idx, [version] * n_tokens)
 
 
-def test_on_stale_drop_or_keep_decides_only_groups_over_the_bound():
-  old, new = [_rollout(0, 0, [1, 3])], [_rollout(1, 0, [3])]
-  drop, keep = StalenessPolicy(1, 2), StalenessPolicy(1, 2, on_stale="keep")
-  assert drop.verdict(new, 3) == keep.verdict(new, 3) == "fresh"
-  assert drop.verdict(old, 2) == keep.verdict(old, 2) == "fresh"  # staleness 1 == k
-  assert drop.verdict(old, 3) == "drop" and keep.verdict(old, 3) == "keep"  # staleness 2 > k
-  with pytest.raises(ValueError, match="on_stale must be one of"):
-    StalenessPolicy(1, 2, on_stale="skip")
-
-
-def test_ledger_measures_the_length_bias_of_dropped_groups():
-  led = Ledger()
+def test_ledger_measures_trained_against_generated_lengths():
+  led = Ledger(samples_generated=7, tokens_generated=32)
   led.trained([_long(0, 0, 4), _long(0, 1, 6), _long(1, 0, 2), _long(1, 1, 4)])  # mean 4
-  led.drop([_long(2, 0, 12), _long(2, 1, 8)], "stale")  # mean 10
+  led.drop([_long(2, 0, 12), _long(2, 1, 8)], "too_long")  # mean 10
   led.drop([_long(3, 0, 1)], "reward_failed")
-  bias = led.length_bias()
-  assert bias == {"trained_mean_len": 4.0, "dropped_stale_mean_len": 10.0, "dropped_reward_failed_mean_len": 1.0,
-                  "stale_over_trained": 2.5}
-  led.keep_stale([_long(4, 0, 9), _long(4, 1, 7)])
-  back = Ledger.from_json(led.to_json())
-  assert back.length_bias()["kept_stale_mean_len"] == 8.0 and back.dropped_tokens["stale"] == 20
-  assert back.tokens_trained == 16 and back.kept_stale == 2
+  bias = Ledger.from_json(led.to_json()).length_bias()
+  assert bias == {"generated_mean_len": 32 / 7, "trained_mean_len": 4.0, "dropped_too_long_mean_len": 10.0,
+                  "dropped_reward_failed_mean_len": 1.0, "trained_over_generated": 4.0 / (32 / 7)}
 
 
 def test_ledger_from_an_older_checkpoint_without_token_counts():
   old = {k: v for k, v in Ledger(samples_trained=4).to_json().items()
-         if k not in ("tokens_trained", "dropped_tokens", "kept_stale", "kept_stale_tokens")}
+         if k not in ("tokens_trained", "tokens_generated", "dropped_tokens")}
+  old.update(kept_stale=2, kept_stale_tokens=9)  # written while rl.on_stale existed
   led = Ledger.from_json(old)
-  led.drop([_long(0, 0, 3)], "stale")
-  assert led.dropped_tokens["stale"] == 3 and led.samples_trained == 4
+  led.drop([_long(0, 0, 3)], "too_long")
+  assert led.dropped_tokens["too_long"] == 3 and led.samples_trained == 4 and led.tokens_generated == 0

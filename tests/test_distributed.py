@@ -351,3 +351,36 @@ def test_launch_scripts_parse_and_name_real_configs_and_fields(script):
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_cpu_sets_split_and_explicit():
+  avail = {0, 1, 2, 3, 4, 5, 6, 7}
+  assert launch.cpu_sets("split", 2, avail) == [{0, 1, 2, 3}, {4, 5, 6, 7}]
+  assert launch.cpu_sets("split", 3, avail) == [{0, 1}, {2, 3}, {4, 5}]
+  assert launch.cpu_sets("0-2;3,5;7", 3, avail) == [{0, 1, 2}, {3, 5}, {7}]
+  assert launch.cpu_sets("", 2, avail) is None and launch.cpu_sets("none", 2, avail) is None
+
+
+@pytest.mark.parametrize("spec, n, match", [
+    ("split", 3, "2 cores for 3 processes"),
+    ("0;1;1", 3, "3 core sets for 3 processes|processes 1 and 2 share cores"),
+    ("0;5", 2, r"process 1 asks for cores \[5\]"),
+    ("0;x", 2, "bad core list 'x'"),
+    ("0", 2, "names 1 core sets for 2 processes"),
+])
+def test_cpu_sets_bad_specs(spec, n, match):
+  with pytest.raises(ValueError, match=match):
+    launch.cpu_sets(spec, n, {0, 1})
+
+
+def test_launcher_pins_each_process_to_its_cores(tmp_path, monkeypatch, capsys):
+  (tmp_path / "where.py").write_text("import os; print('cores', sorted(os.sched_getaffinity(0)), flush=True)\n")
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  cores = sorted(os.sched_getaffinity(0))
+  assert launch.main(["--num_processes=2", "--module=where", "--cpu_affinity=split", "--"]) == 0
+  out = capsys.readouterr().out
+  half = len(cores) // 2
+  assert "process 0 pid" in out and f"on cores {','.join(map(str, cores[:half]))}" in out
+  assert f"cores {cores[:half]}" in out and f"cores {cores[half:2 * half]}" in out
+  assert launch.main(["--num_processes=2", "--module=where", "--cpu_affinity=0;0", "--"]) == 2
+  assert "processes 0 and 1 share cores [0]" in capsys.readouterr().err

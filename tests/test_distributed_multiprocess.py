@@ -212,3 +212,42 @@ def test_sigterm_on_one_host_stops_the_whole_job_with_a_checkpoint_and_it_resume
   assert summary["resumed_from"] == stopped_at and summary["steps"] == target and "stopped_by" not in summary
   assert summary["ledger"]["samples_trained"] == target * 16  # before and after the stop, none twice
   assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, target + 1))
+
+
+def _resume_to(workdir: Path, log: Path, num_processes: int, sampler_devices: int, target: int) -> dict:
+  """The same command on another split, to `target` steps; its summary."""
+  code = _launch(num_processes, ["--config=configs/tiny.py", f"--workdir={workdir}", f"--config.num_steps={target}",
+                                 f"--config.mesh.sampler_devices={sampler_devices}"], log).wait(timeout=300)
+  assert code == 0, log.read_text()[-5000:]
+  return json.loads((workdir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_one_learner_process_checkpoints_with_one_and_two_samplers_and_resumes_after_sigkill(tmp_path):
+  """1 learner + 1 sampler process (which used to crash at its first checkpoint: Orbax refuses a learner state that
+  one process holds whole), SIGKILLed; resumed as 1 learner + 2 samplers, SIGKILLed again; resumed as 1 + 1 to
+  the end. Every resume starts from the last checkpoint and no sample is trained twice."""
+  workdir = tmp_path / "run"
+  # (processes, sampler devices = sampler processes, steps logged before the kill: past a checkpoint of this run)
+  topologies = [(2, 1, 5), (3, 2, 9)]
+  for i, (n, sampler_devices, steps) in enumerate(topologies):
+    log = tmp_path / f"launch{i}.log"
+    proc = _launch(n, ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.num_steps=1000",
+                       f"--config.mesh.sampler_devices={sampler_devices}"], log)
+    # The sampler (the last process) is killed: the learner stops on its own, after its checkpoint at step 4 or 8.
+    code, _ = _signal_after_steps(proc, workdir, log, steps, 300, process=n - 1, sig=signal.SIGKILL)
+    out = log.read_text()
+    assert code == 137, out[-3000:]
+    assert "Cannot serialize" not in out
+    assert re.search(rf"process 0 \(learner 0\) stopping: process {n - 1} \(sampler {n - 2}\) sent no heartbeat",
+                     out), out[-3000:]
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved[-1] >= 8, saved  # tiny.py saves every 4 steps; the second run resumed from the first's
+  target = saved[-1] + 2
+  summary = _resume_to(workdir, tmp_path / "resume.log", 2, 1, target)
+  assert summary["resumed_from"] == saved[-1] and summary["steps"] == target
+  assert summary["learner_processes"] == [0] and summary["sampler_processes"] == [1]
+  led = summary["ledger"]
+  assert led["samples_trained"] == target * 16 and led["dropped"] == {}
+  assert summary["staleness_max"] <= 1
+  assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, target + 1))  # each once

@@ -53,7 +53,7 @@ def test_mission_doubling_samplers_wastes_devices(mission):
   # Timing only: the doubled split may leave the learner short of memory, which the planner drops anyway.
   r2 = planner.plan(b["costs"], b["workload"], b["pool"], staleness_bound=1, ks=(1,), splits=(doubled,))
   twice = r2.rows[0]
-  assert twice.step_time_s > 1.2 * best.step_time_s
+  assert twice.step_time_s > 1.1 * best.step_time_s
   assert twice.sampler_idle > best.sampler_idle + 0.2  # the extra sampler devices mostly wait
   assert twice.staleness_mean >= best.staleness_mean - 0.01  # staleness stays pinned at the bound
   # In this model the learner is not what idles more: with fewer devices it becomes the bottleneck.
@@ -126,3 +126,22 @@ def test_plan_cli_writes_table_and_plots(tmp_path):
                "speedup_vs_length.png"):
     data = (tmp_path / name).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+@pytest.mark.parametrize("arg, tolerance", [("128", 0.05), ("64", 0.10)])
+def test_published_verl_runs_predicted(arg, tolerance):
+  # The 128-GPU async step fixed the lengths' spread; the 64-GPU run's async step is predicted out of sample.
+  c = load_config("plan_verl_fully_async_7b", arg)
+  b = build(c)
+  row = next(r for r in run_plan(b).rows if r.sampler_devices == c.published.sampler_devices)
+  assert row.sync_step_time_s == pytest.approx(c.published.sync_step_s, rel=0.05)
+  assert row.step_time_s == pytest.approx(c.published.pipeline_step_s, rel=tolerance)
+  with pytest.raises(ValueError, match="published runs exist for"):
+    load_config("plan_verl_fully_async_7b", "48")
+
+
+def test_plan_cli_prints_the_published_comparison(tmp_path):
+  config = f"--config={ROOT}/configs/plan_verl_fully_async_7b.py:64"
+  out = subprocess.run([sys.executable, "-m", "jaxrl.sim.plan", config, f"--outdir={tmp_path}"], capture_output=True,
+                       text=True, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+  assert "published (verl recipe/fully_async_policy/README.md, Qwen2.5-Math-7B on 64 H20): sync 365.3 s/step" in out

@@ -71,19 +71,23 @@ def reported_tail_costs():
 
 
 # Matches the publicly reported sync step (Applied Compute, AI Engineer 2025: 40 prompts x 32 samples of a
-# ~30B model, 99% of samples done by ~40 s, the step ends near 120 s): 99% lognormal body + 1% runaway tail.
-REPORTED_TAIL = L.Mixture([L.LogNormal(500.0, 0.47, 8192), L.LogNormal(6000.0, 0.3, 8192)], [0.99, 0.01])
+# ~30B model, 99% of samples done by ~40 s, the step ends near 120 s): a lognormal body and a 0.5% runaway tail.
+# (A 1% tail put the 99th percentile inside the tail on about half the seeds: 13 +- 3.6 runaways in 1,280.)
+REPORTED_TAIL = L.Mixture([L.LogNormal(500.0, 0.47, 8192), L.LogNormal(6000.0, 0.3, 8192)], [0.995, 0.005])
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reported_long_tail_two_thirds_on_last_percent(seed):
-  spec = RunSpec(8, 8, 1280, 32, 0, REPORTED_TAIL, prompt_len=256, steps=1, warmup_steps=0, seed=seed)
-  r = simulate_sync(reported_tail_costs(), spec, colocated=False)
-  fin = np.sort(r.samples["finish_s"][r.trained])
-  assert fin.size == 1280
-  t99, t_end = fin[math.ceil(0.99 * fin.size) - 1], fin[-1]
-  assert 30 < t99 < 50 and 100 < t_end < 140  # "99% by about 40 s, ends near 120 s"
-  assert 0.6 < (t_end - t99) / t_end < 0.75  # about two thirds of the step on the last 1%
+def test_reported_long_tail_two_thirds_on_last_percent():
+  shares = []
+  for seed in range(40):  # holds on every seed, not on a picked one
+    spec = RunSpec(8, 8, 1280, 32, 0, REPORTED_TAIL, prompt_len=256, steps=1, warmup_steps=0, seed=seed)
+    r = simulate_sync(reported_tail_costs(), spec, colocated=False)
+    fin = np.sort(r.samples["finish_s"][r.trained])
+    assert fin.size == 1280
+    t99, t_end = fin[math.ceil(0.99 * fin.size) - 1], fin[-1]
+    assert 30 < t99 < 50 and 90 < t_end < 140, seed  # "99% by about 40 s, ends near 120 s"
+    shares.append((t_end - t99) / t_end)
+  assert min(shares) > 0.55 and max(shares) < 0.75
+  assert 0.65 < np.median(shares) < 0.72  # about two thirds of the step on the last 1%
 
 
 def test_pipeline_with_k0_is_the_sync_loop():

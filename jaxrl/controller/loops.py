@@ -1,9 +1,9 @@
-"""The two controllers. Both drive the same pieces (sampler, train step, publisher, queue, ledger, checkpoints);
-only the loop differs, so that a speed comparison between them is fair.
-
-Sync: submit a batch of groups, generate all of it, train, publish, repeat.
-Pipeline: a sampler thread and a learner thread run at once on their two submeshes, joined by the bounded
+"""The controller: a sampler thread and a learner thread run at once on their two submeshes, joined by the bounded
 rollout queue (samples forward) and the weight publisher (params back, taken between decode steps).
+
+The sampler side admits groups and assembles each learner step's share by deadline (controller.assembly); the
+learner side takes the shares in order and trains. Sync mode is this same loop with max_staleness 0: a step's
+groups are admitted only once the sampler holds that step's params, and trained only once all have finished.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, StalenessPolicy, Stopped, WeightPublisher
+from jaxrl.controller.assembly import DeadlineBook, reject_reason
+from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, Stopped, WeightPublisher
 from jaxrl.rollout import Rollout, make_batch
 
 
@@ -53,8 +54,7 @@ class RunSpec:
   group_size: int
   groups_per_step: int
   seq_len: int
-  max_staleness: int = 1
-  on_stale: str = "drop"  # a group over the staleness bound at batch assembly: "drop" it or "keep" (train) it
+  max_staleness: int = 1  # k: every trained token has staleness <= k (0: sync)
   queue_groups: int = 8
   max_new_tokens: int | None = None
   sampling: Any = None  # jaxrl.rollout.SamplingParams
@@ -68,7 +68,7 @@ class RunSpec:
 
 
 class Controller:
-  """Shared pieces of both loops; `run_sync` and `run_pipeline` are the two loops."""
+  """The sampler loop and the learner loop of one run, and the pieces they share; `run_pipeline` runs both."""
 
   group_stride = 1  # data positions this controller admits: next_group_id, + stride, ... (samplers share the data)
 
@@ -81,15 +81,15 @@ class Controller:
     self.prompts, self.score = prompts, score
     self.record = record or RunRecord()
     self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
-    self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step, spec.on_stale)
+    self.book: DeadlineBook | None = None  # the sampler side's batch assembly, made when the sampler loop starts
+    self._asked = 0  # shares the learner has asked for (it asks for the next one before taking it)
+    self._skipped_at_start = self.ledger.skipped_updates
     self.assembler = GroupAssembler()
     self._resubmit = list(self.record.pending_group_ids)  # in flight at the checkpoint: generate again
     self._live: set[int] = set()
     self._lock = threading.Lock()  # data position and live groups change together (sampler vs checkpoint)
     self.ledger.samples_regenerated += len(self._resubmit) * spec.group_size
-    # They were counted when first admitted and are admitted again; counting them twice would make the staleness
-    # policy see more live groups than the learner will consume, and stop admitting for good (a resume hang).
-    self.ledger.groups_admitted -= len(self._resubmit)
+    self.ledger.groups_admitted -= len(self._resubmit)  # counted when first admitted, and admitted again
     self._failures: collections.Counter[str] = collections.Counter()  # since the last applied update
     self.stop = threading.Event()
     self.stop_reason: str | None = None  # set by request_stop (e.g. "SIGTERM"): the loops end early, cleanly
@@ -146,6 +146,7 @@ class Controller:
         self._log("skip_prompt", group=gid, reason=str(e))
         self._failed("skipped_prompt")
         return False
+      self.book.admit(gid, self.sampler.version)
       self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
                           max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
       self.assembler.expect(gid, self.spec.group_size)
@@ -158,6 +159,7 @@ class Controller:
     groups = []
     for r in rollouts:
       self.ledger.samples_generated += 1
+      self.ledger.tokens_generated += len(r.completion_tokens)
       group = self.assembler.add(r)
       if group is not None:
         self.score(group)
@@ -165,21 +167,14 @@ class Controller:
     return groups
 
   def _accept(self, group: list[Rollout]) -> bool:
-    """Batch-assembly filter: drops (and counts) stale groups (unless kept) and groups whose reward failed."""
+    """The learner's filter: drops (and counts) a group that cannot be trained (the sampler side left it out of
+    every share already); never one for its staleness."""
     step = self.version
-    reason = None
-    verdict = self.policy.verdict(group, step)
-    if verdict == "drop":
-      reason = "stale"
-    elif any(not np.isfinite(r.reward) for r in group):
-      reason = "reward_failed"
-      self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
-    elif any(r.num_tokens > self.spec.seq_len for r in group):
-      reason = "too_long"
+    reason = reject_reason(group, self.spec.seq_len)
     if reason is None:
-      if verdict == "keep":
-        self._log("keep_stale", version=step, group=group[0].group_id, staleness=self.policy.staleness(group, step))
       return True
+    if reason == "reward_failed":
+      self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
     with self._lock:
       self.ledger.drop(group, reason)
       self._live.discard(group[0].group_id)
@@ -191,6 +186,11 @@ class Controller:
     """One train step on the groups; an update the learner skipped (non-finite) drops them, counted."""
     samples = [r for g in groups for r in g]
     step = self.version
+    over = [(r.group_id, step - r.min_version) for r in samples
+            if len(r.versions) and step - r.min_version > self.spec.max_staleness]
+    if over:
+      raise RuntimeError(f"staleness invariant broken at step {step}: (group, staleness) {over[:4]} over "
+                         f"max_staleness={self.spec.max_staleness}")
     batch = make_batch(samples, self.spec.batch_size, self.spec.seq_len)
     train_step = int(jax.device_get(self.state.step))
     key = jax.random.fold_in(self._base_key, train_step)
@@ -205,9 +205,6 @@ class Controller:
           self.ledger.drop(g, "update_skipped")
       if applied:
         self.ledger.trained(samples)
-        for g in groups:
-          if not self.policy.is_fresh(g, step):
-            self.ledger.keep_stale(g)  # on_stale="keep": over the bound and trained
         self._failures.clear()
       else:
         self.ledger.skipped_updates += 1
@@ -244,7 +241,7 @@ class Controller:
     metrics.update(step_time_s=step_time, version=version, samples_generated=self.ledger.samples_generated,
                    samples_trained=self.ledger.samples_trained, samples_dropped=self.ledger.samples_dropped,
                    updates_skipped_total=self.ledger.skipped_updates,
-                   zero_advantage_groups=self.ledger.zero_advantage_groups, samples_kept_stale=self.ledger.kept_stale,
+                   zero_advantage_groups=self.ledger.zero_advantage_groups,
                    **{f"length/{k}": v for k, v in self.ledger.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)
@@ -274,7 +271,7 @@ class Controller:
   def samples_in_flight(self) -> int:
     """Finished samples neither trained nor dropped: in open groups, in the queue, or in a batch being built."""
     partial = sum(len(v) for v in self.assembler._open.values())
-    queued = self._leftover + self._outbox + self._batch_groups
+    queued = self._leftover + self._outbox + self._batch_groups + (self.book.finished if self.book else [])
     return partial + sum(len(g) for g in queued)
 
   def _done(self) -> bool:
@@ -287,46 +284,20 @@ class Controller:
       self.stop_reason = reason
     self.stop.set()
 
-  # ---- sync ----------------------------------------------------------------------------------------------------
-
-  def run_sync(self) -> None:
-    self._log_start("sync")
-    while not self._done() and not self.stop.is_set():
-      t0 = time.perf_counter()
-      newer = self.publisher.take_newer(self.sampler.version)
-      if newer is not None:
-        self.sampler.update_params(newer.params, newer.version)
-      groups = self._batch_groups = []
-      admitted = 0
-      while admitted < self.spec.groups_per_step:
-        admitted += self._admit_one()
-      while len(groups) < self.spec.groups_per_step:
-        if self.stop.is_set():
-          return  # request_stop: this batch is not trained; its groups stay pending and are generated again
-        if not (self.sampler.num_active or self.sampler.num_waiting):
-          admitted = self._admit_one()  # a group was dropped: generate a replacement
-          continue
-        for g in self._complete_groups(self.sampler.step()):
-          if self._accept(g):
-            groups.append(g)
-      t1 = time.perf_counter()
-      metrics = self._train(groups)
-      self._batch_groups = []
-      t2 = time.perf_counter()
-      self.busy["sampler"] += t1 - t0
-      self.busy["learner"] += t2 - t1
-      self._after_step(metrics, time.perf_counter() - t0)
-
   # ---- pipeline ------------------------------------------------------------------------------------------------
 
   def run_pipeline(self, poll_s: float = 0.05, join_timeout_s: float = 60.0) -> None:
-    self._log_start("pipeline")
+    self._log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
+    self.book = DeadlineBook(self.spec.max_staleness, self.spec.groups_per_step, self.version, self.spec.num_steps,
+                             self.spec.queue_groups)
     rollout_queue = RolloutQueue(self.spec.queue_groups, self.stop, poll_s)
     self.queue = rollout_queue
     self._wake = threading.Event()
     threads = [threading.Thread(target=self._guarded, args=("sampler", self._sampler_loop, rollout_queue, poll_s),
                                 name="jaxrl-sampler", daemon=True),
-               threading.Thread(target=self._guarded, args=("learner", self._learner_loop, rollout_queue),
+               threading.Thread(target=self._guarded, args=("learner", self._learner_loop,
+                                                            [(rollout_queue.get, self.spec.groups_per_step)],
+                                                            rollout_queue.qsize),
                                 name="jaxrl-learner", daemon=True)]
     for t in threads:
       t.start()
@@ -365,36 +336,64 @@ class Controller:
       newer = self.publisher.take_newer(self.sampler.version)
       if newer is not None:
         self.sampler.update_params(newer.params, newer.version)
-      # Admit while the staleness bound allows; keep the waiting list short so new versions are used soon.
-      while (self.sampler.num_waiting < self.sampler.engine.max_slots
-             and self.policy.may_admit(self.ledger.groups_admitted - self.ledger.dropped_groups,
-                                       self.sampler.version)):
+      self.book.skipped = self._updates_skipped()
+      # Admit while every deadline stays feasible; keep the waiting list short so new versions are used soon.
+      while self.sampler.num_waiting < self.sampler.engine.max_slots and self.book.room(self.sampler.version):
         self._admit_one()
-      if not (self.sampler.num_active or self.sampler.num_waiting):
-        self._wake.wait(poll_s)  # blocked by the staleness bound: wait for the next version, no spinning
-        self._wake.clear()
-        continue
-      self._outbox = self._complete_groups(self.sampler.step())
+      if self.sampler.num_active or self.sampler.num_waiting:
+        for g in self._complete_groups(self.sampler.step()):
+          if reject_reason(g, self.spec.seq_len) is None:
+            self.book.finish(g)
+          else:  # sent on its own: the learner drops and counts it
+            self.book.discard(g[0].group_id)
+            self._outbox.append(g)
+      while self.book.shares < self._shares_asked():
+        share = self.book.take()
+        if share is None:
+          break
+        self._outbox += share
       self.busy["sampler"] += time.perf_counter() - t0
+      if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
+        self._wake.wait(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
+        self._wake.clear()
       while self._outbox:
         rollout_queue.put(self._outbox[0])  # blocks when the learner is behind (back-pressure)
         self._outbox.pop(0)
 
-  def _learner_loop(self, rollout_queue: RolloutQueue) -> None:
+  def _updates_skipped(self) -> int:
+    """Learner updates skipped since this run started (each lets the following shares come a step earlier)."""
+    return self.ledger.skipped_updates - self._skipped_at_start
+
+  def _shares_asked(self) -> int:
+    return self._asked
+
+  def _ask(self) -> None:
+    """The learner is ready for its next share: the sampler side assembles it now, from what has finished."""
+    self._asked += 1
+    self._wake.set()
+
+  def _take(self, source: Callable[[], list[Rollout]], n: int, groups: list[list[Rollout]]) -> None:
+    """Appends the next n trainable groups from source to groups (dropping, counted, the ones that are not)."""
+    taken = 0
+    while taken < n:
+      g = source()
+      if self._accept(g):
+        groups.append(g)
+        taken += 1
+
+  def _learner_loop(self, sources: list[tuple[Callable[[], list[Rollout]], int]], depth: Callable[[], int]) -> None:
+    """sources: (next group of a sampler, that sampler's share of every step); depth: groups waiting."""
     last = time.perf_counter()
     while not self._done():
       groups = self._batch_groups = []
-      while len(groups) < self.spec.groups_per_step:
-        g = rollout_queue.get()
-        if self._accept(g):
-          groups.append(g)
-        else:
-          self._wake.set()  # a dropped group frees admission room
+      self._ask()
+      for source, n in sources:
+        self._take(source, n, groups)
       t0 = time.perf_counter()
       metrics = self._train(groups)
       self._batch_groups = []
       self.busy["learner"] += time.perf_counter() - t0
-      metrics["queue_depth"] = rollout_queue.qsize()
+      metrics["queue_depth"] = depth()
       now = time.perf_counter()
       self._after_step(metrics, now - last)
       last = now

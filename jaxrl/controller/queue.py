@@ -1,5 +1,5 @@
-"""Host-side plumbing between sampler and learner: group assembly, the bounded rollout queue, the staleness
-policy, the weight publisher, and the ledger that accounts for every sample."""
+"""Host-side plumbing between sampler and learner: group assembly, the bounded rollout queue, the weight
+publisher, and the ledger that accounts for every sample."""
 
 from __future__ import annotations
 
@@ -9,57 +9,12 @@ import queue
 import threading
 from collections.abc import Callable
 
-from jaxrl.config import ON_STALE
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned, transfer
 
 
 class Stopped(Exception):
   """The run is stopping (another thread failed, or the step budget is spent)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StalenessPolicy:
-  """Bounds staleness = learner step - oldest token version, at admission and again at batch assembly.
-
-  Admission: if groups are consumed in submission order, the g-th admitted group is trained at step
-  g // groups_per_step; submitting it while the sampler holds version v keeps its staleness <= k when
-  g < (v + k + 1) * groups_per_step. Completion order can differ from submission order (continuous batching),
-  so batch assembly checks again. What is over the bound there is dropped with a counted reason
-  (`on_stale="drop"`: a hard bound, but the dropped groups are the slow ones, which are mostly the long ones: a
-  length bias the ledger reports), or trained anyway and counted (`on_stale="keep"`: no length bias; the bound is
-  then the admission target, and the loss's importance weights correct the extra staleness).
-  """
-
-  max_staleness: int
-  groups_per_step: int
-  on_stale: str = "drop"
-
-  def __post_init__(self):
-    if self.max_staleness < 0:
-      raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-    if self.groups_per_step < 1:
-      raise ValueError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
-    if self.on_stale not in ON_STALE:
-      raise ValueError(f"on_stale must be one of {ON_STALE}, got {self.on_stale!r}")
-
-  def may_admit(self, groups_live: int, sampler_version: int) -> bool:
-    """groups_live: groups admitted so far minus groups dropped (the ones the learner will consume)."""
-    return groups_live < (sampler_version + self.max_staleness + 1) * self.groups_per_step
-
-  @staticmethod
-  def staleness(group: list[Rollout], learner_step: int) -> int:
-    versions = [r.min_version for r in group if len(r.versions)]
-    return learner_step - min(versions) if versions else 0
-
-  def is_fresh(self, group: list[Rollout], learner_step: int) -> bool:
-    return self.staleness(group, learner_step) <= self.max_staleness
-
-  def verdict(self, group: list[Rollout], learner_step: int) -> str:
-    """"fresh", "keep" (over the bound, trained anyway) or "drop" (over the bound)."""
-    if self.is_fresh(group, learner_step):
-      return "fresh"
-    return self.on_stale
 
 
 class GroupAssembler:
@@ -170,12 +125,13 @@ def _completion_tokens(samples: list[Rollout]) -> int:
 class Ledger:
   """Counts every sample: generated = trained + dropped (by reason) + in flight. Checkpointed with the run.
 
-  Completion tokens are counted alongside samples, per fate, so that the length bias of what was dropped (stale
-  groups are mostly long ones) is measured rather than guessed: see `length_bias`.
+  Completion tokens are counted alongside samples, per fate, so that a length bias (what is trained against what
+  is generated) is measured rather than guessed: see `length_bias`.
   """
 
   groups_admitted: int = 0
   samples_generated: int = 0
+  tokens_generated: int = 0  # completion tokens of the generated samples
   samples_trained: int = 0
   samples_regenerated: int = 0  # in flight at a checkpoint, generated again after a resume
   dropped: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
@@ -186,8 +142,6 @@ class Ledger:
   zero_advantage_groups: int = 0  # trained or skipped groups whose rewards were all equal (no learning signal)
   tokens_trained: int = 0  # completion tokens of the trained samples
   dropped_tokens: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
-  kept_stale: int = 0  # trained samples over the staleness bound (on_stale="keep"), also in samples_trained
-  kept_stale_tokens: int = 0
 
   def drop(self, group: list[Rollout], reason: str) -> None:
     self.dropped[reason] += len(group)
@@ -198,25 +152,20 @@ class Ledger:
     self.samples_trained += len(samples)
     self.tokens_trained += _completion_tokens(samples)
 
-  def keep_stale(self, group: list[Rollout]) -> None:
-    self.kept_stale += len(group)
-    self.kept_stale_tokens += _completion_tokens(group)
-
   @property
   def samples_dropped(self) -> int:
     return sum(self.dropped.values())
 
   def length_bias(self) -> dict[str, float]:
-    """Mean completion length of the trained samples, of the dropped ones per reason, and of the kept stale ones;
-    `stale_over_trained` > 1 says dropping stale groups biased training towards short answers."""
+    """Mean completion length of the generated samples, of the trained ones and of the dropped ones per reason;
+    `trained_over_generated` away from 1 says training saw a biased share of the answers' lengths."""
     mean = lambda tokens, n: tokens / n if n else float("nan")
-    out = {"trained_mean_len": mean(self.tokens_trained, self.samples_trained)}
+    out = {"generated_mean_len": mean(self.tokens_generated, self.samples_generated),
+           "trained_mean_len": mean(self.tokens_trained, self.samples_trained)}
     for reason, n in sorted(self.dropped.items()):
       out[f"dropped_{reason}_mean_len"] = mean(self.dropped_tokens.get(reason, 0), n)
-    if self.kept_stale:
-      out["kept_stale_mean_len"] = mean(self.kept_stale_tokens, self.kept_stale)
-    if self.dropped.get("stale") and self.samples_trained:
-      out["stale_over_trained"] = out["dropped_stale_mean_len"] / out["trained_mean_len"]
+    if self.samples_generated and self.samples_trained:
+      out["trained_over_generated"] = out["trained_mean_len"] / out["generated_mean_len"]
     return out
 
   def to_json(self) -> dict:
@@ -227,7 +176,7 @@ class Ledger:
 
   @classmethod
   def from_json(cls, d: dict) -> Ledger:
-    d = dict(d)
+    d = {k: v for k, v in d.items() if k not in ("kept_stale", "kept_stale_tokens")}  # rl.on_stale="keep" is gone
     dropped = collections.defaultdict(int, d.pop("dropped", {}))
     dropped_tokens = collections.defaultdict(int, d.pop("dropped_tokens", {}))
     return cls(dropped=dropped, dropped_tokens=dropped_tokens, **d)

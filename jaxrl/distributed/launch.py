@@ -9,6 +9,12 @@ When a process fails, the others get --grace_s to stop on their own (their watch
 timeout), then are killed; the launcher exits with the first failure's status (128 + signal if it was killed).
 A SIGTERM to the launcher is passed on to every process, as a cluster's preemption would signal each host: the job
 stops after the learners' current step with a checkpoint, and the launcher exits 143.
+
+--cpu_affinity pins each process to its own cores, so that a learner process and a sampler process run on disjoint
+hardware as on a TPU slice or a GPU node (virtual CPU devices of one process share its cores): "split" divides the
+cores this launcher may use into contiguous, equal shares in process order; "0-3;4,5;6-7" names each process's
+cores. XLA sizes its CPU thread pools from the process's affinity mask, so each process computes with its own
+cores only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,40 @@ def free_ports(n: int) -> list[int]:
       s.close()
 
 
+def _parse_cores(text: str) -> set[int]:
+  cores = set()
+  for part in text.split(","):
+    lo, _, hi = part.strip().partition("-")
+    if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+      raise ValueError(f"bad core list {text!r}: use numbers and ranges like 0-3,6")
+    cores.update(range(int(lo), int(hi or lo) + 1))
+  return cores
+
+
+def cpu_sets(spec: str, num_processes: int, available: set[int]) -> list[set[int]] | None:
+  """The cores of each process for a --cpu_affinity spec ("" or "none": no pinning, "split", or "a;b;..")."""
+  if spec in ("", "none"):
+    return None
+  if spec == "split":
+    cores = sorted(available)
+    if len(cores) < num_processes:
+      raise ValueError(f"--cpu_affinity=split: {len(cores)} cores for {num_processes} processes; each needs one")
+    share = len(cores) // num_processes
+    return [set(cores[i * share:(i + 1) * share]) for i in range(num_processes)]
+  sets = [_parse_cores(part) for part in spec.split(";")]
+  if len(sets) != num_processes:
+    raise ValueError(f"--cpu_affinity names {len(sets)} core sets for {num_processes} processes")
+  for i, cores in enumerate(sets):
+    if not cores <= available:
+      raise ValueError(f"--cpu_affinity: process {i} asks for cores {sorted(cores - available)}, not available "
+                       f"to this launcher (it may use {sorted(available)})")
+  for i in range(num_processes):
+    for j in range(i):
+      if sets[i] & sets[j]:
+        raise ValueError(f"--cpu_affinity: processes {j} and {i} share cores {sorted(sets[i] & sets[j])}")
+  return sets
+
+
 def _describe(code: int) -> str:
   return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
@@ -46,10 +86,12 @@ def _pump(proc: subprocess.Popen, name: str, start: float) -> None:
 
 
 def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
-           module: str = "jaxrl.distributed.train", grace_s: float = 30.0, timeout_s: float = 0.0) -> int:
+           module: str = "jaxrl.distributed.train", grace_s: float = 30.0, timeout_s: float = 0.0,
+           cpu_affinity: str = "") -> int:
   """Runs the job; returns 0 if every process succeeded, else the first failure's status."""
   if num_processes < 2:
     raise ValueError(f"a multi-process job needs at least 2 processes (got {num_processes})")
+  pinned = cpu_sets(cpu_affinity, num_processes, os.sched_getaffinity(0))
   coordinator, *transfer = free_ports(num_processes + 1)
   start = time.monotonic()
   procs = []
@@ -58,9 +100,12 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}", "JAXRL_NUM_PROCESSES": str(num_processes),
            "JAXRL_PROCESS_ID": str(i), "JAXRL_TRANSFER_ADDRESS": f"127.0.0.1:{transfer[i]}",
            "PYTHONUNBUFFERED": "1"}
+    cores = pinned[i] if pinned else None
     proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    print(f"jaxrl.launch: process {i} pid {proc.pid}", flush=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None)
+    where = f" on cores {_format(cores)}" if cores else ""
+    print(f"jaxrl.launch: process {i} pid {proc.pid}{where}", flush=True)
     threading.Thread(target=_pump, args=(proc, f"p{i}", start), daemon=True).start()
     procs.append(proc)
 
@@ -111,6 +156,10 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
   return 128 - code if code < 0 else code
 
 
+def _format(cores: set[int]) -> str:
+  return ",".join(str(c) for c in sorted(cores))
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if "--" not in argv:
@@ -125,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--module", default="jaxrl.distributed.train", help="what every process runs (python -m)")
   parser.add_argument("--grace_s", type=float, default=30.0, help="after a failure, time for the others to stop")
   parser.add_argument("--timeout_s", type=float, default=0.0, help="kill the job after this long (0: never)")
+  parser.add_argument("--cpu_affinity", default="",
+                      help='pin processes to cores: "split" (equal shares in process order) or "0-3;4-7" (per process)')
   opts = parser.parse_args(argv[:split])
-  return launch(opts.num_processes, argv[split + 1 :], devices_per_process=opts.devices_per_process,
-                module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s)
+  try:  # bad options raise before any process starts
+    return launch(opts.num_processes, argv[split + 1 :], devices_per_process=opts.devices_per_process,
+                  module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s, cpu_affinity=opts.cpu_affinity)
+  except ValueError as e:
+    print(f"jaxrl.launch: {e}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """The single-host Controller, one role per process: learner processes run its learner loop (SPMD over the learner
-mesh, in lock step), every sampler process runs its sampler loop on its own devices. The queue, staleness policy,
-batch assembly, train step and versions are the Controller's own code; what changes is the wiring:
+mesh, in lock step), every sampler process runs its sampler loop on its own devices. Admission, deadline-based
+batch assembly (each sampler assembles its share of every step from its own groups), the train step and versions
+are the Controller's own code; what changes is the wiring:
 
   sampler loop --Outbox--> transfer log --(cross-host copy of a packet)--> Inbox --> learner loop
   learner loop --LearnerPublisher--> transfer log --(cross-host copy of the params)--> ReceivedWeights --> sampler
 
 One Ferry thread per process follows the transfer log and issues every copy in order. Counters that cross
-(groups taken by the learner, groups dropped per sampler, sampler versions) go through the store.
+(groups taken by the learner, shares the learner asked for, updates it skipped, sampler versions) go through the
+store. The learners take share after share, sampler by sampler, so every learner process builds the same batch.
 Sync mode is this same pipeline with max_staleness 0: a sampler admits a step's groups only once it holds the
 params of that step, which is the single-host sync schedule.
 
@@ -18,6 +20,7 @@ checkpoint together and end the job as at its last step.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -27,8 +30,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl.controller.assembly import DeadlineBook
 from jaxrl.controller.loops import Controller
-from jaxrl.controller.queue import StalenessPolicy, Stopped
+from jaxrl.controller.queue import Stopped
 from jaxrl.distributed import packets
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, copy_packet, save_local_shards
 from jaxrl.rollout import Rollout
@@ -41,22 +45,23 @@ def request_job_stop(store, reason: str) -> None:
 
 
 class Inbox:
-  """The learner's end of the rollout queue: complete groups in transfer-log order, which is the same on every
-  learner process. The lead counts the groups it takes; that count frees room for the samplers (see Outbox)."""
+  """The learner's end of the rollout queue: one FIFO per sampler, each in transfer-log order, which is the same on
+  every learner process. The lead counts the groups it takes; that count frees room for the samplers (see Outbox)."""
 
-  def __init__(self, stop: threading.Event, store=None, poll_s: float = 0.05):
-    self._q: queue.Queue[list[Rollout]] = queue.Queue()
+  def __init__(self, num_samplers: int, stop: threading.Event, store=None, poll_s: float = 0.05):
+    self._qs: list[queue.Queue[list[Rollout]]] = [queue.Queue() for _ in range(num_samplers)]
     self._stop, self._store, self._poll_s = stop, store, poll_s
 
-  def put(self, group: list[Rollout]) -> None:
-    self._q.put(group)
+  def put(self, rank: int, group: list[Rollout]) -> None:
+    self._qs[rank].put(group)
 
-  def get(self) -> list[Rollout]:
+  def get(self, rank: int) -> list[Rollout]:
+    """The next group from sampler `rank`."""
     while True:
       if self._stop.is_set():
         raise Stopped
       try:
-        group = self._q.get(timeout=self._poll_s)
+        group = self._qs[rank].get(timeout=self._poll_s)
       except queue.Empty:
         continue
       if self._store is not None:
@@ -64,12 +69,13 @@ class Inbox:
       return group
 
   def qsize(self) -> int:
-    return self._q.qsize()
+    return sum(q.qsize() for q in self._qs)
 
   def drain(self) -> list[list[Rollout]]:
     out = []
-    while not self._q.empty():
-      out.append(self._q.get_nowait())
+    for q in self._qs:
+      while not q.empty():
+        out.append(q.get_nowait())
     return out
 
 
@@ -189,13 +195,13 @@ class DistributedController(Controller):
     self._abort = threading.Event()  # a thread of this process failed (self.stop is also set by a normal end)
     self._learner_inputs = [next(d for d in topology.learner_devices if d.process_index == p)
                             for p in topology.learner_processes]
+    # Each sampler assembles its share of every step's groups (groups_per_step divides evenly; build checks it) by
+    # deadline, from its own groups alone; the learners take share after share, sampler by sampler.
+    self.share = spec.groups_per_step // len(topology.sampler_processes)
     if self.is_learner:
-      self.inbox = Inbox(self.stop, store if self.is_lead else None, poll_s)
+      self.inbox = Inbox(len(topology.sampler_processes), self.stop, store if self.is_lead else None, poll_s)
     else:
       rank, num = topology.sampler_rank, len(topology.sampler_processes)
-      # Each sampler admits its share of every step's groups (groups_per_step divides evenly; build checks it), so
-      # the single-host admission bound holds overall.
-      self.policy = StalenessPolicy(spec.max_staleness, spec.groups_per_step // num, spec.on_stale)
       self.record.next_group_id = rank  # data positions rank, rank + num, ...: disjoint, and no coordination
       self.group_stride = num
       self.outbox = Outbox(store, log, rank, spec.queue_groups, max_len, topology.sampler_devices[rank][0],
@@ -254,29 +260,29 @@ class DistributedController(Controller):
       self.record.next_group_id = max(self.record.next_group_id, *positions)
     super().save_checkpoint(force)
 
-  def _sampler_of(self, group: list[Rollout]) -> int:
-    return group[0].group_id % len(self.topology.sampler_processes)
-
-  def _accept(self, group: list[Rollout]) -> bool:
-    accepted = super()._accept(group)
-    if not accepted and self.is_lead:
-      self.store.incr(f"dropped/{self._sampler_of(group)}")  # frees admission room on that sampler
-    return accepted
-
   def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
     metrics = super()._train(groups)
     if not metrics["applied"] and self.is_lead:
-      for g in groups:
-        self.store.incr(f"dropped/{self._sampler_of(g)}")
+      self.store.incr("updates_skipped")  # the samplers' next shares come a step earlier
     return metrics
+
+  def _updates_skipped(self) -> int:
+    return self.store.count("updates_skipped")
+
+  def _shares_asked(self) -> int:
+    return self.store.count("shares_asked")
+
+  def _ask(self) -> None:
+    if self.is_lead:
+      self.store.incr("shares_asked")
 
   # ---- the transfer log --------------------------------------------------------------------------------------------
 
   def _follow_log(self) -> None:
     for entry in self.log.follow(self._abort):
       if entry is None:
-        self._tick()
-      elif entry["kind"] == "weights":
+        continue
+      if entry["kind"] == "weights":
         self._copy_weights(entry["version"])
       elif entry["kind"] == "rollouts":
         self._copy_rollouts(entry)
@@ -285,13 +291,6 @@ class DistributedController(Controller):
         return
       else:
         raise ValueError(f"unknown transfer log entry {entry}")
-
-  def _tick(self) -> None:
-    if not self.is_learner:
-      dropped = self.store.count(f"dropped/{self.topology.sampler_rank}")
-      if dropped != self.ledger.dropped_groups:
-        self.ledger.dropped_groups = dropped
-        self._wake.set()
 
   def _copy_weights(self, version: int) -> None:
     sources = self.publisher.take(version, self._abort) if self.is_learner else None
@@ -303,7 +302,6 @@ class DistributedController(Controller):
           save_local_shards(params, self.dump_dir / f"v{version}_process{self.topology.process_id}.npz")
         self.received.deliver(Versioned(params, version))
         self.store.set(f"sampler_version/{rank}", version)
-        self._tick()
         self._wake.set()
 
   def _copy_rollouts(self, entry: dict) -> None:
@@ -315,7 +313,7 @@ class DistributedController(Controller):
     if self.is_learner:
       received = copies[self.topology.learner_processes.index(self.topology.process_id)]
       for group in packets.decode(np.asarray(received), self.max_len):
-        self.inbox.put(group)
+        self.inbox.put(rank, group)
 
   # ---- the two roles -----------------------------------------------------------------------------------------------
 
@@ -337,7 +335,8 @@ class DistributedController(Controller):
       self.store.set("resume", {"next_group_id": self.record.next_group_id, "version": self.version,
                                 "fresh": self.resumed_from is None})
     self.publisher.publish(self.state.params, self.version)
-    self._guarded("learner", self._learner_loop, self.inbox)
+    sources = [(functools.partial(self.inbox.get, r), self.share) for r in range(len(self.topology.sampler_processes))]
+    self._guarded("learner", self._learner_loop, sources, self.inbox.qsize)
     if not self.errors:
       self.finish()  # on every learner process (a save over all of them), the final state
       self.checkpointer.close()
@@ -357,9 +356,9 @@ class DistributedController(Controller):
       self.evals["eval_before"] = self.evaluate(first.params, first.version)
     num = len(self.topology.sampler_processes)
     self.record.next_group_id = -(-resume["next_group_id"] // num) * num + self.topology.sampler_rank
-    # As if this sampler had admitted exactly its share of the groups trained so far: the admission bound then
-    # counts from the resumed version.
-    self.ledger.groups_admitted = resume["version"] * self.policy.groups_per_step
+    self.book = DeadlineBook(self.spec.max_staleness, self.share, resume["version"], self.spec.num_steps,
+                             self.spec.queue_groups // len(self.topology.sampler_processes))
+    self.ledger.groups_admitted = resume["version"] * self.share  # as if it had admitted its share of each step
     self._guarded("sampler", self._sampler_loop, self.outbox, self.poll_s)
     self.ferry.join()
     if self.evaluate is not None and not self.errors and self.store.try_get("stopped_by") is None:

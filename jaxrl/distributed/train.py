@@ -34,27 +34,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
-from jaxrl.checkpoint import Checkpointer
-from jaxrl.controller.data import evaluate_policy, make_prompt_source, make_scorer
+from jaxrl.controller import build as build_lib
+from jaxrl.controller.data import evaluate_policy
 from jaxrl.controller.queue import Ledger
 from jaxrl.distributed import runtime
 from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher, request_job_stop
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
-from jaxrl.learner import (
-  LossConfig,
-  batch_shardings,
-  init_train_state,
-  make_optimizer,
-  make_train_step,
-  train_state_shardings,
-)
-from jaxrl.metrics import MetricsWriter
+from jaxrl.learner import batch_shardings
 from jaxrl.models import hf
-from jaxrl.policy import base_params, model_source
 from jaxrl.rollout import make_batch
-from jaxrl.sampler import Engine, Sampler
-from jaxrl.train import restore, run_spec
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -68,7 +57,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   if c.mesh.num_devices not in (-1, len(jax.devices())):
     raise config_lib.ConfigError(f"config: mesh.num_devices={c.mesh.num_devices}: a multi-process run uses every "
                                  f"device of the job ({len(jax.devices())}); set it to -1")
-  model_cfg, tokenizer, path = model_source(c)
+  model_cfg, tokenizer, path = build_lib.model_source(c)
   abstract = hf.abstract_params(model_cfg)[1]
   replicas = []
   for devices in topology.sampler_devices:
@@ -87,20 +76,16 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
               for rank, mesh in enumerate(replicas)]
   except ValueError as e:
     raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
-  spec = run_spec(c)
+  spec = build_lib.run_spec(c)
   log = TransferLog(store)
   common = dict(topology=topology, store=store, log=log, routes=routes, max_len=c.sampler.max_len, dump_dir=dump_dir)
 
   if topology.role == "sampler":
-    task, prompts = make_prompt_source(c, tokenizer, model_cfg)
-    score = make_scorer(c, task, tokenizer)
-    engine = Engine(model_cfg, replicas[topology.sampler_rank], max_slots=c.sampler.max_slots,
-                    max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call, dtype=c.sampler.dtype)
-    detok = tokenizer.decode if tokenizer is not None else None
+    task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)
+    engine = build_lib.build_engine(c, model_cfg, replicas[topology.sampler_rank])
 
     def make_sampler(first):
-      return Sampler(engine, first.params, first.version, seed=c.seed, on_update=c.sampler.on_update,
-                     detokenize=detok)
+      return build_lib.build_sampler(c, engine, first.params, first.version, tokenizer)
 
     evaluate = None
     if c.eval.num_examples and topology.sampler_rank == 0:  # the first replica scores the held-out examples
@@ -113,23 +98,14 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
                                  score=score, make_sampler=make_sampler, evaluate=evaluate, **common)
 
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
-  psh = lambda params: sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES)
-  model_cfg, graphdef, params = base_params(c, model_cfg, path, psh)
-  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
-  optimizer = make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
-  state_sh = train_state_shardings(params, optimizer, psh(params), learner_mesh)
-  rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
-  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
-                               state_shardings=state_sh, batch_sharding=rows)
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  learner = build_lib.build_learner(c, learner_mesh, model_cfg, path, spec)
+  train_step = learner.train_step
   # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
-  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
-                              every_steps=c.checkpoint.every_steps, processes=topology.learner_processes,
-                              primary=topology.lead)
+  checkpointer = build_lib.open_checkpointer(c, workdir, processes=topology.learner_processes, primary=topology.lead)
   resumed = checkpointer.latest_step()
-  state, record = restore(checkpointer, state, state_sh)
+  state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
   record.pending_group_ids = []  # not generated again: the samplers start past every group admitted before
-  batch_sh = batch_shardings(rows)
+  batch_sh = batch_shardings(learner.batch_sharding)
 
   def step(state, batch, key):
     # Every learner process holds the whole (identical) numpy batch; device_put keeps each one's rows.
@@ -146,8 +122,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   if lead:
     if c.log.trace:
       print("jaxrl: log.trace is single-host only; a multi-process run writes no trace.jsonl", file=sys.stderr)
-    metrics = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
-                            resume_step=resumed or 0)
+    metrics = build_lib.open_metrics(c, workdir, resumed)
   return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
                                score=None, metrics=metrics, checkpointer=checkpointer, record=record,
                                resumed_from=resumed, **common)
@@ -159,7 +134,7 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
   samplers = [parts[p] for p in topology.sampler_processes]
   evals = {k: samplers[0][k] for k in ("eval_before", "eval_after") if k in samplers[0]}
   ledger = dict(learner["ledger"])
-  for key in ("groups_admitted", "samples_generated", "skipped_prompts"):
+  for key in ("groups_admitted", "samples_generated", "tokens_generated", "skipped_prompts"):
     # The learner's own count is the base a resume starts from (samples_generated = trained + dropped then).
     ledger[key] = learner["ledger"][key] + sum(s["ledger"][key] for s in samplers)
   staleness = learner["trained_staleness"]

@@ -6,8 +6,12 @@ whose contexts add up to C tokens (the scaling-book "general" step time, plus a 
     t(B, C) = overhead + kv_s_per_token * C + smoothmax(weights_s, compute_s_per_seq * B)
 
 with weights_s = W / (n * BW * mem_eff), kv_s_per_token = kv_bytes / (n * BW * mem_eff) and
-compute_s_per_seq = 2 N / (n * F * flop_eff). Attention reads are always bandwidth-bound; the linear layers
+compute_s_per_seq = 2 N_active / (n * F * flop_eff). Attention reads are always bandwidth-bound; the linear layers
 are bound by the weight read until B reaches the knee weights_s / compute_s_per_seq.
+
+Mixture-of-experts models: FLOPs follow the active parameters (N_active), memory the total; a decode step of B
+sequences reads the shared weights and the experts its B tokens route to: a fraction 1 - (1 - k/E)^B of the
+expert weights per layer, with E experts and k routed per token (uniform routing).
 """
 
 from __future__ import annotations
@@ -37,32 +41,71 @@ class ModelSpec:
   """What the cost model needs to know about a decoder: parameter count and KV-cache bytes per token."""
 
   name: str
-  params: float
+  params: float  # total parameters (what memory and the weight transfer hold)
   kv_bytes_per_token: float
   bytes_per_param: float = 2.0  # bf16 weights for sampling and for the transfer
+  active_params: float = 0.0  # parameters one token computes with (MoE); 0: all of them (dense)
+  expert_params: float = 0.0  # parameters in routed experts (MoE), part of `params`
+  num_experts: int = 0  # routed experts per layer (MoE); 0: dense
+  experts_per_token: int = 0  # experts each token is routed to (MoE)
 
   def __post_init__(self):
     _check_positive(f"ModelSpec {self.name!r}", params=self.params, kv_bytes_per_token=self.kv_bytes_per_token,
                     bytes_per_param=self.bytes_per_param)
+    _check_nonnegative(f"ModelSpec {self.name!r}", active_params=self.active_params,
+                       expert_params=self.expert_params, num_experts=self.num_experts,
+                       experts_per_token=self.experts_per_token)
+    if self.active_params > self.params or self.expert_params > self.params:
+      raise ValueError(f"ModelSpec {self.name!r}: active_params ({self.active_params:.4g}) and expert_params "
+                       f"({self.expert_params:.4g}) cannot exceed params ({self.params:.4g})")
+    if self.experts_per_token > self.num_experts:
+      raise ValueError(f"ModelSpec {self.name!r}: experts_per_token={self.experts_per_token} > "
+                       f"num_experts={self.num_experts}")
 
   @property
   def weight_bytes(self) -> float:
     return self.params * self.bytes_per_param
 
+  @property
+  def flop_params(self) -> float:
+    """Parameters a token's forward pass multiplies by: 2 x this many FLOPs per token."""
+    return self.active_params or self.params
+
+  @property
+  def expert_fraction(self) -> float:
+    """Share of the weight bytes in routed experts (0 for a dense model)."""
+    return self.expert_params / self.params
+
   @classmethod
   def from_dims(cls, name: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
                 num_heads: int, num_kv_heads: int, head_dim: int, tie_embeddings: bool = False,
-                bytes_per_param: float = 2.0, kv_bytes_per_value: float = 2.0) -> ModelSpec:
-    """Llama/Qwen-style decoder (SwiGLU MLP, GQA attention, RMSNorm) counted from its sizes."""
-    dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+                bytes_per_param: float = 2.0, kv_bytes_per_value: float = 2.0, num_experts: int = 0,
+                experts_per_token: int = 0, moe_intermediate_size: int = 0) -> ModelSpec:
+    """Llama/Qwen-style decoder (SwiGLU MLP, GQA attention, RMSNorm) counted from its sizes.
+
+    MoE (num_experts > 0): every layer has `num_experts` SwiGLU experts of `moe_intermediate_size`, a router,
+    and a shared SwiGLU MLP of `intermediate_size` (0 for none); each token uses `experts_per_token` experts.
+    """
+    dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim)
     _check_positive(f"ModelSpec {name!r}", **dims)
+    _check_nonnegative(f"ModelSpec {name!r}", intermediate_size=intermediate_size, num_experts=num_experts)
+    if num_experts and not (0 < experts_per_token <= num_experts and moe_intermediate_size > 0):
+      raise ValueError(f"ModelSpec {name!r}: an MoE needs 0 < experts_per_token <= num_experts and "
+                       f"moe_intermediate_size > 0 (got {experts_per_token}, {num_experts}, {moe_intermediate_size})")
+    if not num_experts and not intermediate_size > 0:
+      raise ValueError(f"ModelSpec {name!r}: intermediate_size must be > 0 (got {intermediate_size})")
     d, q, kv = hidden_size, num_heads * head_dim, num_kv_heads * head_dim
-    per_layer = d * q + 2 * d * kv + q * d + 3 * d * intermediate_size + 2 * d
+    shared = d * q + 2 * d * kv + q * d + 3 * d * intermediate_size + 2 * d + d * num_experts  # + router
+    expert = 3 * d * moe_intermediate_size
     embed = vocab_size * d * (1 if tie_embeddings else 2)
-    params = num_layers * per_layer + embed + d
+    params = num_layers * (shared + num_experts * expert) + embed + d
+    active = num_layers * (shared + experts_per_token * expert) + embed + d
     kv_bytes = 2 * num_layers * kv * kv_bytes_per_value
-    return cls(name, float(params), float(kv_bytes), bytes_per_param)
+    return cls(name, float(params), float(kv_bytes), bytes_per_param,
+               active_params=float(active) if num_experts else 0.0,
+               expert_params=float(num_layers * num_experts * expert), num_experts=num_experts,
+               experts_per_token=experts_per_token)
 
   @classmethod
   def from_model_config(cls, cfg, name: str = "model", bytes_per_param: float = 2.0) -> ModelSpec:
@@ -88,16 +131,29 @@ def smoothmax(a, b, sharpness: float):
 class DecodeCurve:
   """Decode step time of one engine vs live batch and total context (see the module docstring)."""
 
-  weights_s: float
+  weights_s: float  # reading every weight once
   kv_s_per_token: float
   compute_s_per_seq: float
   overhead_s: float = 0.0
   knee_sharpness: float = math.inf  # p of the smooth max; inf is the hard roofline
+  expert_fraction: float = 0.0  # MoE: share of weights_s in routed experts (read only where tokens route)
+  experts_routed: float = 0.0  # MoE: experts_per_token / num_experts
 
   def __post_init__(self):
     _check_nonnegative("DecodeCurve", weights_s=self.weights_s, kv_s_per_token=self.kv_s_per_token,
                        compute_s_per_seq=self.compute_s_per_seq, overhead_s=self.overhead_s)
     _check_positive("DecodeCurve", knee_sharpness=self.knee_sharpness)
+    if not (0 <= self.expert_fraction <= 1 and 0 <= self.experts_routed <= 1):
+      raise ValueError(f"DecodeCurve: expert_fraction and experts_routed must lie in [0, 1] (got "
+                       f"{self.expert_fraction}, {self.experts_routed})")
+
+  def weights_read_s(self, batch):
+    """Seconds to read the weights a step of `batch` sequences touches (all of them for a dense model)."""
+    if not self.expert_fraction:
+      return self.weights_s
+    touched = 1.0 - (1.0 - self.experts_routed) ** np.asarray(batch, np.float64)
+    w = self.weights_s * (1.0 - self.expert_fraction + self.expert_fraction * touched)
+    return float(w) if w.ndim == 0 else w
 
   @property
   def knee_batch(self) -> float:
@@ -110,7 +166,7 @@ class DecodeCurve:
     if np.any(batch < 1) or np.any(context_tokens < 0):
       raise ValueError(f"decode step needs batch >= 1 and context >= 0 (got {batch}, {context_tokens})")
     t = self.overhead_s + self.kv_s_per_token * context_tokens + smoothmax(
-        self.weights_s, self.compute_s_per_seq * batch, self.knee_sharpness)
+        self.weights_read_s(batch), self.compute_s_per_seq * batch, self.knee_sharpness)
     return float(t) if t.ndim == 0 else t
 
 
@@ -120,8 +176,9 @@ def roofline_decode(model: ModelSpec, hw: Hardware, devices: int, *, mem_eff: fl
   _check_positive("roofline_decode", devices=devices, mem_eff=mem_eff, flop_eff=flop_eff)
   bw = devices * hw.hbm_bandwidth * mem_eff
   return DecodeCurve(weights_s=model.weight_bytes / bw, kv_s_per_token=model.kv_bytes_per_token / bw,
-                     compute_s_per_seq=2 * model.params / (devices * hw.peak_flops * flop_eff),
-                     overhead_s=overhead_s, knee_sharpness=knee_sharpness)
+                     compute_s_per_seq=2 * model.flop_params / (devices * hw.peak_flops * flop_eff),
+                     overhead_s=overhead_s, knee_sharpness=knee_sharpness, expert_fraction=model.expert_fraction,
+                     experts_routed=model.experts_per_token / model.num_experts if model.num_experts else 0.0)
 
 
 def kv_limited_batch(model: ModelSpec, hw: Hardware, devices: int, slot_tokens: int,
@@ -147,14 +204,14 @@ def min_engine_devices(model: ModelSpec, hw: Hardware, slot_tokens: int, min_bat
 def prefill_s_per_token(model: ModelSpec, hw: Hardware, devices: int, flop_eff: float = 1.0) -> float:
   """Prefill is compute-bound for prompts longer than the knee: 2 N FLOPs per prompt token."""
   _check_positive("prefill_s_per_token", devices=devices, flop_eff=flop_eff)
-  return 2 * model.params / (devices * hw.peak_flops * flop_eff)
+  return 2 * model.flop_params / (devices * hw.peak_flops * flop_eff)
 
 
 def train_tokens_per_s_per_device(model: ModelSpec, hw: Hardware, mfu: float) -> float:
   """Learner throughput at a stated MFU: 6 N FLOPs per trained token (forward + backward)."""
   if not 0 < mfu <= 1:
     raise ValueError(f"mfu must be in (0, 1] (got {mfu})")
-  return hw.peak_flops * mfu / (6 * model.params)
+  return hw.peak_flops * mfu / (6 * model.flop_params)
 
 
 def learner_min_devices(model: ModelSpec, hw: Hardware, bytes_per_param: float = 16.0,
@@ -190,20 +247,46 @@ class Costs:
   link_bandwidth: float  # bytes/s per device during a weight transfer
   train_overhead_s: float = 0.0  # fixed per learner step (optimizer update, host work)
   sync_overhead_s: float = 0.0  # fixed per weight transfer (latency, re-layout)
+  # Learner throughput measured at several device counts, ((devices, tokens/s per device), ...): it replaces
+  # the single figure above, interpolated linearly in log(devices) and held flat outside the measured range
+  # (per-device throughput falls as a learner grows: collectives, smaller per-device batches).
+  train_scaling: tuple[tuple[int, float], ...] = ()
+  # The same for the colocated synchronous baseline's learner, which trains on the whole pool next to the
+  # sampler's memory (often lower: smaller micro-batches, offloading); empty: as the pipeline's learner.
+  sync_train_scaling: tuple[tuple[int, float], ...] = ()
+  # Forward passes over the batch besides the trained one (old-policy log-probs of decoupled PPO, a reference
+  # model for KL): each adds 2 N FLOPs per token to the 6 N of forward + backward.
+  extra_forward_passes: int = 0
 
   def __post_init__(self):
     _check_positive("Costs", devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
                     train_tokens_per_s_per_device=self.train_tokens_per_s_per_device,
                     weight_bytes=self.weight_bytes, link_bandwidth=self.link_bandwidth)
     _check_nonnegative("Costs", prefill_s_per_token=self.prefill_s_per_token,
-                       train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s)
+                       train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s,
+                       extra_forward_passes=self.extra_forward_passes)
+    for field in ("train_scaling", "sync_train_scaling"):
+      points = getattr(self, field)
+      if any(len(p) != 2 or not p[0] >= 1 or not p[1] > 0 for p in points):
+        raise ValueError(f"Costs.{field} must be (devices >= 1, tokens/s per device > 0) pairs (got {points})")
+      if len({p[0] for p in points}) != len(points):
+        raise ValueError(f"Costs.{field} names a device count twice (got {points})")
 
   def replace(self, **kw) -> Costs:
     return dataclasses.replace(self, **kw)
 
-  def train_time(self, tokens: float, devices: int) -> float:
+  def train_tokens_per_s(self, devices: int, colocated: bool = False) -> float:
+    """Per-device learner throughput at `devices` devices; `colocated`: the synchronous baseline's learner."""
+    points = (self.sync_train_scaling if colocated else ()) or self.train_scaling
+    if not points:
+      return self.train_tokens_per_s_per_device
+    n, tps = np.asarray(sorted(points), np.float64).T
+    return float(np.interp(math.log(devices), np.log(n), tps))
+
+  def train_time(self, tokens: float, devices: int, colocated: bool = False) -> float:
     _check_positive("train_time", devices=devices)
-    return self.train_overhead_s + tokens / (devices * self.train_tokens_per_s_per_device)
+    flops_factor = 1.0 + self.extra_forward_passes / 3.0  # (6 + 2 extra) N over the 6 N the rate is for
+    return self.train_overhead_s + tokens * flops_factor / (devices * self.train_tokens_per_s(devices, colocated))
 
   def sync_time(self, sender_devices: int, receiver_devices: int) -> float:
     """One weight publish: every engine of the receivers gets a full copy."""
@@ -215,8 +298,13 @@ class Costs:
 def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, slot_tokens: int,
                    mem_eff: float = 1.0, flop_eff: float = 1.0, mfu: float = 0.4, overhead_s: float = 0.0,
                    knee_sharpness: float = math.inf, kv_mem_fraction: float = 1.0, max_batch_cap: int = 1024,
-                   train_overhead_s: float = 0.0, sync_overhead_s: float = 0.0) -> Costs:
-  """Costs from datasheet numbers and efficiency factors; `slot_tokens` is the KV reserved per sequence."""
+                   train_overhead_s: float = 0.0, sync_overhead_s: float = 0.0, mfu_by_devices=None,
+                   sync_mfu_by_devices=None, extra_forward_passes: int = 0) -> Costs:
+  """Costs from datasheet numbers and efficiency factors; `slot_tokens` is the KV reserved per sequence.
+
+  mfu_by_devices / sync_mfu_by_devices: {devices: MFU} measured at several learner sizes (pipeline learner /
+  colocated sync learner); they set Costs.train_scaling / sync_train_scaling.
+  """
   max_batch = min(max_batch_cap, kv_limited_batch(model, hw, devices_per_engine, slot_tokens, kv_mem_fraction))
   if max_batch < 1:
     raise ValueError(f"{model.name} does not fit an engine of {devices_per_engine} {hw.name} devices with one "
@@ -228,4 +316,11 @@ def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, s
       prefill_s_per_token=prefill_s_per_token(model, hw, devices_per_engine, flop_eff),
       train_tokens_per_s_per_device=train_tokens_per_s_per_device(model, hw, mfu),
       weight_bytes=model.weight_bytes, link_bandwidth=hw.link_bandwidth,
-      train_overhead_s=train_overhead_s, sync_overhead_s=sync_overhead_s)
+      train_overhead_s=train_overhead_s, sync_overhead_s=sync_overhead_s,
+      train_scaling=_scaling(model, hw, mfu_by_devices), sync_train_scaling=_scaling(model, hw, sync_mfu_by_devices),
+      extra_forward_passes=extra_forward_passes)
+
+
+def _scaling(model: ModelSpec, hw: Hardware, mfu_by_devices) -> tuple[tuple[int, float], ...]:
+  return tuple((int(n), train_tokens_per_s_per_device(model, hw, float(m)))
+               for n, m in sorted((mfu_by_devices or {}).items(), key=lambda kv: int(kv[0])))

@@ -8,19 +8,21 @@ speedup_vs_length.png to the output directory.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
 
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl.sim import costs as costs_lib
+from jaxrl.sim import intervals, planner, plots
 from jaxrl.sim import lengths as lengths_lib
-from jaxrl.sim import planner, plots
 from jaxrl.sim.calibrate import Calibration
 from jaxrl.sim.hardware import preset
-from jaxrl.sim.simulate import RunSpec
+from jaxrl.sim.simulate import RunSpec, simulate_pipeline, simulate_sync
 
 
 def build(config) -> dict:
@@ -35,11 +37,17 @@ def build(config) -> dict:
         mem_eff=config.mem_eff, flop_eff=config.flop_eff, mfu=config.mfu, overhead_s=config.overhead_s,
         knee_sharpness=config.knee_sharpness, kv_mem_fraction=config.kv_mem_fraction,
         max_batch_cap=config.max_batch_cap, train_overhead_s=config.train_overhead_s,
-        sync_overhead_s=config.sync_overhead_s)
+        sync_overhead_s=config.sync_overhead_s, mfu_by_devices=dict(config.mfu_by_devices),
+        sync_mfu_by_devices=dict(config.sync_mfu_by_devices), extra_forward_passes=config.extra_forward_passes)
+  if config.train_tps_by_devices or config.sync_train_tps_by_devices:
+    costs = costs.replace(train_scaling=tuple(map(tuple, config.train_tps_by_devices)),
+                          sync_train_scaling=tuple(map(tuple, config.sync_train_tps_by_devices)))
   lengths = lengths_lib.from_config(config.lengths.to_dict())
   workload = RunSpec(sampler_devices=1, learner_devices=1, batch_size=config.batch_sizes[0],
                      group_size=config.group_size, max_staleness=config.ks[0], lengths=lengths,
-                     prompt_len=config.prompt_len, steps=config.steps, seed=config.seed)
+                     prompt_len=config.prompt_len, steps=config.steps, seed=config.seed,
+                     queue_groups=config.queue_groups, admission=config.admission,
+                     admission_budget=config.admission_budget, partial_rollouts=config.partial_rollouts)
   return dict(model=model, hardware=hw, costs=costs, workload=workload, pool=config.pool,
               staleness_bound=config.staleness_bound, batch_sizes=tuple(config.batch_sizes), ks=tuple(config.ks),
               splits=tuple(config.splits),
@@ -89,6 +97,24 @@ def _main(argv):
   print(f"\nsync on all {b['pool']} devices: {sync.step_time_s:.2f} s/step; best pipeline: {best.sampler_devices} "
         f"sampler + {best.learner_devices} learner devices, k={best.max_staleness}: {best.step_time_s:.2f} s/step, "
         f"speedup {best.speedup:.3f}x (sweep took {time.perf_counter() - t0:.1f} s)")
+  pub = config.published
+  if pub.sync_step_s:
+    row = next((r for r in p.rows if r.feasible and r.sampler_devices == pub.sampler_devices
+                and r.batch_size == best.batch_size), None)
+    if row is not None:
+      print(f"published ({pub.source}): sync {pub.sync_step_s:.4g} s/step, pipeline on {pub.sampler_devices} sampler "
+            f"devices {pub.pipeline_step_s:.4g} s/step ({pub.sync_step_s / pub.pipeline_step_s:.3f}x); predicted "
+            f"{row.sync_step_time_s:.4g} ({row.sync_step_time_s / pub.sync_step_s - 1:+.1%}) and {row.step_time_s:.4g} "
+            f"({row.step_time_s / pub.pipeline_step_s - 1:+.1%}), {row.speedup:.3f}x")
+  if config.seeds > 1:
+    spec = b["workload"].replace(sampler_devices=best.sampler_devices, learner_devices=best.learner_devices,
+                                 batch_size=best.batch_size, max_staleness=best.max_staleness)
+    pipe = intervals.step_time_interval(functools.partial(simulate_pipeline, c), spec, config.seeds)
+    sync_spec = spec.replace(sampler_devices=b["pool"] - 1, learner_devices=1)
+    sync_i = intervals.step_time_interval(lambda s: simulate_sync(c, s, colocated=True), sync_spec, config.seeds)
+    ratio = np.asarray(sync_i.per_seed) / np.asarray(pipe.per_seed)  # the same lengths drawn per seed
+    print(f"over {config.seeds} seeds (10-90%): pipeline {pipe}; sync {sync_i}; speedup "
+          f"{np.quantile(ratio, 0.1):.3f}-{np.quantile(ratio, 0.9):.3f}x (median {np.median(ratio):.3f}x)")
   plots.timeline(p.best_result(), os.path.join(outdir, "timeline.png"))
   plots.timeline(sync, os.path.join(outdir, "timeline_sync.png"))
   plots.vs_split(p, "speedup", "pipeline speedup over sync", os.path.join(outdir, "speedup_vs_split.png"))

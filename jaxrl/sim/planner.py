@@ -250,7 +250,8 @@ def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction
     if not run.seq_len:
       return costs
     step_s = costs.train_time(run.batch_size * run.seq_len, learner_devices)
-    return costs.replace(train_overhead_s=step_s, train_tokens_per_s_per_device=math.inf)
+    return costs.replace(train_overhead_s=step_s, train_tokens_per_s_per_device=math.inf, train_scaling=(),
+                         sync_train_scaling=(), extra_forward_passes=0)
 
   spec = RunSpec(sampler_devices=run.sampler_devices, learner_devices=run.learner_devices,
                  batch_size=run.batch_size, group_size=run.group_size, max_staleness=run.max_staleness,

@@ -10,27 +10,36 @@ Controller (the same for both modes; sync is the k = 0 case):
   trained on by learner step v + k. Admission holds while open groups (started, not yet trained on) number at
   most (v + k - s + 1) * groups_per_step, s being the next learner step; this makes every deadline feasible,
   so no sample is ever dropped and staleness never exceeds k. A bounded queue (`queue_groups`) also stops
-  admission while that many finished groups wait.
+  admission while max(queue_groups, groups_per_step) finished groups wait.
+  This is the real controller's rule too (jaxrl/controller/assembly.py), so predictions describe the real loop.
 - Complete-group rule: a group reaches the queue when its last sample finishes.
 - Learner step s takes the groups whose deadlines force them into step s (waiting for any that are still
   generating), then fills the batch with finished groups in completion order.
 - After a train step the new weights go to every engine (in-flight update): an engine pauses at its next
-  decode-step boundary for the transfer and continues its live samples under the new version; the learner is
-  busy for the transfer too.
+  decode-step boundary for the transfer and continues its live samples under the new version (partial rollouts
+  carried across versions); the learner is busy for the transfer too.
 With k = 0 nothing is admitted between a learner step's start and its publish, which is exactly the
 synchronous loop: sample a batch, train, sync weights.
+
+Two variants other frameworks use, selected in RunSpec:
+- admission="budget" (AReaL's max_head_offpolicyness, verl's staleness_threshold): an admission budget separate
+  from any per-sample deadline. Groups started never exceed (v + 1 + admission_budget) * groups_per_step at
+  version v (a fractional budget admits part of a step ahead); the learner trains finished groups in
+  completion order and nothing forces a late group in, so staleness is measured, not bounded.
+- partial_rollouts=False: an engine takes new weights only once its live samples have finished on the old ones,
+  starting no new sample meanwhile (no sample spans two versions; the engine drains before each update).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import math
 
 import numpy as np
 
-from jaxrl.sim.costs import Costs, smoothmax
+from jaxrl.sim.costs import Costs
+from jaxrl.sim.engine import EngineSim, busy_in
 from jaxrl.sim.lengths import LengthDist
 
 
@@ -49,6 +58,9 @@ class RunSpec:
   warmup_steps: int = -1  # learner steps simulated first and not measured; -1: max_staleness + 1
   queue_groups: int = 0  # finished groups the queue may hold; 0: bounded by admission only
   seed: int = 0
+  admission: str = "deadline"  # "deadline" (per-group deadline v + k) | "budget" (see the module docstring)
+  admission_budget: float = 0.0  # with admission="budget": steps of groups admitted ahead (may be fractional)
+  partial_rollouts: bool = True  # live samples continue on new weights (False: engines drain before updates)
 
   def __post_init__(self):
     for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
@@ -64,14 +76,29 @@ class RunSpec:
                        "batches are made of whole groups")
     if not isinstance(self.lengths, LengthDist):
       raise ValueError(f"RunSpec.lengths must be a LengthDist (got {type(self.lengths).__name__})")
+    if self.queue_groups and self.queue_groups < self.groups_per_step:
+      raise ValueError(f"RunSpec.queue_groups={self.queue_groups} is smaller than the {self.groups_per_step} groups "
+                       "of one learner step: no batch could ever be formed (use >= groups_per_step, or 0)")
+    if self.admission not in ("deadline", "budget"):
+      raise ValueError(f"RunSpec.admission must be 'deadline' or 'budget' (got {self.admission!r})")
+    if not self.admission_budget >= 0:
+      raise ValueError(f"RunSpec.admission_budget must be >= 0 (got {self.admission_budget})")
+    if self.admission == "deadline" and self.admission_budget:
+      raise ValueError("RunSpec.admission_budget needs admission='budget' (the deadline rule admits by "
+                       "max_staleness)")
 
   @property
   def groups_per_step(self) -> int:
     return self.batch_size // self.group_size
 
   @property
+  def lookahead(self) -> int:
+    """Whole steps of groups admission may run ahead of the learner."""
+    return math.ceil(self.admission_budget) if self.admission == "budget" else self.max_staleness
+
+  @property
   def warmup(self) -> int:
-    return self.max_staleness + 1 if self.warmup_steps == -1 else self.warmup_steps
+    return self.lookahead + 1 if self.warmup_steps == -1 else self.warmup_steps
 
   @property
   def total_steps(self) -> int:
@@ -135,131 +162,21 @@ class SimResult:
                 staleness_max=int(s.max()) if s.size else 0, staleness_length_corr=self.staleness_length_corr())
 
 
-class _Engine:
-  """One sampler engine: live decode slots, a pending list, a clock and the version of its weights.
-
-  Live samples sit in a heap keyed by the value of the engine's decode-step counter at which they finish, so
-  an event costs O(log B); a live sample's context is prompt_len + (counter - its start counter).
-  """
-
-  def __init__(self, index: int, costs: Costs, prompt_len: int):
-    d = costs.decode
-    self.index, self.max_batch, self.prompt_len = index, costs.max_batch, prompt_len
-    self.o, self.kv, self.w, self.c, self.p = d.overhead_s, d.kv_s_per_token, d.weights_s, d.compute_s_per_seq, \
-        d.knee_sharpness
-    self.prefill_s = costs.prefill_s_per_token * prompt_len
-    self.clock, self.version = 0.0, 0
-    self.update_due: tuple[float, int] | None = None  # (publish time, version) waiting for a step boundary
-    self.counter = 0  # decode steps run so far
-    self.live: list[tuple[int, int, int]] = []  # heap of (finish counter, sample id, start counter)
-    self.start_sum = 0  # sum of the live samples' start counters
-    self.pending: collections.deque[tuple[int, int]] = collections.deque()  # (sample id, length)
-    self.busy: list[list] = []  # [kind, start, end], contiguous spans of one kind merged
-    self.tokens = 0
-
-  @property
-  def batch(self) -> int:
-    return len(self.live)
-
-  @property
-  def load(self) -> int:
-    return len(self.live) + len(self.pending)
-
-  def _mark(self, kind: str, start: float, end: float):
-    if end <= start:
-      return
-    if self.busy and self.busy[-1][0] == kind and abs(self.busy[-1][2] - start) < 1e-12:
-      self.busy[-1][2] = end
-    else:
-      self.busy.append([kind, start, end])
-
-  def _first_step(self) -> tuple[float, float]:
-    """(time of the next decode step, growth of each later step): contexts grow by B tokens per step."""
-    b = len(self.live)
-    ctx_sum = b * (self.prompt_len + self.counter) - self.start_sum
-    linear = max(self.w, self.c * b) if math.isinf(self.p) else float(smoothmax(self.w, self.c * b, self.p))
-    return self.o + self.kv * ctx_sum + linear, self.kv * b
-
-  def _span(self, n: int) -> float:
-    a, s = self._first_step()
-    return n * a + s * n * (n - 1) / 2
-
-  def steps_to_finish(self) -> int:
-    return self.live[0][0] - self.counter
-
-  def next_finish(self) -> float:
-    return self.clock + self._span(self.steps_to_finish()) if self.live else math.inf
-
-  def steps_to_reach(self, t: float) -> int:
-    """Fewest decode steps that take the clock to t or past it (at most until the next sample finishes)."""
-    n_max = self.steps_to_finish()
-    tau = t - self.clock
-    if tau <= 0:
-      return 0
-    a, s = self._first_step()
-    if s == 0:
-      n = math.ceil(tau / a)
-    else:
-      h = a - s / 2
-      n = math.ceil((-h + math.sqrt(h * h + 2 * s * tau)) / s)
-    n = max(0, min(n, n_max))
-    while n > 0 and self._span(n - 1) >= tau:  # float round-off in the root
-      n -= 1
-    while n < n_max and self._span(n) < tau:
-      n += 1
-    return n
-
-  def decode(self, n: int) -> list[int]:
-    """Runs n decode steps; returns the ids of samples that finished."""
-    if n <= 0 or not self.live:
-      return []
-    dt = self._span(n)
-    self._mark("decode", self.clock, self.clock + dt)
-    self.clock += dt
-    self.tokens += n * len(self.live)
-    self.counter += n
-    finished = []
-    while self.live and self.live[0][0] == self.counter:
-      _, sid, start = heapq.heappop(self.live)
-      self.start_sum -= start
-      finished.append(sid)
-    return finished
-
-  def start_pending(self) -> list[int]:
-    """Prefills pending samples into free slots (one after another); returns the ids started."""
-    started = []
-    while self.pending and len(self.live) < self.max_batch:
-      sid, length = self.pending.popleft()
-      self._mark("decode", self.clock, self.clock + self.prefill_s)
-      self.clock += self.prefill_s
-      heapq.heappush(self.live, (self.counter + length, sid, self.counter))
-      self.start_sum += self.counter
-      started.append(sid)
-    return started
-
-  def stall(self, start: float, seconds: float):
-    self.clock = max(self.clock, start)
-    self._mark("sync", self.clock, self.clock + seconds)
-    self.clock += seconds
-
-
-def _busy_in(spans, lo: float, hi: float, kinds=("decode",)) -> float:
-  return sum(max(0.0, min(e, hi) - max(s, lo)) for k, s, e in spans if k in kinds)
-
-
 class _Sim:
   """State of one simulated run (kept inside `simulate`; everything outside is pure)."""
 
-  def __init__(self, costs: Costs, spec: RunSpec, engines: int, learner_devices: int, k: int, sync_s: float):
-    self.costs, self.spec, self.k, self.sync_s = costs, spec, k, sync_s
+  def __init__(self, costs: Costs, spec: RunSpec, engines: int, learner_devices: int, k: int, sync_s: float,
+               colocated: bool = False):
+    self.costs, self.spec, self.k, self.sync_s, self.colocated = costs, spec, k, sync_s, colocated
+    self.budget = spec.admission == "budget"
     self.learner_devices = learner_devices
     self.gb, self.g = spec.groups_per_step, spec.group_size
-    self.engines = [_Engine(i, costs, spec.prompt_len) for i in range(engines)]
+    self.engines = [EngineSim(i, costs, spec.prompt_len) for i in range(engines)]
     self.rng = np.random.default_rng(spec.seed)
     self.blocks: dict[int, np.ndarray] = {}
-    # Admission never lets more than (k + 1) steps of groups be open, so this many groups suffice for the
+    # Admission never lets more than (lookahead + 1) steps of groups be open, so this many groups suffice for the
     # simulated steps plus the look-ahead that keeps the last measured steps in steady state.
-    self.max_groups = (spec.total_steps + k + 1) * self.gb
+    self.max_groups = (spec.total_steps + spec.lookahead + 1) * self.gb
     n = self.max_groups * self.g
     self.s = {key: np.full(n, -1, np.int64) for key in ("length", "group", "engine", "start_version",
                                                          "end_version", "step", "staleness")}
@@ -280,10 +197,10 @@ class _Sim:
     self.next_t = [math.inf] * engines
 
   # -- engines ------------------------------------------------------------------------------------------
-  def _refresh(self, e: _Engine):
+  def _refresh(self, e: EngineSim):
     self.next_t[e.index] = e.next_finish()
 
-  def _finished(self, e: _Engine, sids: list[int]):
+  def _finished(self, e: EngineSim, sids: list[int]):
     s = self.s
     for sid in sids:
       s["finish_s"][sid], s["end_version"][sid] = e.clock, e.version
@@ -293,11 +210,13 @@ class _Sim:
         self.finished_fifo.append(g)
         self.batch_may_be_ready = True
 
-  def _fill(self, e: _Engine):
+  def _fill(self, e: EngineSim):
+    if e.update_due and not self.spec.partial_rollouts:
+      return  # draining for an update: new samples start on the new weights
     for sid in e.start_pending():
       self.s["start_s"][sid], self.s["start_version"][sid] = e.clock, e.version
 
-  def _sync_engine(self, e: _Engine, t: float) -> bool:
+  def _sync_engine(self, e: EngineSim, t: float) -> bool:
     """Runs an engine to its first decode-step boundary at or after t; False if that boundary is a sample
     finishing (the engine's own event, handled in time order: whatever waits for t happens there)."""
     if not e.live:
@@ -309,7 +228,7 @@ class _Sim:
     e.decode(n)
     return True
 
-  def _apply_update(self, e: _Engine):
+  def _apply_update(self, e: EngineSim):
     """A weight publish that reached the engine between boundaries lands at its next boundary."""
     t, version = e.update_due
     e.stall(t, self.sync_s)
@@ -320,9 +239,13 @@ class _Sim:
     need = min(self.g, self.costs.max_batch)
     while self.started < self.max_groups:
       s_next = self.consumed // self.gb
-      if self.n_open + 1 > (self.version + self.k - s_next + 1) * self.gb:
+      if self.budget:
+        if self.started + 1 > math.floor((self.version + 1 + self.spec.admission_budget) * self.gb + 1e-9):
+          return
+      elif self.n_open + 1 > (self.version + self.k - s_next + 1) * self.gb:
         return
-      if self.spec.queue_groups and len(self.finished_fifo) >= self.spec.queue_groups:
+      # The controller's rule (controller.assembly): never below a step's groups, or the batch could wait for ever.
+      if self.spec.queue_groups and len(self.finished_fifo) >= max(self.spec.queue_groups, self.gb):
         return
       free = [e for e in self.engines if e.max_batch - e.load >= need]
       if not free:
@@ -359,7 +282,7 @@ class _Sim:
       return None
     finished = set(self.finished_fifo)
     n_mand, count = 0, 0
-    deadlines = sorted(d for d, gs in self.open.items() if gs)
+    deadlines = [] if self.budget else sorted(d for d, gs in self.open.items() if gs)
     for d in deadlines:
       count += len(self.open[d])
       n_mand = max(n_mand, count - (d - step) * self.gb)
@@ -396,7 +319,7 @@ class _Sim:
     self.s["staleness"][sids] = step - self.s["start_version"][sids]
     self.s["trained_s"][sids] = t
     tokens = int(self.s["length"][sids].sum()) + sids.size * self.spec.prompt_len
-    dt = self.costs.train_time(tokens, self.learner_devices)
+    dt = self.costs.train_time(tokens, self.learner_devices, self.colocated)
     self.step_start.append(t)
     self.learner_spans.append(["train", t, t + dt])
     self.learner_phase, self.learner_until = "train", t + dt
@@ -407,8 +330,13 @@ class _Sim:
     self.version += 1
     for e in self.engines:
       e.update_due = (t, self.version)
-      if self._sync_engine(e, t):
+      if self.spec.partial_rollouts:
+        if self._sync_engine(e, t):
+          self._apply_update(e)
+      elif not e.live:  # a draining engine takes the update once its live samples are done
+        e.clock = max(e.clock, t)
         self._apply_update(e)
+        self._fill(e)
       self._refresh(e)
     self.learner_spans.append(["sync", t, t + self.sync_s])
     self.learner_phase, self.learner_until = "sync", t + self.sync_s
@@ -433,7 +361,7 @@ class _Sim:
       else:
         e = self.engines[i_eng]
         self._finished(e, e.decode(e.steps_to_finish()))
-        if e.update_due:
+        if e.update_due and (self.spec.partial_rollouts or not e.live):
           self._apply_update(e)
         self._fill(e)
         self._refresh(e)
@@ -463,8 +391,8 @@ def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
   step_end = np.asarray(sim.step_end)
   lo, hi, w = _window(step_end, sim.spec.warmup)
   span = hi - lo
-  sampler_busy = sum(_busy_in(e.busy, lo, hi) for e in sim.engines)
-  learner_busy = _busy_in(sim.learner_spans, lo, hi, ("train",))
+  sampler_busy = sum(busy_in(e.busy, lo, hi) for e in sim.engines)
+  learner_busy = busy_in(sim.learner_spans, lo, hi, ("train",))
   e_count, dpe = len(sim.engines), sim.costs.devices_per_engine
   trained_tokens = int(sim.s["length"][sim.s["step"] > w].sum())
   timeline = [(f"engine {e.index}", k, s, t) for e in sim.engines for k, s, t in e.busy]
@@ -476,7 +404,7 @@ def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
       sampler_idle_frac=1.0 - sampler_busy / (e_count * span), learner_idle_frac=1.0 - learner_busy / span,
       device_busy_frac=device_busy, tokens_per_s=trained_tokens / span,
       decode_tokens=sum(e.tokens for e in sim.engines),
-      decode_busy_s=sum(_busy_in(e.busy, 0.0, math.inf) for e in sim.engines), engines=e_count,
+      decode_busy_s=sum(busy_in(e.busy, 0.0, math.inf) for e in sim.engines), engines=e_count,
       sync_s=sim.sync_s)
 
 
@@ -500,11 +428,12 @@ def simulate_sync(costs: Costs, spec: RunSpec, colocated: bool = True) -> SimRes
   colocated: every device of the run (sampler + learner devices) samples, then every device trains.
   Otherwise the sampler devices sample and the learner devices train, one after the other.
   """
-  spec0 = spec.replace(max_staleness=0)
+  spec0 = spec.replace(max_staleness=0, admission="deadline", admission_budget=0.0)
   if colocated:
     pool = spec.sampler_devices + spec.learner_devices
     engines = _engines(costs, pool)
-    sim = _Sim(costs, spec0, engines, pool, 0, costs.sync_time(pool, engines * costs.devices_per_engine)).run()
+    sim = _Sim(costs, spec0, engines, pool, 0, costs.sync_time(pool, engines * costs.devices_per_engine),
+               colocated=True).run()
     return _result(sim, "sync_colocated", pool)
   engines = _engines(costs, spec.sampler_devices)
   sim = _Sim(costs, spec0, engines, spec.learner_devices, 0,

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxrl import config as config_lib
 from jaxrl import train as train_lib
+from jaxrl.controller import build as build_lib
 from jaxrl.models import Decoder, ModelConfig, hf
 
 # ---- fuzzed configs ---------------------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def test_build_rejects_fuzzed_configs_before_any_work(no_work, monkeypatch, data
   def work(*args):
     raise AssertionError("build reached the model with a bad config")
 
-  monkeypatch.setattr(train_lib, "model_source", work)
+  monkeypatch.setattr(build_lib, "model_source", work)
   path = data.draw(st.sampled_from(sorted(BAD)))
   cfg = _mutated([(path, data.draw(BAD[path]))])
   TALLY["configs fuzzed"] += 1
@@ -204,7 +205,7 @@ def _no_params(monkeypatch):
   def work(*args):
     raise AssertionError("build loaded params before finding the problem")
 
-  monkeypatch.setattr(train_lib, "base_params", work)
+  monkeypatch.setattr(build_lib, "base_params", work)
 
 
 def test_malformed_jsonl_lines_are_reported_with_line_numbers_before_work(data_dir, tmp_path, monkeypatch):

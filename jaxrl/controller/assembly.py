@@ -1,0 +1,124 @@
+"""Deadline-based batch assembly: which finished groups make up the next learner step, so that no group is ever
+dropped for staleness and every trained token's staleness is at most k (the systems model's rule, jaxrl.sim).
+
+A group admitted while the sampler holds version v is due at step v + k. Admission holds while the open groups
+(admitted, not yet handed to the learner) fit the steps left before the new group's deadline; so every deadline
+stays feasible. Step s first takes the groups due at s (waiting while they generate), then fills the batch with
+finished groups in completion order. Long groups are trained late but trained: the trained lengths are the
+generated lengths.
+
+The book lives on the sampler side, which alone knows every group it admitted: it hands the learner one step's
+share of groups at a time, and nothing about it has to cross a thread or a process boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from jaxrl.rollout import Rollout
+
+
+def reject_reason(group: list[Rollout], seq_len: int) -> str | None:
+  """Why a finished group cannot be trained ("reward_failed", "too_long"), or None. The sampler side leaves such a
+  group out of every step's share; the learner side drops and counts it; both ask this one function."""
+  if any(not np.isfinite(r.reward) for r in group):
+    return "reward_failed"
+  if any(r.num_tokens > seq_len for r in group):
+    return "too_long"
+  return None
+
+
+class DeadlineBook:
+  """Open groups and their deadlines, for one sampler's share of every learner step.
+
+  `step` is the learner step the next share is for: base (the version the run started from) plus the shares
+  handed out, minus the learner's skipped updates (a skipped update trains no version, so the steps after it come
+  one version earlier, which only lowers staleness)."""
+
+  def __init__(self, max_staleness: int, groups_per_step: int, base_step: int = 0, end_step: int | None = None,
+               max_finished: int | None = None):
+    if max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if groups_per_step < 1:
+      raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
+    self.k, self.gb, self.base, self.end = max_staleness, groups_per_step, base_step, end_step
+    # Back-pressure: no admission while this many finished groups wait for the learner (never fewer than a share,
+    # or a share could wait for groups that nothing generates).
+    self.max_finished = max(groups_per_step, max_finished or 0) if max_finished is not None else None
+    self.deadline: dict[int, int] = {}  # open group -> the step that must train it
+    self.finished: list[list[Rollout]] = []  # open and finished, in completion order
+    self.shares = 0  # shares handed out
+    self.skipped = 0  # learner updates skipped so far (known to this side)
+
+  @property
+  def step(self) -> int:
+    return self.base + self.shares - self.skipped
+
+  def room(self, version: int) -> int:
+    """Groups that may still be admitted at sampler version `version` (all due at version + k); none past what the
+    steps before end_step (the run's last) will train, and none while max_finished groups wait."""
+    if self.max_finished is not None and len(self.finished) >= self.max_finished:
+      return 0
+    last = version + self.k if self.end is None else min(version + self.k, self.end - 1)
+    return max(0, (last - self.step + 1) * self.gb - len(self.deadline))
+
+  def admit(self, group_id: int, version: int) -> int:
+    """Opens a group admitted at sampler version `version`; returns its deadline."""
+    if self.room(version) < 1:
+      raise RuntimeError(f"group {group_id} admitted at version {version} without room (step {self.step}, "
+                         f"{len(self.deadline)} open): its deadline could not be met")
+    if group_id in self.deadline:
+      raise ValueError(f"group {group_id} is already open")
+    self.deadline[group_id] = version + self.k
+    return version + self.k
+
+  def finish(self, group: list[Rollout]) -> None:
+    """A group whose samples are all done (and scored), ready for a share."""
+    if group[0].group_id not in self.deadline:
+      raise KeyError(f"finished group {group[0].group_id} was never admitted")
+    self.finished.append(group)
+
+  def discard(self, group_id: int) -> None:
+    """A group that will not be trained (its reward failed, it is too long): it stops holding a place."""
+    del self.deadline[group_id]
+    self.finished = [g for g in self.finished if g[0].group_id != group_id]
+
+  def due_count(self) -> int:
+    """Open groups the share for `step` must hold: the most, over deadlines d, by which the open groups due by d
+    exceed the places of steps step + 1 .. d."""
+    counts = collections.Counter(self.deadline.values())
+    late = [d for d in counts if d < self.step]
+    if late:
+      raise RuntimeError(f"staleness invariant broken: groups due at step {min(late)} are still open at step "
+                         f"{self.step}")
+    need, total = 0, 0
+    for d in sorted(counts):
+      total += counts[d]
+      need = max(need, total - (d - self.step) * self.gb)
+    return need
+
+  def take(self) -> list[list[Rollout]] | None:
+    """The next share (groups_per_step groups, in completion order), or None while it cannot be formed yet: a
+    group it must hold is still generating, or too few groups have finished."""
+    if len(self.finished) < self.gb:
+      return None
+    need = self.due_count()
+    done = {g[0].group_id for g in self.finished}
+    # Earliest deadlines first; within one deadline, finished groups first (then by admission order).
+    order = sorted(self.deadline, key=lambda gid: (self.deadline[gid], gid not in done, gid))
+    due = set(order[:need])
+    if not due <= done:
+      return None
+    fill = [g for g in self.finished if g[0].group_id not in due][: self.gb - need]
+    chosen = due | {g[0].group_id for g in fill}
+    share = [g for g in self.finished if g[0].group_id in chosen]
+    self.finished = [g for g in self.finished if g[0].group_id not in chosen]
+    for gid in chosen:
+      del self.deadline[gid]
+    self.shares += 1
+    return share
+
+  def open_groups(self) -> list[int]:
+    return sorted(self.deadline)

@@ -1,0 +1,145 @@
+"""One build path for a run's pieces, used by jaxrl-train, the multi-process entry point and jaxrl.policy: the model
+source, the task (prompts and rewards), the learner (train step and state on its mesh), the sampler engine, the
+checkpointer, the restore and the metrics writer."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxrl import config as config_lib
+from jaxrl import sharding
+from jaxrl.checkpoint import Checkpointer
+from jaxrl.controller.data import make_prompt_source, make_scorer
+from jaxrl.controller.loops import RunRecord, RunSpec
+from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+from jaxrl.metrics import MetricsWriter
+from jaxrl.models import ModelConfig, hf
+from jaxrl.rollout import SamplingParams
+from jaxrl.sampler import Engine, Sampler
+
+
+def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
+  """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
+  overrides = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat)
+  if c.model.source == "tiny":
+    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
+    return cfg, None, None
+  if c.model.source == "smollm2":
+    from jaxrl.assets import smollm2_path
+
+    path = smollm2_path()
+  else:
+    path = Path(c.model.source).expanduser()
+  import transformers
+
+  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+
+
+def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
+  """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from."""
+  from jaxrl.models import init_params
+
+  if path is None:
+    graphdef, params = init_params(cfg, c.seed)
+    return cfg, graphdef, jax.device_put(params, shardings_fn(params))
+  abstract = hf.abstract_params(cfg)[1]
+  return hf.load_params(path, cfg, shardings=shardings_fn(abstract))
+
+
+def run_spec(c) -> RunSpec:
+  """The loop sizes of a config (sync mode is the pipeline with max_staleness 0)."""
+  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
+                 seq_len=c.rl.seq_len, max_staleness=c.rl.max_staleness if c.mode == "pipeline" else 0,
+                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
+                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row)
+
+
+def build_task(c, tokenizer, model_cfg):
+  """(task, prompts, score); a bad data file, a missing chat template or an unknown reward is a ConfigError (checked
+  before any params are loaded or compiled)."""
+  try:
+    task, prompts = make_prompt_source(c, tokenizer, model_cfg)
+    return task, prompts, make_scorer(c, task, tokenizer)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
+    raise config_lib.ConfigError(f"task {c.task.name!r}: {e}") from e
+
+
+@dataclasses.dataclass
+class Learner:
+  """The learner on its mesh: the pure train step and the initial state."""
+
+  model_config: ModelConfig
+  graphdef: Any
+  train_step: Any  # (state, batch, key) -> (state, metrics), jitted with in/out shardings
+  state: Any
+  state_shardings: Any
+  batch_sharding: Any  # the rows of a batch over the learner mesh
+
+
+def _param_shardings(mesh):
+  return lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
+
+
+def _optimizer(c):
+  return make_optimizer(**c.optimizer.to_dict(), decay_steps=c.num_steps)
+
+
+def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
+  model_cfg, graphdef, params = base_params(c, model_cfg, path, _param_shardings(mesh))
+  optimizer = _optimizer(c)
+  state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh)
+  rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
+  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
+  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                               state_shardings=state_sh, batch_sharding=rows)
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh)
+  return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)
+
+
+def abstract_train_state(c, abstract_params, mesh):
+  """The shapes and shardings of a run's TrainState on `mesh` (what a checkpoint of the run restores into)."""
+  optimizer = _optimizer(c)
+  state_sh = train_state_shardings(abstract_params, optimizer, _param_shardings(mesh)(abstract_params), mesh)
+  abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed), abstract_params)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
+
+
+def build_engine(c, model_cfg: ModelConfig, mesh) -> Engine:
+  return Engine(model_cfg, mesh, max_slots=c.sampler.max_slots, max_len=c.sampler.max_len,
+                steps_per_call=c.sampler.steps_per_call, dtype=c.sampler.dtype)
+
+
+def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:
+  detok = tokenizer.decode if tokenizer is not None else None
+  return Sampler(engine, params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
+
+
+def open_checkpointer(c, workdir: Path, **kw) -> Checkpointer:
+  """workdir/checkpoints; kw: the saving processes of a multi-process job."""
+  return Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
+                      every_steps=c.checkpoint.every_steps, **kw)
+
+
+def open_metrics(c, workdir: Path, resumed_from: int | None) -> MetricsWriter:
+  return MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
+                       resume_step=resumed_from or 0)
+
+
+def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, RunRecord]:
+  """(state, run record) from the newest checkpoint, placed on `state_shardings`; (state, a new record) if none.
+
+  Samples finished but not trained at the checkpoint are forgotten: the ledger counts as generated only what was
+  trained or dropped, and the pending groups are generated again (single-host) or skipped (multi-process)."""
+  if checkpointer.latest_step() is None:
+    return state, RunRecord()
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
+  state, saved = checkpointer.restore(abstract)
+  record = RunRecord.from_json(saved)
+  record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
+  record.ledger.tokens_generated = record.ledger.tokens_trained + sum(record.ledger.dropped_tokens.values())
+  return state, record

@@ -1,0 +1,163 @@
+"""Deadline-based batch assembly (controller.assembly): out-of-order completion at k = 0, 1, 2 never drops a group,
+never trains a token over the bound, and trains exactly the lengths that were generated."""
+
+import numpy as np
+import pytest
+
+from jaxrl.controller.assembly import DeadlineBook, reject_reason
+from jaxrl.rollout import Rollout
+
+GROUP_SIZE, GROUPS_PER_STEP, SLOTS = 2, 4, 16
+
+
+def _group(gid, length, version=0, reward=0.0):
+  v = np.full(length, version, np.int32)
+  return [Rollout(np.array([1], np.int32), np.zeros(length, np.int32), np.zeros(length, np.float32), v, "eos", gid, i,
+                  reward=reward) for i in range(GROUP_SIZE)]
+
+
+def _lengths(num_groups, seed):
+  """Long groups admitted first (the first step's worth and every fifth), short ones after: they overtake."""
+  rng = np.random.default_rng(seed)
+  short = np.maximum(1, rng.lognormal(np.log(6), 0.5, num_groups)).astype(int)
+  long = 60 + rng.integers(0, 40, num_groups)
+  return np.where((np.arange(num_groups) < GROUPS_PER_STEP) | (np.arange(num_groups) % 5 == 0), long, short)
+
+
+def _run(k, lengths, train_ticks=3, deadline_based=True):
+  """A tick-by-tick pipeline: a sampler with SLOTS decode slots admitting by the book, a learner taking a share
+  whenever it is idle (completion order only, if not deadline_based). Returns (trained, staleness per group)."""
+  book = DeadlineBook(k, GROUPS_PER_STEP)
+  version, busy_until, left = 0, 0, {}
+  admitted_at, trained, staleness, fifo = {}, [], [], []
+  next_gid, t = 0, 0
+  while len(trained) < len(lengths):
+    # sampler: a version is taken at once; admit while a group fits the slots and the deadlines
+    while next_gid < len(lengths) and len(left) * GROUP_SIZE + GROUP_SIZE <= SLOTS and book.room(version):
+      book.admit(next_gid, version)
+      admitted_at[next_gid], left[next_gid] = version, int(lengths[next_gid])
+      next_gid += 1
+    for gid in list(left):
+      left[gid] -= 1
+      if left[gid] == 0:
+        del left[gid]
+        group = _group(gid, int(lengths[gid]), admitted_at[gid])
+        book.finish(group)
+        fifo.append(group)
+    # learner
+    if t >= busy_until:
+      if deadline_based:
+        share = book.take()
+      else:
+        share = fifo[:GROUPS_PER_STEP] if len(fifo) >= GROUPS_PER_STEP else None
+        if share:
+          fifo = fifo[GROUPS_PER_STEP:]
+          for g in share:
+            book.discard(g[0].group_id)
+          book.shares += 1  # the same admission count as deadline-based
+      if share is not None:
+        for g in share:
+          trained.append(g)
+          staleness.append(version - min(r.min_version for r in g))
+        version += 1
+        busy_until = t + train_ticks
+    t += 1
+    if t > 100_000:
+      raise AssertionError("stalled")
+  return trained, staleness
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_out_of_order_completion_drops_nothing_and_keeps_the_bound(k):
+  lengths = _lengths(96, seed=k)
+  trained, staleness = _run(k, lengths)
+  ids = [g[0].group_id for g in trained]
+  assert sorted(ids) == list(range(len(lengths)))  # every group trained once: zero drops
+  assert max(staleness) <= k
+  assert max(staleness) == k  # the bound is used, not loose
+  # Trained lengths are the generated lengths, as a multiset (not only in mean).
+  assert sorted(len(r.completion_tokens) for g in trained for r in g) == sorted(np.repeat(lengths, GROUP_SIZE))
+  # Short groups did overtake long ones: the order trained is not the order admitted.
+  assert ids != sorted(ids)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_completion_order_alone_breaks_the_bound_on_the_same_workload(k):
+  """The workload is adversarial: taking finished groups in completion order (the old rule) trains the long
+  groups admitted first over the bound."""
+  _, staleness = _run(k, _lengths(96, seed=k), deadline_based=False)
+  assert max(staleness) > k
+
+
+def test_a_share_waits_for_a_group_due_now_and_fills_in_completion_order():
+  book = DeadlineBook(1, 2)
+  for gid in range(4):
+    book.admit(gid, 0)  # all due at step 1
+  assert book.room(0) == 0 and book.room(1) == 2
+  book.finish(_group(3, 1))
+  book.finish(_group(2, 1))
+  assert [g[0].group_id for g in book.take()] == [3, 2]  # nothing due at step 0: the first two finished
+  book.finish(_group(1, 1))
+  assert book.take() is None  # group 0 is due at step 1 and still generating
+  book.admit(4, 1)  # due at step 2, finishes first
+  book.finish(_group(4, 1))
+  assert book.take() is None
+  book.finish(_group(0, 1))
+  assert [g[0].group_id for g in book.take()] == [1, 0]  # both due now, though 4 finished before 0
+  assert book.step == 2 and book.open_groups() == [4]
+
+
+def test_skipped_updates_and_discards_give_the_room_back():
+  book = DeadlineBook(0, 2)
+  book.admit(0, 0)
+  book.admit(1, 0)
+  assert book.room(0) == 0
+  book.discard(1)  # its reward failed: it will not be trained
+  assert book.room(0) == 1
+  book.finish(_group(0, 1))
+  book.admit(2, 0)
+  book.finish(_group(2, 1))
+  assert len(book.take()) == 2 and book.step == 1
+  book.skipped = 1  # the learner skipped that update: the next share is again for version 0
+  assert book.step == 0 and book.room(0) == 2
+
+
+def test_nothing_is_admitted_past_the_last_step():
+  book = DeadlineBook(2, 3, base_step=4, end_step=6)
+  assert book.room(4) == 2 * 3  # steps 4 and 5, though k = 2 would allow step 6 too
+  book.admit(0, 4)
+  assert book.room(5) == 5
+
+
+def test_finished_groups_waiting_for_the_learner_stop_admission():
+  book = DeadlineBook(5, 2, max_finished=3)
+  for gid in range(4):
+    book.admit(gid, 0)
+  book.finish(_group(0, 1))
+  book.finish(_group(1, 1))
+  assert book.room(0) == 8
+  book.finish(_group(2, 1))
+  assert book.room(0) == 0  # three wait
+  book.take()
+  assert book.room(0) == (0 + 5 - 1 + 1) * 2 - 2  # the share left (step 1); one waits, one generates
+  assert DeadlineBook(0, 4, max_finished=1).max_finished == 4  # never below a share
+
+
+def test_admission_without_room_and_unknown_groups_are_errors():
+  book = DeadlineBook(0, 1)
+  book.admit(0, 0)
+  with pytest.raises(RuntimeError, match="without room"):
+    book.admit(1, 0)
+  with pytest.raises(KeyError, match="never admitted"):
+    book.finish(_group(5, 1))
+  with pytest.raises(ValueError, match="max_staleness"):
+    DeadlineBook(-1, 1)
+  book.base = 3  # a group due at step 0 still open at step 3
+  with pytest.raises(RuntimeError, match="staleness invariant broken"):
+    book.due_count()
+
+
+def test_reject_reason_names_failed_rewards_and_overlong_groups():
+  assert reject_reason(_group(0, 3), seq_len=4) is None
+  assert reject_reason(_group(0, 3, reward=float("nan")), seq_len=4) == "reward_failed"
+  assert reject_reason(_group(0, 4), seq_len=4) == "too_long"
