@@ -116,7 +116,9 @@ def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Pat
     out.update(process=process, phase=phase, nth=nth)
     while proc.poll() is None and time.monotonic() - start < ATTEMPT_TIMEOUT_S:
       probe = _probe(probe_dir, process)
-      if probe and phase in probe["active"] and probe["entered"].get(phase, 0) >= nth:
+      # The held-out eval samples too: a "sampling" kill waits for the training-time sampler (outside the eval).
+      inside = probe and phase in probe["active"] and (phase != "sampling" or "eval" not in probe["active"])
+      if inside and probe["entered"].get(phase, 0) >= nth:
         os.kill(probe["pid"], signal.SIGKILL)
         out.update(killed=True, seconds=round(time.monotonic() - start, 1))
         break
