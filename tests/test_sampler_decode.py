@@ -81,3 +81,15 @@ def test_bfloat16_engine_casts_weights_and_cache_once():
   lp16, lp32 = out["bf16"][0].logprobs, out["f32"][0].logprobs
   assert len(lp16) == len(lp32) == 8 and np.all(np.isfinite(lp16))
   np.testing.assert_allclose(lp16[0], lp32[0], atol=0.1)  # same prompt, same first distribution, bf16 rounding
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_dispatches_no_call_past_the_token_budgets(overlap):
+  engine = Engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4)
+  sampler = Sampler(engine, _params(), seed=0, overlap=overlap)
+  sampler.submit([3, 4, 5], group_id=0, n=2, max_tokens=8, ignore_eos=True)
+  rollouts = []
+  while sampler.num_active or sampler.num_waiting:
+    rollouts += sampler.step()
+  assert [len(r.completion_tokens) for r in rollouts] == [8, 8]
+  assert sampler.stats.decode_calls == 2  # 8 tokens = 2 calls of 4, with or without overlap

@@ -240,7 +240,7 @@ class Sampler:
     if self._pages is not None:
       self._grow()
     dispatched = None
-    if self.num_active:
+    if self.num_active and not self._all_end_in_flight():
       self._state, result = self.engine.generate(self._params, self._state)
       dispatched = _InFlight(result, list(self._slots))
       self.stats.decode_calls += 1
@@ -250,6 +250,15 @@ class Sampler:
     self.stats.finished += len(finished)
     self.stats.seconds += time.perf_counter() - start
     return finished
+
+  def _all_end_in_flight(self) -> bool:
+    """Every active sample reaches its token budget within the call in flight (no call after it is needed)."""
+    call = self._in_flight
+    if call is None:
+      return False
+    steps = self.engine.steps_per_call
+    return all(s is None or (call.occupants[i] is s and len(s.tokens) + steps >= s.group.max_new)
+               for i, s in enumerate(self._slots))
 
   def run(self, requests: Iterable[Request]) -> Iterator[Rollout]:
     """Generates every request (read lazily, about one pool of slots ahead) and yields rollouts as they finish."""
