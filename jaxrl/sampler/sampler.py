@@ -257,7 +257,7 @@ class Sampler:
     if call is None:
       return False
     steps = self.engine.steps_per_call
-    return all(s is None or (call.occupants[i] is s and len(s.tokens) + steps >= s.group.max_new)
+    return all(s is None or (call.occupants[i] is s and len(s.tokens) + steps >= s.group.max_new[s.index])
                for i, s in enumerate(self._slots))
 
   def run(self, requests: Iterable[Request]) -> Iterator[Rollout]:
