@@ -3,6 +3,7 @@ setting (temperature, top-k, top-p, greedy), and a rollout drawn under other set
 
 import functools
 import itertools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +64,10 @@ def _learner_logprobs(graphdef, params, sampling, batch):
 
 @pytest.mark.parametrize("sp", SETTINGS, ids=str)
 def test_on_policy_ratio_is_one(model, sampler, sp):
-  """The learner's logprob of every sampled token equals the sampler's: ratio pi / mu = 1 within 1e-6."""
+  """The learner's logprob of every sampled token equals the sampler's: ratio pi / mu = 1 within 2e-6 (the decode
+  path and the full forward sum in different orders: 1.3e-6 is the largest seen over random prompts)."""
   graphdef, params = model
-  rollouts = _rollouts(sampler, sp, seed=hash(str(sp)) % 1000)
+  rollouts = _rollouts(sampler, sp, seed=zlib.crc32(str(sp).encode()) % 1000)  # str hashes vary per process
   assert all(r.sampling == sp for r in rollouts)
   batch = make_batch(rollouts, B, L)
   logp, in_support, _ = _learner_logprobs(graphdef, params, sp, batch)
@@ -73,7 +75,7 @@ def test_on_policy_ratio_is_one(model, sampler, sp):
   assert tokens.sum() > 40
   assert np.asarray(in_support)[tokens].all()
   ratio = np.exp(np.asarray(logp)[tokens] - batch.behavior_logprobs_BxL[tokens])
-  np.testing.assert_allclose(ratio, 1.0, rtol=0, atol=1e-6)
+  np.testing.assert_allclose(ratio, 1.0, rtol=0, atol=2e-6)
   if sp.top_k or sp.top_p < 1:  # the support matters: the full softmax would give ratios well below 1
     full = _learner_logprobs(graphdef, params, SamplingParams(temperature=sp.temperature), batch)[0]
     assert np.exp(np.asarray(full)[tokens] - batch.behavior_logprobs_BxL[tokens]).mean() < 0.95
