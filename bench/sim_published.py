@@ -21,10 +21,8 @@ import pathlib
 
 import numpy as np
 
-from jaxrl.sim import costs as costs_lib
-from jaxrl.sim import intervals
+from jaxrl.sim import intervals, plan
 from jaxrl.sim import lengths as lengths_lib
-from jaxrl.sim.hardware import preset
 from jaxrl.sim.simulate import RunSpec, simulate_pipeline, simulate_sync
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,27 +58,21 @@ def tokens_per_s(c, median: float, seconds: float, devices: int) -> float:
 
 
 def costs_for(c, median: float):
-  """Roofline decode costs; the learner's rate per mode from the published phase times at this median."""
-  model = costs_lib.ModelSpec.from_dims(**c.model)
-  hw = preset(c.hardware)
+  """The plan config's roofline costs; the learner's rate per mode from the published phase times at this median."""
+  b = plan.build(c)
   pub = c.published
   learners = c.pool - pub.sampler_devices
-  costs = costs_lib.roofline_costs(
-      model, hw, devices_per_engine=c.devices_per_engine, slot_tokens=c.slot_tokens, mem_eff=c.mem_eff,
-      flop_eff=c.flop_eff, overhead_s=c.overhead_s, kv_mem_fraction=c.kv_mem_fraction, max_batch_cap=c.max_batch_cap,
-      sync_overhead_s=c.sync_overhead_s)
-  costs = costs.replace(train_scaling=((learners, tokens_per_s(c, median, pub.pipeline_train_s, learners)),),
-                        sync_train_scaling=((c.pool, tokens_per_s(c, median, pub.sync_train_s, c.pool)),))
-  mfu = lambda tps: tps * 6 * model.flop_params / hw.peak_flops  # noqa: E731
+  costs = b["costs"].replace(train_scaling=((learners, tokens_per_s(c, median, pub.pipeline_train_s, learners)),),
+                             sync_train_scaling=((c.pool, tokens_per_s(c, median, pub.sync_train_s, c.pool)),))
+  mfu = lambda tps: tps * 6 * b["model"].flop_params / b["hardware"].peak_flops  # noqa: E731
   return costs, mfu(costs.sync_train_scaling[0][1]), mfu(costs.train_scaling[0][1])
 
 
 def spec_for(c, median: float, seed: int = 0) -> RunSpec:
-  pub = c.published
-  return RunSpec(sampler_devices=pub.sampler_devices, learner_devices=c.pool - pub.sampler_devices,
-                 batch_size=c.batch_sizes[0], group_size=c.group_size, max_staleness=1,
-                 lengths=lengths_of(c, median), prompt_len=c.prompt_len, steps=c.steps, seed=seed,
-                 admission=c.admission, admission_budget=c.admission_budget, partial_rollouts=c.partial_rollouts)
+  """The plan config's workload at the published split, with lengths of this median."""
+  return plan.build(c)["workload"].replace(
+      sampler_devices=c.published.sampler_devices, learner_devices=c.pool - c.published.sampler_devices,
+      lengths=lengths_of(c, median), seed=seed)
 
 
 def sync_gen_s(c, median: float) -> float:
