@@ -39,12 +39,11 @@ from jaxrl.controller.loops import Controller
 from jaxrl.controller.queue import WeightPublisher
 from jaxrl.learner.packing import pack_batch
 from jaxrl.profile import pooled, profile, summary
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Engine
+from jaxrl.sampler.forced import Z99, ForcedLengths
 from jaxrl.sim.calibrate import fit_calibration
-from jaxrl.sim.lengths import LengthDist
+from jaxrl.sim.lengths import Replay
 from jaxrl.sim.planner import Prediction, RunDescription, predict
-
-Z99 = 2.3263  # the standard normal's 99th percentile
 
 
 def group_lengths(n: int, median: float, p99_ratio: float, max_len: int, seed: int) -> np.ndarray:
@@ -52,45 +51,6 @@ def group_lengths(n: int, median: float, p99_ratio: float, max_len: int, seed: i
   sigma = np.log(p99_ratio) / Z99
   raw = median * np.exp(sigma * np.random.default_rng(seed).standard_normal(n))
   return np.clip(np.rint(raw), 1, max_len).astype(np.int64)
-
-
-class ForcedLengths(Sampler):
-  """A Sampler whose group g generates exactly lengths[g] tokens (EOS and stop ids ignored)."""
-
-  def __init__(self, lengths: np.ndarray, *args, **kw):
-    super().__init__(*args, **kw)
-    self.lengths = lengths
-
-  def submit(self, prompt_tokens, group_id: int, n: int = 1, meta: dict | None = None, **kw) -> None:
-    if group_id >= len(self.lengths):
-      raise ValueError(f"group {group_id} has no forced length (the table holds {len(self.lengths)})")
-    kw.update(max_tokens=int(self.lengths[group_id]), ignore_eos=True, stop_token_ids=())
-    super().submit(prompt_tokens, group_id, n, meta, **kw)
-
-
-class Replay(LengthDist):
-  """A run's own per-group lengths, in group order, for the simulator (the samples of a group share a length).
-
-  The simulator draws a step's worth of groups at a time, in group order, with one fresh rng per simulated run:
-  a new rng restarts the replay.
-  """
-
-  def __init__(self, lengths: np.ndarray, group_size: int):
-    self.lengths, self.group_size = np.asarray(lengths, np.int64), group_size
-    self.max_len = int(self.lengths.max())
-    self._rng, self._next = None, 0
-
-  def _draw(self, rng, n, step):
-    if n % self.group_size:
-      raise ValueError(f"Replay draws whole groups: {n} is not a multiple of group_size={self.group_size}")
-    if rng is not self._rng:
-      self._rng, self._next = rng, 0
-    groups = n // self.group_size
-    if self._next + groups > len(self.lengths):
-      raise ValueError(f"Replay ran out of groups: the simulation wants more than the {len(self.lengths)} logged")
-    out = self.lengths[self._next: self._next + groups]
-    self._next += groups
-    return np.repeat(out, self.group_size)
 
 
 @dataclasses.dataclass
@@ -104,12 +64,17 @@ class Bench:
   state0: Any  # initial TrainState (every controller starts from a copy: the train step donates its state)
   prompt_len: int
 
+  def length_of(self, group_id: int) -> int:
+    if group_id >= len(self.lengths):
+      raise ValueError(f"group {group_id} has no forced length (the table holds {len(self.lengths)})")
+    return int(self.lengths[group_id])
+
   def controller(self, mode: str, num_steps: int, on_step=None) -> Controller:
     c, ctl, engine = self.config, self.run.controller, self.engine
     k = c.rl.max_staleness if mode == "pipeline" else 0
     spec = dataclasses.replace(ctl.spec, num_steps=num_steps, max_staleness=k)
     state = jax.tree.map(jnp.copy, self.state0)
-    sampler = ForcedLengths(self.lengths, engine, state.params, 0, seed=c.seed, on_update=c.sampler.on_update)
+    sampler = ForcedLengths(self.length_of, engine, state.params, 0, seed=c.seed, on_update=c.sampler.on_update)
     return Controller(spec, sampler=sampler, train_step=ctl.train_step, state=state,
                       publisher=WeightPublisher(engine.param_shardings), prompts=ctl.prompts, score=ctl.score,
                       on_step=on_step)
@@ -183,7 +148,7 @@ def sampler_alone(bench: Bench, groups: int) -> float:
   """Seconds to generate the first `groups` groups with continuous batching and nothing else running."""
   c = bench.config
   engine = bench.engine
-  sampler = ForcedLengths(bench.lengths, engine, bench.state0.params, 0, seed=c.seed)
+  sampler = ForcedLengths(bench.length_of, engine, bench.state0.params, 0, seed=c.seed)
   t0 = time.perf_counter()
   for g in range(groups):
     sampler.submit(bench.run.controller.prompts(g)[0], g, c.rl.group_size, sampling=bench.run.controller.spec.sampling)

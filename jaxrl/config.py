@@ -71,6 +71,9 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.kv = "dense"  # KV cache: "dense" (max_len per slot) or "paged" (a page pool shared by the slots)
   c.sampler.page_size = 16  # paged: positions per page (must divide max_len)
   c.sampler.num_pages = 0  # paged: pages in the pool; 0: the dense cache's memory (max_slots * max_len / page_size)
+  # Benchmarks only (jaxrl/sampler/forced.py): median > 0 forces group g's completion length, lognormal from
+  # (seed, g) with p99 / median = p99_ratio, clipped to [1, max_new_tokens]; EOS and stop ids are ignored. 0: off
+  c.sampler.forced_lengths = ml_collections.ConfigDict(dict(median=0.0, p99_ratio=10.0))
 
   c.rl = ml_collections.ConfigDict()
   c.rl.group_size = 4  # samples per prompt (GRPO group)
@@ -187,7 +190,9 @@ _INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_st
 # (field, check, what it must be) of every real-valued field.
 _REALS = (("task.reward_timeout_s", lambda v: v > 0, "> 0"), ("sampler.temperature", lambda v: v > 0, "> 0"),
           ("sampler.top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("optimizer.learning_rate", lambda v: v > 0, "> 0"),
-          ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"))
+          ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
+          ("sampler.forced_lengths.median", lambda v: v >= 0, ">= 0 (0: off)"),
+          ("sampler.forced_lengths.p99_ratio", lambda v: v >= 1, ">= 1"))
 _BOOLS = ("model.remat", "task.chat_template", "log.tensorboard", "log.progress", "log.trace", "rl.pack")
 _CHOICES = (("mode", MODES), ("model.dtype", COMPUTE_DTYPES), ("model.param_dtype", DTYPES),
             ("model.train_attention", ("auto", "reference", "chunked", "cudnn", "splash")),

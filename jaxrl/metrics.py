@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -90,6 +91,12 @@ def _truncate_after(path: Path, step: int) -> None:
   tmp = path.with_suffix(".jsonl.tmp")
   tmp.write_text("".join(keep))
   os.replace(tmp, path)
+
+
+def sampler_metrics(stats: list) -> dict[str, float]:
+  """The cumulative counters of a run's samplers (jaxrl.sampler.SamplerStats), summed, as sampler/<field>."""
+  return {f"sampler/{f.name}": float(sum(getattr(s, f.name) for s in stats)) for f in dataclasses.fields(stats[0])
+          } if stats else {}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -2,6 +2,10 @@ r"""jaxrl-profile: a short profiling run of jaxrl itself, fitted into a simulato
 
   JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_pipeline.py \
       --out=/tmp/cal.json
+  PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_headline.py --from-run=/tmp/h-pipe
+
+--from-run fits the costs a finished run logged instead (jaxrl.sim.runlog: its decode calls, train steps, weight
+publishes and updates) and prints the simulator's step time for that run against the measured one.
 
 On the config's own meshes, model and shapes (built as jaxrl-train builds them) it measures:
 - decode: seconds per decode step of the sampler engine (one generate call / steps_per_call) vs live batch and
@@ -293,6 +297,49 @@ def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
   return fit_calibration(m), details
 
 
+def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
+  """Calibration from the run in workdir (made with config c on `devices` devices, sampler.forced_lengths on):
+  its costs fitted from metrics.jsonl (jaxrl.sim.runlog), the simulator's step time for both modes of it on its
+  own lengths, its measured step time and the error of its own mode."""
+  from jaxrl.controller import build as build_lib
+  from jaxrl.controller.data import make_prompt_source
+  from jaxrl.metrics import read_jsonl
+  from jaxrl.models import hf
+  from jaxrl.sampler.forced import LognormalLengths
+  from jaxrl.sim import runlog
+  from jaxrl.sim.lengths import Replay
+  from jaxrl.sim.planner import RunDescription, predict
+
+  forced = c.sampler.forced_lengths
+  if not forced.median > 0:
+    raise ValueError("--from-run replays forced lengths (sampler.forced_lengths.median > 0): a run does not log "
+                     "each group's natural length")
+  sampler_devices = c.mesh.sampler_devices
+  if not (isinstance(sampler_devices, int) and 1 <= sampler_devices < devices):
+    raise ValueError(f"mesh.sampler_devices={sampler_devices} must be a device count below the run's {devices}")
+  records = read_jsonl(f"{workdir}/metrics.jsonl")
+  model_cfg, tokenizer, _ = build_lib.model_source(c)
+  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
+  m, details = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
+                                   max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
+                                   sampler_devices=sampler_devices, weight_bytes=weight_bytes)
+  cal = fit_calibration(m)
+  prompt_len = len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0])
+  groups = (len(records) + 4 * c.rl.max_staleness + 8) * c.rl.groups_per_step  # more than the simulator draws
+  lengths = LognormalLengths(forced.median, forced.p99_ratio, c.sampler.max_new_tokens, c.seed)
+  pred = predict(cal, RunDescription(
+      sampler_devices=sampler_devices, learner_devices=devices - sampler_devices,
+      batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
+      lengths=Replay(lengths.of(range(groups)), c.rl.group_size), max_staleness=c.rl.max_staleness,
+      prompt_len=prompt_len, steps=len(records) - warmup, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
+      pack=c.rl.pack, max_segments=c.rl.max_segments, steps_per_call=c.sampler.steps_per_call))
+  measured = runlog.step_time_s(records, warmup)
+  predicted = pred.sync_step_s if c.mode == "sync" else pred.pipeline_step_s
+  details.update(prompt_len=prompt_len)
+  return dict(mode=c.mode, measured_step_s=measured, predicted_step_s=predicted, error=predicted / measured - 1,
+              sync_step_s=pred.sync_step_s, pipeline_step_s=pred.pipeline_step_s, calibration=cal, details=details)
+
+
 def summary(cal: Calibration, details: dict) -> str:
   d = cal.decode
   m = cal.measurements
@@ -322,12 +369,31 @@ def main(argv=None):
   flags.DEFINE_integer("decode_calls", 6, "timed generate calls per batch size")
   flags.DEFINE_integer("train_reps", 3, "timed train steps (alone; as many again with decode running)")
   flags.DEFINE_bool("contention", True, "measure the slowdown of sampler and learner running at once")
-  flags.mark_flags_as_required(["config", "out"])
+  flags.DEFINE_string("from-run", None, "fit the costs a finished run logged in this workdir (made with --config) "
+                      "instead of profiling, and predict its step time")
+  flags.DEFINE_integer("devices", 2, "--from-run: devices of the run (sampler + learner)")
+  flags.DEFINE_integer("warmup", 3, "--from-run: first steps left out (compilation)")
+  flags.mark_flags_as_required(["config"])
   fl = flags.FLAGS
 
   def _main(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if fl["from-run"].value:
+      try:
+        r = from_run(fl.config, fl["from-run"].value, devices=fl.devices, warmup=fl.warmup)
+      except (ValueError, FileNotFoundError) as e:
+        print(f"jaxrl-profile: {e}", file=sys.stderr)
+        sys.exit(2)
+      print(summary(r["calibration"], r["details"]))
+      print(f"{r['mode']} run: measured {r['measured_step_s']:.4f} s per step, simulator {r['predicted_step_s']:.4f} s "
+            f"({r['error']:+.1%}); simulator for this run's costs: sync {r['sync_step_s']:.4f} s, pipeline "
+            f"{r['pipeline_step_s']:.4f} s")
+      if fl.out:
+        r["calibration"].save(fl.out)
+      return
+    if not fl.out:
+      raise app.UsageError("--out is required (unless --from-run)")
     from jaxrl import config as config_lib
     from jaxrl.train import build
 

@@ -29,6 +29,7 @@ from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler.forced import ForcedLengths, LognormalLengths
 
 
 def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
@@ -160,7 +161,12 @@ def build_engine(c, model_cfg: ModelConfig, mesh) -> Engine:
 
 def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:
   detok = tokenizer.decode if tokenizer is not None else None
-  return Sampler(engine, params, version, seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
+  kw = dict(seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
+  forced = c.sampler.forced_lengths
+  if forced.median > 0:  # benchmarks: long-tailed lengths whatever the model generates
+    lengths = LognormalLengths(forced.median, forced.p99_ratio, c.sampler.max_new_tokens, c.seed)
+    return ForcedLengths(lengths, engine, params, version, **kw)
+  return Sampler(engine, params, version, **kw)
 
 
 def open_checkpointer(c, workdir: Path, **kw) -> Checkpointer:

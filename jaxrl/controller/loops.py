@@ -24,6 +24,7 @@ from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import DeadlineBook, reject_reason
 from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, Stopped, WeightPublisher
 from jaxrl.learner.packing import pack_batch
+from jaxrl.metrics import sampler_metrics
 from jaxrl.rollout import Rollout, check_sampling, make_batch
 
 
@@ -248,7 +249,8 @@ class Controller:
     metrics.update(reward_mean=float(rewards.mean()), completion_len=float(np.mean([len(r.completion_tokens)
                                                                                     for r in samples])),
                    staleness_mean=float(np.mean([step - r.min_version for r in samples])),
-                   staleness_max=float(max(step - r.min_version for r in samples)))
+                   staleness_max=float(max(step - r.min_version for r in samples)),
+                   train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
     accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
     if accuracy:
       metrics["accuracy"] = float(np.mean(accuracy))
@@ -264,7 +266,9 @@ class Controller:
             file=sys.stderr)
       return
     version = self.version
+    t0 = time.perf_counter()
     self.publisher.publish(self.state.params, version)
+    metrics.update(publish_s=time.perf_counter() - t0, **sampler_metrics(self._sampler_stats()))  # --from-run
     self.step_times.append(step_time)
     if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
       k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
@@ -395,6 +399,10 @@ class Controller:
         rollout_queue.put(self._outbox[0])  # blocks when the learner is behind (back-pressure)
         self._outbox.pop(0)
 
+  def _sampler_stats(self) -> list:
+    """Every sampler's cumulative SamplerStats, logged with each step (jaxrl-profile --from-run fits them)."""
+    return [self.sampler.stats]
+
   def _updates_skipped(self) -> int:
     """Learner updates skipped since this run started (each lets the following shares come a step earlier)."""
     return self.ledger.skipped_updates - self._skipped_at_start
@@ -427,7 +435,8 @@ class Controller:
       t0 = time.perf_counter()
       metrics = self._train(groups)
       self._batch_groups = []
-      self.busy["learner"] += time.perf_counter() - t0
+      metrics["train_s"] = time.perf_counter() - t0
+      self.busy["learner"] += metrics["train_s"]
       metrics["queue_depth"] = depth()
       now = time.perf_counter()
       self._after_step(metrics, now - last)

@@ -96,6 +96,9 @@ class SamplerStats:
   preemptions: int = 0  # paged: samples whose pages were taken back (and recomputed later)
   finished: int = 0
   seconds: float = 0.0  # wall time inside step()
+  live_rows: int = 0  # live slots summed over decode calls (rows / calls: a call's mean live batch)
+  context_tokens: int = 0  # positions of the live slots at dispatch, summed over decode calls
+  update_seconds: float = 0.0  # wall time inside update_params() (placement and KV recompute)
 
   @property
   def useful_fraction(self) -> float:
@@ -207,11 +210,13 @@ class Sampler:
     """New params for the next step; in-flight samples continue on them ("recompute") or finish first."""
     if version < self.version:
       raise ValueError(f"policy version went backwards: {version} after {self.version}")
+    start = time.perf_counter()
     new = self.engine.place(params, version)
     if self.on_update == "finish" and self.num_active:
       self._pending = new
     else:
       self._swap(new)
+    self.stats.update_seconds += time.perf_counter() - start
 
   def _swap(self, new: Versioned) -> None:
     self._params, self._pending = new, None
@@ -245,6 +250,9 @@ class Sampler:
       dispatched = _InFlight(result, list(self._slots))
       self.stats.decode_calls += 1
       self.stats.slot_steps += self.engine.max_slots * self.engine.steps_per_call
+      live = [s.pos for s in self._slots if s is not None]
+      self.stats.live_rows += len(live)
+      self.stats.context_tokens += sum(live)
     previous, self._in_flight = (self._in_flight, dispatched) if self.overlap else (dispatched, None)
     finished = self._collect(previous) if previous is not None else []
     self.stats.finished += len(finished)

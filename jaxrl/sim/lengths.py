@@ -167,3 +167,28 @@ def from_config(cfg) -> LengthDist:
   if cfg.get("growth_rate", 0):
     dist = Growing(dist, cfg["growth_rate"], cfg.get("growth_max_len", dist.max_len))
   return dist
+
+
+class Replay(LengthDist):
+  """A run's own per-group lengths, in group order, for the simulator (the samples of a group share a length).
+
+  The simulator draws a step's worth of groups at a time, in group order, with one fresh rng per simulated run:
+  a new rng restarts the replay.
+  """
+
+  def __init__(self, lengths: np.ndarray, group_size: int):
+    self.lengths, self.group_size = np.asarray(lengths, np.int64), group_size
+    self.max_len = int(self.lengths.max())
+    self._rng, self._next = None, 0
+
+  def _draw(self, rng, n, step):
+    if n % self.group_size:
+      raise ValueError(f"Replay draws whole groups: {n} is not a multiple of group_size={self.group_size}")
+    if rng is not self._rng:
+      self._rng, self._next = rng, 0
+    groups = n // self.group_size
+    if self._next + groups > len(self.lengths):
+      raise ValueError(f"Replay ran out of groups: the simulation wants more than the {len(self.lengths)} logged")
+    out = self.lengths[self._next: self._next + groups]
+    self._next += groups
+    return np.repeat(out, self.group_size)

@@ -1,0 +1,175 @@
+r"""The headline: colocated sync (one process on every core: sample with all of them, then train with all of them)
+vs pipeline (a learner process pinned to one half of the cores, a sampler process to the other), same config,
+same initial state, same prompts; and what the simulator predicts for each run from that run's own logs.
+
+  PYTHONPATH=. .venv/bin/python -m bench.headline                                # forced long tail (a), ~6 min
+  PYTHONPATH=. .venv/bin/python -m bench.headline --workload=smollm2 --out=bench/results/headline_smollm2.json
+  PYTHONPATH=. .venv/bin/python -m bench.headline --workload=test --out=/tmp/headline.json   # ~2 min
+
+Each run is its own program, as a user runs it (configs/bench_headline.py[:workload]):
+  sync:     python -m jaxrl.train --config.mode=sync  (JAX_NUM_CPU_DEVICES=2: a learner and a sampler device of one
+            process, whose XLA thread pool spans every core; sync never runs them at once)
+  pipeline: python -m jaxrl.distributed.launch --num_processes=2 --devices_per_process=1 --cpu_affinity=split
+An untimed first round of each mode fills a persistent compilation cache, so that no timed run compiles mid-run
+(a new packed-row bucket or KV-recompute length); then `rounds` rounds alternate which mode goes first. From every
+run's metrics.jsonl: seconds per trained (completion) token and per step (least-squares slope of step log times)
+after `warmup_steps`, the sampler's and the learner's idle fractions, staleness; and `jaxrl-profile --from-run`'s
+calibration of that run, the simulator's step time for it, and its error (forced lengths only: natural lengths are
+not logged per group). Medians over rounds; JSON to bench/results/headline.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).parents[1]
+MODES = ("sync", "pipeline")
+
+
+def command(mode: str, config: str, workdir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
+  """(argv, extra environment) of one run of `mode`."""
+  flags = [f"--config={config}", f"--workdir={workdir}", f"--config.num_steps={steps}"]
+  if mode == "sync":
+    return [sys.executable, "-m", "jaxrl.train", *flags, "--config.mode=sync"], {"JAX_NUM_CPU_DEVICES": "2"}
+  return [sys.executable, "-m", "jaxrl.distributed.launch", "--num_processes=2", "--devices_per_process=1",
+          "--cpu_affinity=split", "--timeout_s=900", "--", *flags], {}
+
+
+def run(mode: str, config: str, workdir: Path, steps: int, cache: Path) -> float:
+  """Runs one job to the end; returns its wall seconds (start-up and compilation included)."""
+  argv, env = command(mode, config, workdir, steps)
+  env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(cache),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  t0 = time.perf_counter()
+  proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True)
+  if proc.returncode:
+    raise RuntimeError(f"{mode} run failed ({proc.returncode}): {' '.join(argv)}\n{proc.stdout[-3000:]}"
+                       f"\n{proc.stderr[-3000:]}")
+  return time.perf_counter() - t0
+
+
+def measure(c, mode: str, workdir: Path, warmup: int, devices: int = 2) -> dict[str, Any]:
+  """A finished run's figures from its metrics.jsonl, and the simulator's prediction from its own calibration."""
+  from jaxrl import config as config_lib
+  from jaxrl.metrics import read_jsonl
+  from jaxrl.profile import from_run
+  from jaxrl.sim import runlog
+
+  records = read_jsonl(workdir / "metrics.jsonl")
+  batch = c.rl.group_size * c.rl.groups_per_step
+  rs = runlog.steady(records, warmup)[1:]
+  out = dict(steps=len(records), measured_steps=len(rs), s_per_token=runlog.seconds_per_token(records, warmup, batch),
+             step_s=runlog.step_time_s(records, warmup), **runlog.idle_fractions(records, warmup),
+             staleness_mean=float(np.average([r["staleness_mean"] for r in rs])),
+             staleness_max=int(max(r["staleness_max"] for r in rs)),
+             completion_len_mean=float(np.mean([r["completion_len"] for r in rs])),
+             samples_dropped=int(records[-1]["samples_dropped"]))
+  if c.sampler.forced_lengths.median > 0:
+    cfg = config_lib.override(c.copy_and_resolve_references(), mode=mode)
+    pred = from_run(cfg, workdir, devices=devices, warmup=warmup)
+    out.update(predicted_step_s=pred["predicted_step_s"], prediction_error=pred["error"],
+               calibration=pred["calibration"].to_json(), calibration_details=pred["details"])
+  return out
+
+
+def run_benchmark(workload: str, scratch: Path, rounds: int | None = None) -> dict[str, Any]:
+  config = f"{ROOT / 'configs' / 'bench_headline.py'}:{workload}"
+  c = _load(workload)
+  warmup, rounds = c.bench.warmup_steps, rounds or c.bench.rounds
+  cache = scratch / "compilation_cache"
+  out: dict[str, Any] = dict(workload=workload, config=config, rounds=[], load_before=os.getloadavg())
+  for mode in MODES:  # fills the compilation cache (untimed)
+    out[f"{mode}_cache_fill_s"] = run(mode, config, scratch / f"fill-{mode}", c.num_steps, cache)
+  for i in range(rounds):
+    order = MODES if i % 2 == 0 else MODES[::-1]  # neither mode always runs first
+    row: dict[str, Any] = dict(order=list(order))
+    for mode in order:
+      workdir = scratch / f"round{i}-{mode}"
+      wall = run(mode, config, workdir, c.num_steps, cache)
+      row[mode] = dict(wall_s=wall, **measure(c, mode, workdir, warmup))
+    row.update(speedup_per_token=row["sync"]["s_per_token"] / row["pipeline"]["s_per_token"],
+               speedup_per_step=row["sync"]["step_s"] / row["pipeline"]["step_s"], load_average=os.getloadavg())
+    out["rounds"].append(row)
+    print(_round_line(i, row), flush=True)
+  med = lambda f: float(np.median([f(r) for r in out["rounds"]]))
+  out["median"] = dict(speedup_per_token=med(lambda r: r["speedup_per_token"]),
+                       speedup_per_step=med(lambda r: r["speedup_per_step"]),
+                       **{f"{m}_{k}": med(lambda r, m=m, k=k: r[m][k]) for m in MODES
+                          for k in ("s_per_token", "step_s", "sampler_idle", "learner_idle", "staleness_mean")})
+  if "prediction_error" in out["rounds"][0]["sync"]:
+    out["median"].update({f"{m}_prediction_error": med(lambda r, m=m: r[m]["prediction_error"]) for m in MODES})
+  out.update(load_after=os.getloadavg(), host=platform.node(), cores=sorted(os.sched_getaffinity(0)),
+             model=c.model.source, warmup_steps=warmup, num_steps=c.num_steps,
+             batch=c.rl.group_size * c.rl.groups_per_step, forced_lengths=c.sampler.forced_lengths.to_dict())
+  return out
+
+
+def _load(workload: str):
+  """configs/bench_headline.py's config for `workload`, as the runs load it."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("bench_headline_config", ROOT / "configs" / "bench_headline.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(workload)
+
+
+def _round_line(i: int, row: dict) -> str:
+  parts = []
+  for m in row["order"]:
+    r = row[m]
+    pred = f", sim {r['prediction_error']:+.0%}" if "prediction_error" in r else ""
+    parts.append(f"{m} {r['s_per_token'] * 1e3:.2f} ms/token {r['step_s']:.3f} s/step idle smp "
+                 f"{r['sampler_idle']:.2f} lrn {r['learner_idle']:.2f} stale {r['staleness_mean']:.2f}{pred}")
+  return (f"round {i}: " + "; ".join(parts) + f" -> {row['speedup_per_token']:.2f}x per token, "
+          f"{row['speedup_per_step']:.2f}x per step (load {row['load_average'][0]:.1f})")
+
+
+def report(out: dict) -> str:
+  md = out["median"]
+  lines = [f"{out['workload'] or 'forced long tail'}: {len(out['rounds'])} rounds, load average "
+           f"{out['load_before'][0]:.1f} before, {out['load_after'][0]:.1f} after",
+           f"median: pipeline vs colocated sync {md['speedup_per_token']:.2f}x per trained token, "
+           f"{md['speedup_per_step']:.2f}x per step"]
+  for m in MODES:
+    err = f"; simulator error {md[f'{m}_prediction_error']:+.1%}" if f"{m}_prediction_error" in md else ""
+    lines.append(f"  {m}: {md[f'{m}_s_per_token'] * 1e3:.2f} ms per trained token, {md[f'{m}_step_s']:.3f} s per "
+                 f"step, idle sampler {md[f'{m}_sampler_idle']:.2f} learner {md[f'{m}_learner_idle']:.2f}, staleness "
+                 f"{md[f'{m}_staleness_mean']:.2f}{err}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  from absl import app, flags
+
+  flags.DEFINE_string("workload", "", "configs/bench_headline.py argument: '' (forced long tail), 'test', 'smollm2'")
+  flags.DEFINE_string("out", str(Path(__file__).parent / "results" / "headline.json"), "JSON results path")
+  flags.DEFINE_integer("rounds", 0, "rounds of both modes (0: the config's bench.rounds)")
+
+  def _main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fl = flags.FLAGS
+    with tempfile.TemporaryDirectory(prefix="jaxrl-headline-") as scratch:
+      out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None)
+    print(report(out))
+    path = Path(fl.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=float) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,90 @@
+"""A calibration from a run's own logs (jaxrl-profile --from-run): no profiling run, the costs the run paid.
+
+Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.loops):
+- `train_s`, `train_tokens`: the learner's wall time for the step (batch assembly, train step, metrics fetch) and
+  the tokens its batch held (rows x seq_len, padding included: what it computed over);
+- `publish_s`: the learner's weight publish after the step;
+- `sampler/<field>`: the samplers' cumulative jaxrl.sampler.SamplerStats (summed over replicas): decode calls,
+  live rows and context positions at dispatch, wall seconds inside Sampler.step(), seconds inside update_params().
+Between two records the deltas give one decode row (mean live batch, mean context, seconds per decode step); the
+fit is calibrate.fit_decode's. A Sampler.step() also admits (prefills, inserts): its cost is folded into the
+decode rows, so prefill_s_per_token is 0. Sampler and learner of the headline run on disjoint cores or one after the
+other: no contention is charged.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from jaxrl.sim.calibrate import Measurements
+
+_CALLS, _ROWS, _CONTEXT = "sampler/decode_calls", "sampler/live_rows", "sampler/context_tokens"
+_BUSY, _UPDATE = "sampler/seconds", "sampler/update_seconds"
+
+
+def steady(records: list[dict], warmup: int) -> list[dict]:
+  """The records from the last warm-up step on (its end is where the measured window starts)."""
+  if warmup < 1:
+    raise ValueError(f"warmup must be >= 1 step (the first one compiles; got {warmup})")
+  if len(records) < warmup + 3:
+    raise ValueError(f"the run logged {len(records)} steps: need warmup={warmup} + at least 3 to fit its costs")
+  missing = [k for k in ("train_s", "train_tokens", "publish_s", _CALLS) if k not in records[-1]]
+  if missing:
+    raise ValueError(f"metrics.jsonl lacks {missing}: the run predates cost logging (or has no sampler stats)")
+  return records[warmup - 1:]
+
+
+def step_time_s(records: list[dict], warmup: int) -> float:
+  """Seconds per step: least-squares slope of the steps' log times after warm-up (the simulator's measure)."""
+  t = np.array([r["time"] for r in steady(records, warmup)])
+  return float(np.polyfit(np.arange(t.size), t, 1)[0])
+
+
+def seconds_per_token(records: list[dict], warmup: int, batch_size: int) -> float:
+  """Wall seconds per trained completion token over the steps after warm-up."""
+  rs = steady(records, warmup)
+  return (rs[-1]["time"] - rs[0]["time"]) / sum(r["completion_len"] * batch_size for r in rs[1:])
+
+
+def idle_fractions(records: list[dict], warmup: int) -> dict[str, float]:
+  """Sampler and learner idle fractions of the measured window (1 - busy / wall)."""
+  rs = steady(records, warmup)
+  wall = rs[-1]["time"] - rs[0]["time"]
+  sampler = rs[-1][_BUSY] + rs[-1][_UPDATE] - rs[0][_BUSY] - rs[0][_UPDATE]
+  return dict(sampler_idle=1 - sampler / wall, learner_idle=1 - sum(r["train_s"] for r in rs[1:]) / wall)
+
+
+def decode_rows(records: list[dict], warmup: int, steps_per_call: int) -> list[tuple[float, float, float]]:
+  """(mean live batch, mean context, seconds per decode step) between consecutive records with decode calls."""
+  rows = []
+  rs = steady(records, warmup)
+  for a, b in zip(rs[:-1], rs[1:], strict=True):
+    calls, live = b[_CALLS] - a[_CALLS], b[_ROWS] - a[_ROWS]
+    if calls >= 1 and live >= 1:
+      rows.append((live / calls, (b[_CONTEXT] - a[_CONTEXT]) / live,
+                   (b[_BUSY] - a[_BUSY]) / (calls * steps_per_call)))
+  return rows
+
+
+def measurements(records: list[dict], *, warmup: int, steps_per_call: int, max_batch: int, learner_devices: int,
+                 sampler_devices: int, weight_bytes: float) -> tuple[Measurements, dict]:
+  """The Measurements a run's records imply, with the per-step figures they come from."""
+  rs = steady(records, warmup)
+  rows = decode_rows(records, warmup, steps_per_call)
+  if len(rows) < 3:
+    raise ValueError(f"only {len(rows)} steps after warm-up saw decode calls: need 3 to fit the decode curve")
+  # Medians of per-step figures: a compilation (a new packed-row bucket, a KV-recompute length) or a burst of load
+  # on a shared machine stalls single steps.
+  train_s = statistics.median(r["train_s"] for r in rs[1:])
+  tokens = statistics.median(r["train_tokens"] / r["train_s"] for r in rs[1:]) * train_s
+  publish_s = statistics.median(r["publish_s"] for r in rs[1:])
+  update_s = statistics.median(b[_UPDATE] - a[_UPDATE] for a, b in zip(rs[:-1], rs[1:], strict=True))
+  m = Measurements(decode=tuple(rows), train_tokens_per_s_per_device=tokens / (train_s * learner_devices),
+                   max_batch=max_batch, weight_bytes=weight_bytes,
+                   link_bandwidth=weight_bytes / (min(learner_devices, sampler_devices) * publish_s),
+                   devices_per_engine=sampler_devices, update_s=update_s)
+  details = dict(train_step_s=train_s, train_tokens_per_step=tokens,
+                 transfer_s=publish_s, update_s=update_s, admission_s_per_sample=0.0, steps=len(rs) - 1)
+  return m, details
