@@ -24,10 +24,10 @@ def get_config(arg: str | None = None):
   c.num_steps = 16
   c.mesh.sampler_devices = 1  # of 2: one learner device, one sampler device (a whole process in the pipeline)
   c.model.source = "tiny"
-  c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+  c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
                                                 num_heads=2, num_kv_heads=1, head_dim=32))
   c.task.name = "target_token"  # 4-token random prompts
-  c.sampler.max_slots = 32
+  c.sampler.max_slots = 16
   c.sampler.max_len = 128
   c.sampler.steps_per_call = 8
   c.sampler.max_new_tokens = 120
@@ -37,6 +37,7 @@ def get_config(arg: str | None = None):
   c.rl.groups_per_step = 8  # batch of 32 samples
   c.rl.seq_len = 128
   c.rl.pack = True  # the train step costs the real tokens: comparable with the sampler's share (see BENCHMARKS.md)
+  c.rl.num_minibatches = 1
   c.rl.max_staleness = 1
   c.rl.queue_groups = 16
   c.checkpoint.every_steps = 1000  # no checkpoint inside the timed steps (one at the end)
@@ -46,6 +47,7 @@ def get_config(arg: str | None = None):
   if arg == "test":
     c.num_steps = 7
     c.model.tiny.num_layers = 1
+    c.rl.pack = False  # one train-step shape: a single-process run compiles no new row bucket mid-run
     c.bench.rounds = 1
   elif arg == "smollm2":
     c.model.source = "smollm2"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -93,10 +92,10 @@ def _truncate_after(path: Path, step: int) -> None:
   os.replace(tmp, path)
 
 
-def sampler_metrics(stats: list) -> dict[str, float]:
-  """The cumulative counters of a run's samplers (jaxrl.sampler.SamplerStats), summed, as sampler/<field>."""
-  return {f"sampler/{f.name}": float(sum(getattr(s, f.name) for s in stats)) for f in dataclasses.fields(stats[0])
-          } if stats else {}
+def sampler_metrics(samplers: list[dict[str, float]]) -> dict[str, float]:
+  """The cumulative counters of a run's samplers (e.g. jaxrl.sampler.SamplerStats as a dict), summed, as
+  sampler/<name>."""
+  return {f"sampler/{k}": float(sum(s[k] for s in samplers)) for k in samplers[0]} if samplers else {}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -268,7 +268,7 @@ class Controller:
     version = self.version
     t0 = time.perf_counter()
     self.publisher.publish(self.state.params, version)
-    metrics.update(publish_s=time.perf_counter() - t0, **sampler_metrics(self._sampler_stats()))  # --from-run
+    metrics.update(publish_s=time.perf_counter() - t0, **sampler_metrics(self._sampler_costs()))  # --from-run
     self.step_times.append(step_time)
     if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
       k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
@@ -399,9 +399,10 @@ class Controller:
         rollout_queue.put(self._outbox[0])  # blocks when the learner is behind (back-pressure)
         self._outbox.pop(0)
 
-  def _sampler_stats(self) -> list:
-    """Every sampler's cumulative SamplerStats, logged with each step (jaxrl-profile --from-run fits them)."""
-    return [self.sampler.stats]
+  def _sampler_costs(self) -> list[dict]:
+    """Every sampler's cumulative SamplerStats and loop busy time, logged with each step (jaxrl-profile
+    --from-run fits them)."""
+    return [dict(dataclasses.asdict(self.sampler.stats), busy_s=self.busy["sampler"])]
 
   def _updates_skipped(self) -> int:
     """Learner updates skipped since this run started (each lets the following shares come a step earlier)."""
@@ -430,12 +431,13 @@ class Controller:
     while not self._done():
       groups = self._batch_groups = []
       self._ask()
+      waited = time.perf_counter()
       for source, n in sources:
         self._take(source, n, groups)
       t0 = time.perf_counter()
       metrics = self._train(groups)
       self._batch_groups = []
-      metrics["train_s"] = time.perf_counter() - t0
+      metrics.update(train_s=time.perf_counter() - t0, wait_s=t0 - waited)  # --from-run
       self.busy["learner"] += metrics["train_s"]
       metrics["queue_depth"] = depth()
       now = time.perf_counter()

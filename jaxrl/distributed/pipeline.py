@@ -20,7 +20,6 @@ checkpoint together and end the job as at its last step.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import queue
 import threading
@@ -37,7 +36,6 @@ from jaxrl.controller.queue import Stopped
 from jaxrl.distributed import packets
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, copy_packet, save_local_shards
 from jaxrl.rollout import Rollout
-from jaxrl.sampler import SamplerStats
 from jaxrl.sharding import Versioned
 
 
@@ -249,7 +247,6 @@ class DistributedController(Controller):
 
   def _admit_one(self) -> bool:
     admitted = super()._admit_one()
-    self.store.set(f"sampler_stats/{self.topology.sampler_rank}", dataclasses.asdict(self.sampler.stats))
     # Published before any sample of the group exists, so a checkpoint's data position is past every group that
     # can have been trained (see save_checkpoint).
     self.store.set(f"next_group/{self.topology.sampler_rank}", self.record.next_group_id)
@@ -263,6 +260,11 @@ class DistributedController(Controller):
       self.record.next_group_id = max(self.record.next_group_id, *positions)
     super().save_checkpoint(force)
 
+  def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+    if rollouts:  # this sampler's costs so far, for the lead learner's metrics (jaxrl-profile --from-run)
+      self.store.set(f"sampler_costs/{self.topology.sampler_rank}", *self._sampler_costs())
+    return super()._complete_groups(rollouts)
+
   def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
     metrics = super()._train(groups)
     if not metrics["applied"] and self.is_lead:
@@ -272,9 +274,11 @@ class DistributedController(Controller):
   def _updates_skipped(self) -> int:
     return self.store.count("updates_skipped")
 
-  def _sampler_stats(self) -> list[SamplerStats]:
-    posted = [self.store.try_get(f"sampler_stats/{r}") for r in range(len(self.topology.sampler_processes))]
-    return [SamplerStats(**d) for d in posted if d is not None]
+  def _sampler_costs(self) -> list[dict]:
+    if not self.is_learner:
+      return super()._sampler_costs()
+    posted = [self.store.try_get(f"sampler_costs/{r}") for r in range(len(self.topology.sampler_processes))]
+    return [d for d in posted if d is not None]
 
   def _shares_asked(self) -> int:
     return self.store.count("shares_asked")

@@ -9,7 +9,7 @@ JSON format (`Calibration.save` / `Calibration.load`), format tag "jaxrl.sim.cal
   {"format": ..., "devices_per_engine": int, "max_batch": int,
    "decode": {"overhead_s", "weights_s", "kv_s_per_token", "compute_s_per_seq", "knee_sharpness" (null: inf)},
    "prefill_s_per_token", "train_tokens_per_s_per_device", "weight_bytes", "link_bandwidth",
-   "decode_contention", "train_contention" (1.0 when absent), "update_s" (0.0 when absent),
+   "decode_contention", "train_contention" (1.0 when absent), "update_s", "train_overhead_s" (0.0 when absent),
    "fit": {"n", "rms_rel_error", "max_rel_error", "batch_range", "context_range"},
    "measurements": {"decode": [[batch, context, seconds], ...], "train_tokens_per_s_per_device": ...}}
 """
@@ -48,6 +48,8 @@ class Measurements:
   # Sampler pause for an in-flight weight update beyond the transfer (jaxrl's on_update="recompute" recomputes the
   # live slots' KV cache). Only the pipeline updates weights under live samples.
   update_s: float = 0.0
+  # Learner time per step outside the train step and its waits for data (batch hand-off, coordination, logging).
+  train_overhead_s: float = 0.0
 
   def __post_init__(self):
     rows = tuple(tuple(r) for r in self.decode)
@@ -64,7 +66,7 @@ class Measurements:
                  "devices_per_engine", "knee_sharpness", "decode_contention", "train_contention"):
       if not getattr(self, name) > 0:
         raise ValueError(f"Measurements.{name} must be > 0 (got {getattr(self, name)})")
-    for name in ("prefill_s_per_token", "update_s"):
+    for name in ("prefill_s_per_token", "update_s", "train_overhead_s"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"Measurements.{name} must be >= 0 (got {getattr(self, name)})")
 
@@ -85,10 +87,11 @@ class Calibration:
   decode_contention: float = 1.0  # see Measurements
   train_contention: float = 1.0
   update_s: float = 0.0
+  train_overhead_s: float = 0.0  # see Measurements
 
   def costs(self, **overrides) -> Costs:
     kw = dict(decode=self.decode, devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
-              prefill_s_per_token=self.prefill_s_per_token,
+              prefill_s_per_token=self.prefill_s_per_token, train_overhead_s=self.train_overhead_s,
               train_tokens_per_s_per_device=self.train_tokens_per_s_per_device, weight_bytes=self.weight_bytes,
               link_bandwidth=self.link_bandwidth)
     kw.update(overrides)
@@ -101,7 +104,8 @@ class Calibration:
                prefill_s_per_token=self.prefill_s_per_token,
                train_tokens_per_s_per_device=self.train_tokens_per_s_per_device, weight_bytes=self.weight_bytes,
                link_bandwidth=self.link_bandwidth, decode_contention=self.decode_contention,
-               train_contention=self.train_contention, update_s=self.update_s, fit=self.fit)
+               train_contention=self.train_contention, update_s=self.update_s,
+               train_overhead_s=self.train_overhead_s, fit=self.fit)
     if self.measurements is not None:
       m = dataclasses.asdict(self.measurements)
       m["decode"] = [list(r) for r in self.measurements.decode]
@@ -125,7 +129,7 @@ class Calibration:
                train_tokens_per_s_per_device=d["train_tokens_per_s_per_device"], weight_bytes=d["weight_bytes"],
                link_bandwidth=d["link_bandwidth"], fit=d["fit"], measurements=m,
                decode_contention=d.get("decode_contention", 1.0), train_contention=d.get("train_contention", 1.0),
-               update_s=d.get("update_s", 0.0))
+               update_s=d.get("update_s", 0.0), train_overhead_s=d.get("train_overhead_s", 0.0))
 
   def save(self, path: str):
     with open(path, "w") as f:
@@ -195,4 +199,5 @@ def fit_calibration(measurements: Measurements) -> Calibration:
                      prefill_s_per_token=m.prefill_s_per_token,
                      train_tokens_per_s_per_device=m.train_tokens_per_s_per_device, weight_bytes=m.weight_bytes,
                      link_bandwidth=m.link_bandwidth, fit=stats, measurements=m,
-                     decode_contention=m.decode_contention, train_contention=m.train_contention, update_s=m.update_s)
+                     decode_contention=m.decode_contention, train_contention=m.train_contention, update_s=m.update_s,
+                     train_overhead_s=m.train_overhead_s)

@@ -2,26 +2,26 @@
 
 Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.loops):
 - `train_s`, `train_tokens`: the learner's wall time for the step (batch assembly, train step, metrics fetch) and
-  the tokens its batch held (rows x seq_len, padding included: what it computed over);
+  the tokens its batch held (rows x seq_len, padding included: what it computed over); `wait_s`: its wait for the
+  step's groups; the rest of `step_time_s` is the learner's per-step overhead (coordination, hand-off, logging);
 - `publish_s`: the learner's weight publish after the step;
 - `sampler/<field>`: the samplers' cumulative jaxrl.sampler.SamplerStats (summed over replicas): decode calls,
-  live rows and context positions at dispatch, wall seconds inside Sampler.step(), seconds inside update_params().
-Between two records the deltas give one decode row (mean live batch, mean context, seconds per decode step); the
-fit is calibrate.fit_decode's. A Sampler.step() also admits (prefills, inserts): its cost is folded into the
-decode rows, so prefill_s_per_token is 0. Sampler and learner of the headline run on disjoint cores or one after the
-other: no contention is charged.
+  live rows and context positions at dispatch, seconds inside update_params(); and `sampler/busy_s`, the sampler
+  loop's busy time (Controller.busy: admissions, decode calls, rewards, batch assembly; not its waits).
+Between two records the deltas give one decode row (mean live batch, mean context, busy seconds less updates per
+decode step); the fit is calibrate.fit_decode's. Everything the sampler loop does per call is folded into the decode
+rows (prefill_s_per_token is 0). Sampler and learner of the headline run on disjoint cores or one after the other:
+no contention is charged.
 """
 
 from __future__ import annotations
-
-import statistics
 
 import numpy as np
 
 from jaxrl.sim.calibrate import Measurements
 
 _CALLS, _ROWS, _CONTEXT = "sampler/decode_calls", "sampler/live_rows", "sampler/context_tokens"
-_BUSY, _UPDATE = "sampler/seconds", "sampler/update_seconds"
+_BUSY, _UPDATE = "sampler/busy_s", "sampler/update_seconds"
 
 
 def steady(records: list[dict], warmup: int) -> list[dict]:
@@ -30,7 +30,7 @@ def steady(records: list[dict], warmup: int) -> list[dict]:
     raise ValueError(f"warmup must be >= 1 step (the first one compiles; got {warmup})")
   if len(records) < warmup + 3:
     raise ValueError(f"the run logged {len(records)} steps: need warmup={warmup} + at least 3 to fit its costs")
-  missing = [k for k in ("train_s", "train_tokens", "publish_s", _CALLS) if k not in records[-1]]
+  missing = [k for k in ("train_s", "wait_s", "train_tokens", "publish_s", _CALLS) if k not in records[-1]]
   if missing:
     raise ValueError(f"metrics.jsonl lacks {missing}: the run predates cost logging (or has no sampler stats)")
   return records[warmup - 1:]
@@ -52,7 +52,7 @@ def idle_fractions(records: list[dict], warmup: int) -> dict[str, float]:
   """Sampler and learner idle fractions of the measured window (1 - busy / wall)."""
   rs = steady(records, warmup)
   wall = rs[-1]["time"] - rs[0]["time"]
-  sampler = rs[-1][_BUSY] + rs[-1][_UPDATE] - rs[0][_BUSY] - rs[0][_UPDATE]
+  sampler = rs[-1][_BUSY] - rs[0][_BUSY]
   return dict(sampler_idle=1 - sampler / wall, learner_idle=1 - sum(r["train_s"] for r in rs[1:]) / wall)
 
 
@@ -63,8 +63,8 @@ def decode_rows(records: list[dict], warmup: int, steps_per_call: int) -> list[t
   for a, b in zip(rs[:-1], rs[1:], strict=True):
     calls, live = b[_CALLS] - a[_CALLS], b[_ROWS] - a[_ROWS]
     if calls >= 1 and live >= 1:
-      rows.append((live / calls, (b[_CONTEXT] - a[_CONTEXT]) / live,
-                   (b[_BUSY] - a[_BUSY]) / (calls * steps_per_call)))
+      busy = b[_BUSY] - a[_BUSY] - (b[_UPDATE] - a[_UPDATE])  # updates are charged apart (update_s)
+      rows.append((live / calls, (b[_CONTEXT] - a[_CONTEXT]) / live, busy / (calls * steps_per_call)))
   return rows
 
 
@@ -75,16 +75,21 @@ def measurements(records: list[dict], *, warmup: int, steps_per_call: int, max_b
   rows = decode_rows(records, warmup, steps_per_call)
   if len(rows) < 3:
     raise ValueError(f"only {len(rows)} steps after warm-up saw decode calls: need 3 to fit the decode curve")
-  # Medians of per-step figures: a compilation (a new packed-row bucket, a KV-recompute length) or a burst of load
-  # on a shared machine stalls single steps.
-  train_s = statistics.median(r["train_s"] for r in rs[1:])
-  tokens = statistics.median(r["train_tokens"] / r["train_s"] for r in rs[1:]) * train_s
-  publish_s = statistics.median(r["publish_s"] for r in rs[1:])
-  update_s = statistics.median(b[_UPDATE] - a[_UPDATE] for a, b in zip(rs[:-1], rs[1:], strict=True))
+  # Means over the window, as the step time measured over it is: a load burst the run paid is a cost it paid.
+  steps = len(rs) - 1
+  train_s = sum(r["train_s"] for r in rs[1:]) / steps
+  tokens = sum(r["train_tokens"] for r in rs[1:]) / steps
+  publish_s = sum(r["publish_s"] for r in rs[1:]) / steps
+  update_s = (rs[-1][_UPDATE] - rs[0][_UPDATE]) / steps  # one update reaches the sampler per step
+  # A step's log time runs from the previous train step's end: its publish, then coordination, the wait for data
+  # and the train step. What is left is the learner's per-step overhead.
+  overhead_s = sum(max(b["step_time_s"] - b["train_s"] - b["wait_s"] - a["publish_s"], 0.0)
+                   for a, b in zip(rs[:-1], rs[1:], strict=True)) / steps
   m = Measurements(decode=tuple(rows), train_tokens_per_s_per_device=tokens / (train_s * learner_devices),
                    max_batch=max_batch, weight_bytes=weight_bytes,
                    link_bandwidth=weight_bytes / (min(learner_devices, sampler_devices) * publish_s),
-                   devices_per_engine=sampler_devices, update_s=update_s)
+                   devices_per_engine=sampler_devices, update_s=update_s, train_overhead_s=overhead_s)
   details = dict(train_step_s=train_s, train_tokens_per_step=tokens,
-                 transfer_s=publish_s, update_s=update_s, admission_s_per_sample=0.0, steps=len(rs) - 1)
+                 transfer_s=publish_s, update_s=update_s, learner_overhead_s=overhead_s, admission_s_per_sample=0.0,
+                 steps=steps)
   return m, details
