@@ -20,7 +20,6 @@ not logged per group). Medians over rounds; JSON to bench/results/headline.json.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.common import write_json
 
 ROOT = Path(__file__).parents[1]
 MODES = ("sync", "pipeline")
@@ -163,10 +164,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="jaxrl-headline-") as scratch:
       out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None)
     print(report(out))
-    path = Path(fl.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=float) + "\n")
-    print(f"wrote {path}", file=sys.stderr)
+    write_json(fl.out, out)
 
   app.run(_main, argv=argv)
 

@@ -19,10 +19,8 @@ bench/results/pipeline.json; docs/BENCHMARKS.md explains the figures."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import write_json
 from jaxrl.controller.loops import Controller
 from jaxrl.controller.queue import WeightPublisher
 from jaxrl.learner.packing import pack_batch
@@ -330,10 +329,7 @@ def main(argv=None):
           f"{report['config']['measured_steps']} measured steps per mode and round; load average "
           f"{report['rounds'][-1]['load_average']}")
     print(table(report))
-    out = Path(flags.FLAGS.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=float) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(flags.FLAGS.out, report)
 
   app.run(_main, argv=argv)
 

@@ -49,10 +49,15 @@ def get_config(arg: str | None = None):
     c.model.tiny.num_layers = 1
     c.rl.pack = False  # one train-step shape: a single-process run compiles no new row bucket mid-run
     c.bench.rounds = 1
-  elif arg == "smollm2":
+  elif arg == "smollm2":  # configs/default.py's model and task, a longer answer budget: the model's own lengths
     c.model.source = "smollm2"
     c.task.name = "arithmetic"
-    c.sampler.forced_lengths.median = 0.0  # the model's own lengths
+    c.task.kwargs.digits = 2
+    c.task.kwargs.ops = ("+",)
+    c.task.max_prompt_tokens = 56  # the chat template makes these prompts 52 tokens
+    c.sampler.temperature = 0.7
+    c.optimizer.learning_rate = 2e-5
+    c.sampler.forced_lengths.median = 0.0
     c.sampler.max_slots = 16
     c.sampler.max_len = 160
     c.sampler.max_new_tokens = 96
