@@ -169,6 +169,15 @@ def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler
   return Sampler(engine, params, version, **kw)
 
 
+def compile_rebuilds(engine: Engine, params) -> None:
+  """Compiles the dense KV recompute of an in-flight update at every cache-length bucket now, not at its first use
+  mid-run (where, in a multi-process job, every learner would wait on it). params: a Versioned of the engine's."""
+  state = engine.init_decode_state()
+  for length in engine.buckets:
+    state = engine.rebuild(params, state, length)
+  jax.block_until_ready(state)
+
+
 def open_checkpointer(c, workdir: Path, **kw) -> Checkpointer:
   """workdir/checkpoints; kw: the saving processes of a multi-process job."""
   return Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,

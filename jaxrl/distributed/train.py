@@ -89,6 +89,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
     engine = build_lib.build_engine(c, model_cfg, replicas[topology.sampler_rank])
 
     def make_sampler(first):
+      if spec.max_staleness and c.sampler.on_update == "recompute" and engine.kv == "dense":
+        build_lib.compile_rebuilds(engine, engine.place(first.params, first.version))
       return build_lib.build_sampler(c, engine, first.params, first.version, tokenizer)
 
     evaluate = None
