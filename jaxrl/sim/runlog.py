@@ -30,10 +30,13 @@ def steady(records: list[dict], warmup: int) -> list[dict]:
     raise ValueError(f"warmup must be >= 1 step (the first one compiles; got {warmup})")
   if len(records) < warmup + 3:
     raise ValueError(f"the run logged {len(records)} steps: need warmup={warmup} + at least 3 to fit its costs")
-  missing = [k for k in ("train_s", "wait_s", "train_tokens", "publish_s", _CALLS) if k not in records[-1]]
+  window = records[warmup - 1:]
+  keys = ("step_time_s", "train_s", "wait_s", "train_tokens", "publish_s", _CALLS, _ROWS, _CONTEXT, _BUSY, _UPDATE)
+  missing = [k for k in keys if any(k not in r for r in window)]
   if missing:
-    raise ValueError(f"metrics.jsonl lacks {missing}: the run predates cost logging (or has no sampler stats)")
-  return records[warmup - 1:]
+    raise ValueError(f"metrics.jsonl lacks {missing} after warm-up: the run predates cost logging (or no sampler "
+                     "stats had arrived yet: raise warmup)")
+  return window
 
 
 def step_time_s(records: list[dict], warmup: int) -> float:
