@@ -28,6 +28,7 @@ from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
 from jaxrl.sampler import paged
 from jaxrl.sampler.sampling import sample
+from jaxrl.settings import KV_LAYOUTS  # declared once, with the run config
 from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
 
 
@@ -42,9 +43,6 @@ class SlotSettings:
   greedy: jax.Array  # bool
   max_new: jax.Array  # int32, completion tokens allowed
   stop_ids: jax.Array  # int32 [..., max_stop_ids], -1 padded; generating one of them ends the sample
-
-
-KV_LAYOUTS = ("dense", "paged")
 
 
 @flax.struct.dataclass

@@ -27,9 +27,9 @@ import numpy as np
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler.engine import Engine, Prefix, ResultTokens
 from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt, pages_for
+from jaxrl.settings import ON_UPDATE  # declared once, with the run config
 from jaxrl.sharding import Versioned
 
-ON_UPDATE = ("recompute", "finish", "keep_kv")
 ADMISSION = ("continuous", "static")
 # Tokens of text re-decoded per new token for stop strings, past the longest stop string's length in characters
 # (a token decodes to at least one character except for a few partial UTF-8 bytes).
