@@ -51,7 +51,7 @@ def slow_learner_run(tmp_path_factory):
       return r
 
     ctl.train_step, sampling.sampler._rollout = slow_step, counted_rollout
-    stats["ctl"], stats["sampling"] = ctl, sampling
+    stats["ctl"], stats["sampling"], stats["rollouts"] = ctl, sampling, run.controller.rollouts
 
   def watch():
     while not done.wait(0.02):
@@ -80,7 +80,7 @@ def test_finished_groups_waiting_stop_admission(slow_learner_run):
   summary, stats = slow_learner_run
   c = tiny_config()
   assert summary["steps"] == LONG_STEPS
-  assert stats["ctl"].queue.max_depth <= QUEUE_GROUPS  # never past its bound
+  assert stats["rollouts"].max_depth <= QUEUE_GROUPS  # never past its bound
   # Admission stops at max(queue, a step's groups) waiting; what was generating then still finishes. Without the
   # stop, k = 50 would let the sampler run the whole run's groups ahead of the learner.
   bound = max(QUEUE_GROUPS, c.rl.groups_per_step) + c.sampler.max_slots // c.rl.group_size
