@@ -186,7 +186,8 @@ def sampler_alone(bench: Bench, groups: int) -> float:
   sampler = ForcedLengths(bench.lengths, engine, bench.state0.params, 0, seed=c.seed)
   t0 = time.perf_counter()
   for g in range(groups):
-    sampler.submit(bench.run.controller.prompts(g)[0], g, c.rl.group_size, sampling=bench.run.controller.spec.sampling)
+    sampler.submit(bench.run.controller.sampler_loop.prompts(g)[0], g, c.rl.group_size,
+                   sampling=bench.run.controller.spec.sampling)
   while sampler.num_active or sampler.num_waiting:
     sampler.step()
   return time.perf_counter() - t0
@@ -234,7 +235,8 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
   steps, gb, k = c.bench.measured_steps, c.rl.groups_per_step, c.rl.max_staleness
 
   def measure():
-    m, details, _ = profile(bench.engine, bench.run.controller.train_step, jax.tree.map(jnp.copy, bench.state0),
+    train_step = bench.run.controller.learner_loop.train_step
+    m, details, _ = profile(bench.engine, train_step, jax.tree.map(jnp.copy, bench.state0),
                             batch_size=c.rl.group_size * gb, seq_len=c.rl.seq_len, group_size=c.rl.group_size,
                             prompt_len=bench.prompt_len, learner_devices=bench.run.meshes.learner.size,
                             decode_calls=c.bench.profile_decode_calls, train_reps=c.bench.profile_train_reps)
@@ -262,7 +264,7 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
                          speedup_wall_per_token=runs["sync"]["wall_s_per_token"] / runs["pipeline"]["wall_s_per_token"],
                          speedup_steady=runs["sync"]["step_s"] / runs["pipeline"]["step_s"]))
   finally:
-    bench.run.controller.score.close()
+    bench.run.controller.sampler_loop.score.close()
     bench.run.checkpointer.close()
     bench.run.metrics.close()
   cal = fit_calibration(pooled([m for m, _ in profiles]))
