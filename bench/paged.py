@@ -42,6 +42,9 @@ _PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 64, "Paged slots (the page po
 _PAGE = flags.DEFINE_integer("page_size", 16, "Positions per page.")
 _CHUNK = flags.DEFINE_integer("rebuild_chunk", 32, "Paged rebuild: positions per row.")
 _ROWS = flags.DEFINE_integer("rebuild_rows", 16, "Paged rebuild: rows per call.")
+_ROW_BUCKETS = flags.DEFINE_list("row_buckets", ["1", "2", "4", "8", "16", "32"],
+                                 "Paged: batch sizes a generate call may run its live rows at (max_slots is added). "
+                                 "On the CPU a step costs about its rows, so buckets under 8 shorten the drain.")
 _REPEATS = flags.DEFINE_integer("update_repeats", 3, "Times each update is run (the fastest is reported).")
 _STEPS = flags.DEFINE_integer("steps_per_call", 8, "Decode steps per host round trip.")
 _UPDATES = flags.DEFINE_integer("updates", 3, "In-flight updates timed per engine (spread over the run).")
@@ -111,7 +114,17 @@ def _run(engine, params, requests, update_at=()):
                         steady_tokens_per_s=round(steady[0] / steady[1], 1),
                         live_mean=round(float(np.mean(live)), 2), live_max=int(np.max(live)),
                         decode_calls=s.decode_calls, prefills=s.prefills, preemptions=s.preemptions,
+                        rows_per_step=round(s.slot_steps / max(1, s.decode_calls * engine.steps_per_call), 2),
                         updates=updates)
+
+
+def _same_tokens(a, b):
+  return a.keys() == b.keys() and all(np.array_equal(a[k].completion_tokens, b[k].completion_tokens) for k in a)
+
+
+def _logprob_difference(a, b):
+  """Largest |logprob| difference between two runs of the same samples (0.0: identical bit for bit)."""
+  return max(float(np.max(np.abs(a[k].logprobs - b[k].logprobs), initial=0.0)) for k in a)
 
 
 def _warm(engine, params, vocab):
@@ -134,10 +147,13 @@ def main(argv):
   budget_positions = _DENSE_SLOTS.value * _MAX_LEN.value
   paged = dict(kv="paged", page_size=_PAGE.value, num_pages=budget_positions // _PAGE.value,
                rebuild_chunk=_CHUNK.value, rebuild_rows=_ROWS.value, **common)
+  buckets = [int(b) for b in _ROW_BUCKETS.value]
   # "paged_8": the dense engine's slot count on pages, so its updates recompute the same live samples as dense.
   engines = {"dense": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **common),
-             "paged": Engine(cfg, mesh, max_slots=_PAGED_SLOTS.value, **paged),
-             "paged_8": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **paged)}
+             "paged": Engine(cfg, mesh, max_slots=_PAGED_SLOTS.value, **paged,
+                             row_buckets=[b for b in buckets if b <= _PAGED_SLOTS.value]),
+             "paged_8": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **paged,
+                               row_buckets=[b for b in buckets if b <= _DENSE_SLOTS.value])}
   kv_bytes = {}
   for name, engine in engines.items():
     _warm(engine, params, cfg.vocab_size)
@@ -154,7 +170,7 @@ def main(argv):
     compiles = engine.compile_count()
     rollouts, results[name] = _run(engine, params, requests, update_at)
     results[name]["recompiles"] = engine.compile_count() - compiles
-    outputs[name] = {(r.group_id, r.sample_index): r.completion_tokens.tolist() for r in rollouts}
+    outputs[name] = {(r.group_id, r.sample_index): r for r in rollouts}
   d, p = results["dense"], results["paged"]
   per_update = {k: np.mean([u["seconds"] for u in results[k]["updates"]]) for k in results}
   per_live = {k: np.mean([u["seconds"] / u["live"] for u in results[k]["updates"]]) for k in results}
@@ -174,10 +190,12 @@ def main(argv):
                     steps_per_call=_STEPS.value),
       budget=dict(kv_bytes=kv_bytes["dense"], positions=budget_positions, dense_slots=_DENSE_SLOTS.value,
                   paged_slots=_PAGED_SLOTS.value, page_size=_PAGE.value, pages=budget_positions // _PAGE.value,
+                  paged_row_buckets=list(engines["paged"].row_buckets),
                   paged_rebuild_chunk=_CHUNK.value, paged_rebuild_rows=_ROWS.value),
       model=dict(hidden=h, layers=cfg.num_layers, vocab=cfg.vocab_size),
       dense=d, paged=p, paged_8=results["paged_8"], paged_over_dense=ratios,
-      identical_samples=outputs["dense"] == outputs["paged"] == outputs["paged_8"],
+      identical_samples=all(_same_tokens(outputs["dense"], outputs[k]) for k in ("paged", "paged_8")),
+      max_logprob_difference={k: _logprob_difference(outputs["dense"], outputs[k]) for k in ("paged", "paged_8")},
       device=f"{jax.devices()[0].platform} x{len(jax.devices())}", host=platform.node(),
       load=os.getloadavg())
   w = report["workload"]
@@ -200,7 +218,8 @@ def main(argv):
         f"{ratios['steady_tokens_per_s']}x), update "
         f"{ratios['update_seconds']}x cheaper ({ratios['update_seconds_per_live_sequence']}x per live sequence, "
         f"{ratios['update_seconds_same_slots']}x with the dense engine's 8 slots); "
-        f"identical samples: {report['identical_samples']}; load {report['load']}")
+        f"identical samples: {report['identical_samples']} (largest logprob difference "
+        f"{report['max_logprob_difference']}); load {report['load']}")
   os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
   Path(_OUT.value).write_text(json.dumps(report, indent=2) + "\n")
 
