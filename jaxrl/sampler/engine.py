@@ -9,7 +9,9 @@ insert and rebuild once per prompt-length bucket).
 
 With kv="paged" the cache is a pool of pages with a page table per slot (models.PagedKVCache): the host's
 sampler/pages.py allocates them and hands the tables over (`set_tables`, `insert(table_row=)`); a group's prompt
-pages are written once (`store_prefix`) and shared; `rebuild_spans` recomputes only the live tokens.
+pages are written once (`store_prefix`) and shared; `rebuild_spans` recomputes only the live tokens; and a
+generate call runs only its live slots, gathered into a batch of the smallest row bucket that holds them (the pool
+is shared, so only page tables and per-slot state move): a step costs what its live rows do.
 """
 
 from __future__ import annotations

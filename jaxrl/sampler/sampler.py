@@ -12,6 +12,7 @@ shared by its samples, each live slot gets pages for the positions the next call
 dispatched, and pages return to the pool when a sample ends. When the pool runs short, admission stops; when a
 live sample cannot grow, the most recently admitted live sample is preempted: its pages are freed and it waits,
 with its tokens so far, to be prefilled again (prompt + completion) and continued with the same sampling keys.
+Each generate call is told how many slots are occupied, and a paged engine runs only that many rows.
 """
 
 from __future__ import annotations
