@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxrl.sampler.paged import spans_to_rows
 from jaxrl.sampler.pages import OutOfPages, PageAllocator, pages_for, shared_pages
 
 SLOTS, PAGE, PER_SLOT = 4, 4, 6
@@ -163,15 +162,6 @@ def test_table_rows_mark_unused_entries_and_shared_prefix():
   alloc.release(0)
   alloc.release(1)
   assert alloc.num_free == 8 and alloc.num_used == 0
-
-
-def test_rebuild_chunks_run_by_start_after_what_they_read():
-  # The shared prompt [0, 8) through slot 1, then slot 0's and slot 1's own spans; chunks of 4, calls of 4 rows:
-  # slot 1's own chunk starts with slot 0's first, before slot 0's later chunks.
-  calls = spans_to_rows([(1, 0, 8), (0, 8, 17), (1, 8, 10)], chunk=4, rows=4)
-  rows = [(int(s), int(a), int(e)) for call in calls for s, a, e in zip(*call, strict=True)]
-  assert rows == [(1, 0, 8), (1, 4, 8), (0, 8, 17), (1, 8, 10), (0, 12, 17), (0, 16, 17),
-                  (0, 0, 0), (0, 0, 0)]  # padding rows end at 0: they write nothing
 
 
 def test_errors_name_the_problem():

@@ -59,12 +59,8 @@ def rebuild_rows(graphdef, chunk, params, state, slot_R, start_R, end_R):
 def spans_to_rows(spans, chunk: int, rows: int):
   """(slot, start, end) spans, in the order they must be computed, cut into calls of `rows` chunks each.
 
-  Chunks run in order of their start position (stable): a chunk's inputs (its slot's earlier chunks, the shared
-  prompt, which starts below the samples' own spans) come in an earlier call or earlier in the same call, and the
-  rows of one call have similar positions, so attention, which reads up to each row group's longest, wastes less.
   Returns a list of (slot_R, start_R, end_R) int32 arrays; padding rows have end 0 (they write nothing)."""
-  pieces = sorted(((slot, a, end) for slot, start, end in spans for a in range(start, end, chunk)),
-                  key=lambda piece: piece[1])
+  pieces = [(slot, a, end) for slot, start, end in spans for a in range(start, end, chunk)]
   calls = []
   for i in range(0, len(pieces), rows):
     block = pieces[i : i + rows]
