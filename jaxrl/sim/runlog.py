@@ -1,13 +1,13 @@
 """A calibration from a run's own logs (jaxrl-profile --from-run): no profiling run, the costs the run paid.
 
-Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.loops):
+Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.learner_loop):
 - `train_s`, `train_tokens`: the learner's wall time for the step (batch assembly, train step, metrics fetch) and
   the tokens its batch held (rows x seq_len, padding included: what it computed over); `wait_s`: its wait for the
   step's groups; the rest of `step_time_s` is the learner's per-step overhead (coordination, hand-off, logging);
 - `publish_s`: the learner's weight publish after the step;
 - `sampler/<field>`: the samplers' cumulative jaxrl.sampler.SamplerStats (summed over replicas): decode calls,
   live rows and context positions at dispatch, seconds inside update_params(); and `sampler/busy_s`, the sampler
-  loop's busy time (Controller.busy: admissions, decode calls, rewards, batch assembly; not its waits).
+  loop's busy time (SamplerLoop.busy: admissions, decode calls, rewards, batch assembly; not its waits).
 Between two records the deltas give one decode row (mean live batch, mean context, busy seconds less updates per
 decode step); the fit is calibrate.fit_decode's. Everything the sampler loop does per call is folded into the decode
 rows (prefill_s_per_token is 0). Sampler and learner of the headline run on disjoint cores or one after the other:
