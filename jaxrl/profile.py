@@ -24,12 +24,14 @@ and a state, so bench/pipeline.py profiles the very executables it then times.
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -318,11 +320,13 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
   if not (isinstance(sampler_devices, int) and 1 <= sampler_devices < devices):
     raise ValueError(f"mesh.sampler_devices={sampler_devices} must be a device count below the run's {devices}")
   records = read_jsonl(f"{workdir}/metrics.jsonl")
+  multi_process = json.loads(Path(workdir, "summary.json").read_text()).get("num_processes", 1) > 1
   model_cfg, tokenizer, _ = build_lib.model_source(c)
   weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
   m, details = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                                    max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
-                                   sampler_devices=sampler_devices, weight_bytes=weight_bytes)
+                                   sampler_devices=sampler_devices, weight_bytes=weight_bytes,
+                                   multi_process=multi_process)
   cal = fit_calibration(m)
   prompt_len = len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0])
   groups = (len(records) + 4 * c.rl.max_staleness + 8) * c.rl.groups_per_step  # more than the simulator draws
@@ -388,7 +392,8 @@ def main(argv=None):
       print(summary(r["calibration"], r["details"]))
       print(f"{r['mode']} run: measured {r['measured_step_s']:.4f} s per step, simulator {r['predicted_step_s']:.4f} s "
             f"({r['error']:+.1%}); simulator for this run's costs: sync {r['sync_step_s']:.4f} s, pipeline "
-            f"{r['pipeline_step_s']:.4f} s")
+            f"{r['pipeline_step_s']:.4f} s; hand-off {r['details']['handoff_s'] * 1e3:.1f} ms per step "
+            "(multi-process runs)")
       if fl.out:
         r["calibration"].save(fl.out)
       return

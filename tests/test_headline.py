@@ -2,6 +2,7 @@
 logs, the calibration jaxrl-profile --from-run fits from them, and, on a small real run of each mode, the simulator's
 step time from that calibration within 15% of the measured one."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -84,6 +85,19 @@ def test_run_log_gives_decode_rows_step_time_idle_fractions_and_costs_from_delta
   with pytest.raises(ValueError, match="only 2 steps after warm-up saw decode calls: need 3"):
     runlog.measurements(records[:4] + [records[3]], warmup=2, steps_per_call=4, max_batch=8, learner_devices=1,
                         sampler_devices=1, weight_bytes=1e6)
+
+
+def test_multi_process_run_charges_its_least_wait_as_per_step_hand_off():
+  records = [_record(i, 10.0 + 0.5 * i, 3 * i, 24 * i, 300 * i, 0.2 * i, 0.01 * i) for i in range(1, 7)]
+  for r, wait in zip(records, (0.01, 0.9, 0.05, 0.04, 0.3, 0.06), strict=True):
+    r["wait_s"] = wait
+  kw = dict(warmup=2, steps_per_call=4, max_batch=8, learner_devices=1, sampler_devices=1, weight_bytes=1e6)
+  one, _ = runlog.measurements(records, **kw)
+  two, details = runlog.measurements(records, **kw, multi_process=True)
+  # The window's steps are 3..6 (step 2 ends warm-up: its wait, and step 1's, are not in it).
+  assert runlog.handoff_s(records, warmup=2) == details["handoff_s"] == 0.04
+  assert two.train_overhead_s == pytest.approx(one.train_overhead_s + 0.04)
+  assert dataclasses.replace(two, train_overhead_s=one.train_overhead_s) == one
 
 
 def test_run_log_without_cost_records_or_steps_is_rejected():

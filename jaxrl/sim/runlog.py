@@ -71,9 +71,17 @@ def decode_rows(records: list[dict], warmup: int, steps_per_call: int) -> list[t
   return rows
 
 
+def handoff_s(records: list[dict], warmup: int) -> float:
+  """A multi-process run's per-step hand-off: after the learner asks, the sampler sends the share's groups one
+  cross-process copy each, which the learner waits for even when every group had finished. The least wait of the
+  window is that floor (a longer wait also waited for generation, which the simulator models)."""
+  return float(min(r["wait_s"] for r in steady(records, warmup)[1:]))
+
+
 def measurements(records: list[dict], *, warmup: int, steps_per_call: int, max_batch: int, learner_devices: int,
-                 sampler_devices: int, weight_bytes: float) -> tuple[Measurements, dict]:
-  """The Measurements a run's records imply, with the per-step figures they come from."""
+                 sampler_devices: int, weight_bytes: float, multi_process: bool = False) -> tuple[Measurements, dict]:
+  """The Measurements a run's records imply, with the per-step figures they come from. multi_process: the run's
+  learner and sampler were separate processes; its hand-off (handoff_s) is charged as learner overhead."""
   rs = steady(records, warmup)
   rows = decode_rows(records, warmup, steps_per_call)
   if len(rows) < 3:
@@ -88,11 +96,11 @@ def measurements(records: list[dict], *, warmup: int, steps_per_call: int, max_b
   # and the train step. What is left is the learner's per-step overhead.
   overhead_s = sum(max(b["step_time_s"] - b["train_s"] - b["wait_s"] - a["publish_s"], 0.0)
                    for a, b in zip(rs[:-1], rs[1:], strict=True)) / steps
+  handoff = handoff_s(records, warmup) if multi_process else 0.0
   m = Measurements(decode=tuple(rows), train_tokens_per_s_per_device=tokens / (train_s * learner_devices),
                    max_batch=max_batch, weight_bytes=weight_bytes,
                    link_bandwidth=weight_bytes / (min(learner_devices, sampler_devices) * publish_s),
-                   devices_per_engine=sampler_devices, update_s=update_s, train_overhead_s=overhead_s)
-  details = dict(train_step_s=train_s, train_tokens_per_step=tokens,
-                 transfer_s=publish_s, update_s=update_s, learner_overhead_s=overhead_s, admission_s_per_sample=0.0,
-                 steps=steps)
+                   devices_per_engine=sampler_devices, update_s=update_s, train_overhead_s=overhead_s + handoff)
+  details = dict(train_step_s=train_s, train_tokens_per_step=tokens, transfer_s=publish_s, update_s=update_s,
+                 learner_overhead_s=overhead_s, handoff_s=handoff, admission_s_per_sample=0.0, steps=steps)
   return m, details
