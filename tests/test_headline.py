@@ -22,10 +22,11 @@ sys.path.insert(0, str(REPO / "configs"))
 import bench_headline  # noqa: E402
 
 TOLERANCE = 0.15
-# The pipeline's learner waits ~40 ms a step for its share on this CPU loopback (the sampler sends a share's groups
-# one cross-process copy each once the learner asks for it), which the simulator does not model yet: it predicts
-# these runs ~20% short. The bound says how far that is allowed to grow; see docs/BENCHMARKS.md (headline).
-PIPELINE_TOLERANCE = 0.30
+# The pipeline's learner waits 20-40 ms a step for its share on this CPU loopback (the sampler sends a share's groups
+# one cross-process copy each once the learner asks for it). --from-run charges the window's least wait as a per-step
+# hand-off (runlog.handoff_s): the simulator then predicted these runs -9% to -13% (-25% to -39% without it, 3 runs
+# on a loaded box). The rest of the wait varies from step to step; see docs/BENCHMARKS.md (headline).
+PIPELINE_TOLERANCE = 0.20
 
 
 def test_forced_lengths_depend_on_seed_and_group_alone_and_have_the_asked_tail():
