@@ -10,7 +10,10 @@ from faults_util import NUM_STEPS, TALLY, inject, params_digest, tiny_config
 from jaxrl import train as train_lib
 from jaxrl.metrics import read_jsonl
 
-TIMING = {"time", "step_time_s", "queue_depth"}  # wall-clock measurements, and a reading of scheduling
+# Wall-clock measurements (the step, its parts, the samplers' seconds: jaxrl-profile --from-run's costs), and a
+# reading of scheduling.
+TIMING = {"time", "step_time_s", "train_s", "wait_s", "publish_s", "sampler/seconds", "sampler/busy_s",
+          "sampler/update_seconds", "queue_depth"}
 
 
 def _recorded_run(c, workdir, monkeypatch):
