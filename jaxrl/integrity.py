@@ -58,7 +58,7 @@ def _checksum(x):
 
   def body(i, acc):
     block = jax.lax.dynamic_slice_in_dim(flat, i * BLOCK, BLOCK)
-    return acc + _block_sums(block, (i * BLOCK * words).astype(jnp.uint32))
+    return acc + _block_sums(block, i.astype(jnp.uint32) * jnp.uint32(BLOCK * words))
 
   acc = jnp.zeros(2, jnp.uint32)
   if full:
