@@ -71,3 +71,31 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
     assert any(order.index(g) > order.index(h) for g in trained for h in trained
                if g < h and _length(g, gb) == LONG and _length(h, gb) == SHORT)
   assert np.isfinite(led.length_bias()["trained_mean_len"])
+
+
+def test_a_train_step_never_runs_while_a_checkpoint_save_still_reads_the_state(tmp_path):
+  """The step donates the state: with a save in flight it would run beside a second state (issue 14's memory)."""
+  c = override(tiny.get_config("pipeline"), num_steps=3, mesh__num_devices=2, mesh__sampler_devices=1,
+               log__tensorboard=False, log__progress=False, checkpoint__every_steps=1)
+  run = build(c, tmp_path)
+  ctl = run.controller
+  real_step, real_save, seen = ctl.train_step, run.checkpointer.save, []
+
+  def step(*args):
+    seen.append(("step", run.checkpointer.saving))
+    return real_step(*args)
+
+  def save(*args, **kw):
+    seen.append(("save", run.checkpointer.saving))
+    return real_save(*args, **kw)
+
+  ctl.train_step, run.checkpointer.save = step, save
+  try:
+    ctl.run_pipeline()
+  finally:
+    ctl.finish()
+    run.checkpointer.close()
+    run.metrics.close()
+    ctl.score.close()
+  assert [e for e, _ in seen] == ["step", "save"] * 3  # finish() finds version 3 saved
+  assert not any(saving for e, saving in seen if e == "step")
