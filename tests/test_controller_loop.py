@@ -20,6 +20,17 @@ NUM_STEPS = 6
 LONG, SHORT = 16, 2
 
 
+def _run_to_the_end(run) -> None:
+  ctl = run.controller
+  try:
+    ctl.run_pipeline()
+  finally:
+    ctl.finish()
+    run.checkpointer.close()
+    run.metrics.close()
+    ctl.score.close()
+
+
 def _length(gid: int, groups_per_step: int) -> int:
   return LONG if gid < groups_per_step or gid % 5 == 0 else SHORT
 
@@ -40,13 +51,7 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
     real_submit(prompt, gid, n, meta, **kw)
 
   ctl.sampler.submit, ctl.trace = forced_submit, events.append
-  try:
-    ctl.run_pipeline()
-  finally:
-    ctl.finish()
-    run.checkpointer.close()
-    run.metrics.close()
-    ctl.score.close()
+  _run_to_the_end(run)
 
   trained = {}  # group -> learner version it was trained at
   for e in events:
@@ -90,12 +95,6 @@ def test_a_train_step_never_runs_while_a_checkpoint_save_still_reads_the_state(t
     return real_save(*args, **kw)
 
   ctl.train_step, run.checkpointer.save = step, save
-  try:
-    ctl.run_pipeline()
-  finally:
-    ctl.finish()
-    run.checkpointer.close()
-    run.metrics.close()
-    ctl.score.close()
+  _run_to_the_end(run)
   assert [e for e, _ in seen] == ["step", "save"] * 3  # finish() finds version 3 saved
   assert not any(saving for e, saving in seen if e == "step")
