@@ -51,10 +51,12 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.sampler_axes = ml_collections.ConfigDict(dict(data=-1, tensor=1))  # sampler mesh axes, -1: the rest
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "target_token"  # "target_token", "arithmetic", "countdown" or "gsm8k" (local JSONL)
+  c.task.name = "target_token"  # "target_token", "arithmetic", "countdown", "gsm8k" (local JSONL); multi-turn envs:
+  # "calculator", "guess", "token_turns" (jaxrl.envs.env)
   c.task.kwargs = ml_collections.ConfigDict()  # task-specific options (digits, ops, path, ...)
   c.task.reward = ""  # reward fn name in the registry; "" uses the task's own
-  c.task.reward_timeout_s = 5.0  # a reward fn slower than this is counted as failed
+  c.task.reward_timeout_s = 5.0  # a reward fn (or a multi-turn env's step) slower than this is counted as failed
+  c.task.env_workers = 4  # multi-turn env tasks: env steps run at once (threads; worker processes if untrusted)
   c.task.max_prompt_tokens = 64  # longer prompts are skipped and counted
   c.task.chat_template = True  # render prompts with the tokenizer's chat template (text tasks)
 
@@ -181,7 +183,8 @@ _INTS = (("seed", 0), ("num_steps", 1), ("rl.group_size", 1), ("rl.groups_per_st
          ("rl.num_minibatches", 1), ("rl.num_epochs", 1), ("sampler.max_slots", 1),
          ("sampler.max_len", 2), ("sampler.steps_per_call", 1), ("sampler.max_new_tokens", 1), ("sampler.top_k", 0),
          ("sampler.page_size", 1), ("sampler.num_pages", 0),
-         ("task.max_prompt_tokens", 1), ("checkpoint.every_steps", 1), ("checkpoint.max_to_keep", 1),
+         ("task.max_prompt_tokens", 1), ("task.env_workers", 1), ("checkpoint.every_steps", 1),
+         ("checkpoint.max_to_keep", 1),
          ("eval.num_examples", 0), ("eval.max_new_tokens", 1), ("optimizer.warmup_steps", 0),
          ("rl.max_segments", 1), ("rl.logprob_chunk", 0))
 # (field, check, what it must be) of every real-valued field.
