@@ -23,8 +23,8 @@ from jaxrl.envs.prompts import ChatTemplateError, Prompt, PromptRenderer, SkipEx
 from jaxrl.envs.rewards import get_reward, register_reward, reward_names, reward_spec
 from jaxrl.envs.runner import RewardResult, RewardRunner, RewardStats
 from jaxrl.envs.target_token import TargetTokenTask
-from jaxrl.envs.token_turns import TokenTurnsTask
 from jaxrl.envs.task import EVAL, TRAIN, Example, Task
+from jaxrl.envs.token_turns import TokenTurnsTask
 
 TASKS = {t.name: t for t in (ArithmeticTask, CalculatorTask, CountdownTask, GuessTask, JsonlTask, TargetTokenTask,
                               TokenTurnsTask)}
@@ -46,8 +46,7 @@ def make_task(name: str, seed: int = 0, **kwargs) -> Task:
 
 __all__ = [
     "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "CalculatorTask", "ChatTemplateError", "CountdownTask", "Env",
-    "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError",
-    "JsonlTask", "Prompt", "PromptRenderer", "RewardResult", "RewardRunner", "RewardStats", "SkipExample",
-    "TargetTokenTask", "Task", "TokenTurnsTask", "Turn", "get_reward", "load_jsonl", "make_task", "register_reward", "reward_names",
-    "reward_spec",
+    "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError", "JsonlTask", "Prompt", "PromptRenderer",
+    "RewardResult", "RewardRunner", "RewardStats", "SkipExample", "TargetTokenTask", "Task", "TokenTurnsTask", "Turn",
+    "get_reward", "load_jsonl", "make_task", "register_reward", "reward_names", "reward_spec",
 ]
