@@ -15,7 +15,7 @@ from jaxrl.envs.task import Problem
 class TokenTurnsEnv(Env):
   stop_token_ids = (3,)
   max_turns = 3
-  max_tokens = 48
+  max_tokens = 40
 
   def reset(self, example):
     self.targets = set(example.meta["target_ids"])

@@ -381,7 +381,10 @@ class Engine:
                          np.int32(max_new))
     if self.kv == "paged":
       return self.rebuild_spans(params, decode_state, [(slot, int(start), end)])
-    for a in range(int(start), end, self.rebuild_chunk):
+    # While the slot was parked, generate ran it as an idle row, which writes garbage at position 0 of a dense cache
+    # (a finished slot's next insert overwrites it; a parked slot keeps its cache): recompute it first (exact, as
+    # position 0 attends to itself only; the rest of that chunk is rewritten with the values it already holds).
+    for a in (0, *range(int(start), end, self.rebuild_chunk)):
       decode_state = fill(params.params, decode_state, np.int32(slot), np.int32(a))
     return decode_state
 
