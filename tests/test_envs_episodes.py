@@ -43,7 +43,8 @@ def engine():
                 steps_per_call=4, min_bucket=8, rebuild_chunk=8)
 
 
-def _run(sampler, task, episodes, groups, n=2, sampling=SamplingParams(), max_tokens=6, update=None):
+def _run(sampler, task, episodes, groups, n=2, sampling=None, max_tokens=6, update=None):
+  sampling = sampling or SamplingParams()
   for g in range(groups):
     example = task.prompt(g)
     sampler.submit(list(example.prompt_tokens), g, n, meta={"episode": episodes.start(example)}, sampling=sampling,
