@@ -163,6 +163,8 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
                  staleness_max=max(ctl.trained_staleness, default=0),
                  staleness_mean=float(np.mean(ctl.trained_staleness)) if ctl.trained_staleness else 0.0,
                  busy=dict(ctl.busy))
+  if getattr(run.task, "episodes", None) is not None:  # a multi-turn env task (eval_before's episodes included)
+    summary["episodes"] = run.task.episodes.stats()
   if ctl.stop_reason is not None:
     summary["stopped_by"] = ctl.stop_reason
   elif c.eval.num_examples:
