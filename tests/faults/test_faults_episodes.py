@@ -2,8 +2,19 @@
 are mid-way when the kill lands) resumes from its checkpoint, regenerates the episodes in flight, and loses nothing:
 no sample trained twice, every group trained, dropped with a reason or pending."""
 
-from faults_util import NUM_STEPS, TALLY, check_history, cli, committed_steps, count_lines, kill, read_trace, \
-  start_child, tiny_config, wait_for
+from faults_util import (
+  NUM_STEPS,
+  TALLY,
+  check_history,
+  cli,
+  committed_steps,
+  count_lines,
+  kill,
+  read_trace,
+  start_child,
+  tiny_config,
+  wait_for,
+)
 
 from jaxrl.train import train
 
