@@ -23,15 +23,19 @@ TEMPLATES = (
     ("{n} has {a} boxes with {b} {i} in each. How many {i} are there in all?", "{a} * {b}"),
     ("{n} buys {a} packs of {b} {i} and already had {c}. How many {i} does {n} have?", "{a} * {b} + {c}"),
 )
-INSTRUCTION = ("You may use a calculator: write <calc>expression</calc> and stop; the result comes back. "
-               "End with 'Answer: <number>'.")
+SYSTEM = "Use the calculator: write <calc>expression</calc> and the result comes back. Then write 'Answer: <number>'."
+# One solved episode before the problem (chat history): the 135M model imitates it; without it, it never calls the
+# tool and (almost) never answers right, so RL would have no signal.
+EXAMPLE = ({"role": "user", "content": "Sam has 3 bags with 14 pens in each. How many pens are there in all?"},
+           {"role": "assistant", "content": "<calc>3 * 14</calc>"}, {"role": "tool", "content": "42"},
+           {"role": "assistant", "content": "Answer: 42"})
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 
 
 class CalculatorEnv(Env):
   stop_strings = ("</calc>",)
   max_turns = 3
-  max_tokens = 160
+  max_tokens = 96
 
   def reset(self, example):
     self.answer = example.answer
@@ -56,12 +60,12 @@ class CalculatorTask(EnvTask):
   env_class = CalculatorEnv
   trusted = True
 
-  def __init__(self, seed: int = 0, *, digits: int = 2, instruction: str = INSTRUCTION, system: str = "",
-               eval_fraction: float = 0.05):
+  def __init__(self, seed: int = 0, *, digits: int = 2, instruction: str = "", system: str = SYSTEM,
+               few_shot: bool = True, eval_fraction: float = 0.05):
     super().__init__(seed, eval_fraction)
     if not isinstance(digits, int) or not 1 <= digits <= 6:
       raise ValueError(f"calculator: digits must be an int in [1, 6] (got {digits!r})")
-    self.digits, self.instruction, self.system = digits, instruction, system
+    self.digits, self.instruction, self.system, self.few_shot = digits, instruction, system, few_shot
 
   def generate(self, rng: random.Random) -> Problem:
     lo, hi = (1 if self.digits == 1 else 10 ** (self.digits - 1)), 10**self.digits - 1
@@ -72,4 +76,6 @@ class CalculatorTask(EnvTask):
     question = text.format(n=name, i=item, a=a, b=b, c=c)
     answer = expr.value(form.format(a=a, b=b, c=c)).numerator
     messages = user_message(f"{question} {self.instruction}".strip(), self.system)
+    if self.few_shot:
+      messages = (*messages[:-1], *EXAMPLE, messages[-1])
     return Problem(key=question, answer=str(answer), meta={"messages": messages})
