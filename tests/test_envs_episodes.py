@@ -195,6 +195,38 @@ def test_episode_reward_fails_with_its_env():
   assert results[0].value == 0.5 and not results[1].ok and "timeout" in results[1].error and not results[2].ok
 
 
+def test_the_readme_env_runs_in_an_isolating_worker(tmp_path, monkeypatch):
+  """The README's user-written env, saved as a module, steps in a worker process (pickled there and back)."""
+  import re
+  from pathlib import Path
+
+  from jaxrl.envs import TASKS
+  from jaxrl.envs.episodes import EnvRunner
+
+  readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+  (tmp_path / "readme_env.py").write_text(re.findall(r"```python\n(.*?)```", readme, re.S)[0])
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(TASKS, "lookup", None)  # the module registers "lookup": the monkeypatch undoes it
+  import readme_env
+
+  assert TASKS["lookup"] is readme_env.LookupTask
+  task = make_task("lookup", seed=0)
+  example = task.prompt(0)
+  env = task.env(example)
+  env.reset(example)
+  runner = EnvRunner(task.trusted, timeout_s=30.0, workers=1)
+  try:
+    first = runner.submit(env, "<lookup>a</lookup>", []).result()
+    assert first.ok, first.error
+    env, turn = first.payload
+    assert turn == Turn(observation=example.meta["table"]["a"]) and env is not None
+    last = runner.submit(env, "so: yes", []).result()
+    assert last.payload[1] == Turn(done=True, reward=1.0) and last.value == 1.0
+  finally:
+    runner.close()
+  assert runner.steps == 2 and not runner.failures
+
+
 def test_env_step_results_are_checked():
   class Env:
     def step(self, text, ids):
