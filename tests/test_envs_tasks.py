@@ -12,6 +12,9 @@ TASKS = {
     "arithmetic": dict(digits=2, ops=("+", "-", "*")),
     "countdown": dict(num_numbers=4),
     "target_token": dict(vocab_size=32, target_ids=(1, 2)),
+    "calculator": dict(digits=2),  # multi-turn env tasks draw their problems the same way
+    "guess": dict(high=16),
+    "token_turns": dict(vocab_size=32),
 }
 
 

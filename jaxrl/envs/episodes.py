@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxrl.envs.env import Env, EnvTask, call_env_step, step_env
 from jaxrl.envs.runner import RewardResult, RewardRunner
 from jaxrl.envs.task import Example
@@ -60,6 +62,13 @@ class Episode:
   @property
   def observed_tokens(self) -> int:
     return sum(end - start for start, end in self.observed)
+
+  def loss_mask(self, length: int) -> np.ndarray:
+    """float32 [length] over the sample's completion: 0 on observation tokens, 1 on the model's."""
+    mask = np.ones(length, np.float32)
+    for start, end in self.observed:
+      mask[start:end] = 0.0
+    return mask
 
 
 class EnvRunner:

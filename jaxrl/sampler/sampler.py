@@ -487,10 +487,7 @@ class Sampler:
     r = sample.group.request
     meta, loss_mask = dict(r.meta), None
     if sample.episode is not None:
-      meta["episode"] = sample.episode.outcome
-      loss_mask = np.ones(len(sample.tokens), np.float32)
-      for start, end in sample.episode.observed:
-        loss_mask[start:end] = 0.0
+      meta["episode"], loss_mask = sample.episode.outcome, sample.episode.loss_mask(len(sample.tokens))
     return Rollout(
         prompt_tokens=sample.group.prompt,
         completion_tokens=np.asarray(sample.tokens, np.int32),
