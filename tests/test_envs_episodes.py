@@ -247,7 +247,9 @@ def test_calculator_and_guess_turns():
   example = task.prompt(3)
   env = CalculatorEnv()
   messages = env.reset(example)
-  assert messages == example.messages and "<calc>" in messages[-1]["content"]
+  assert messages == example.messages and "<calc>" in messages[0]["content"]  # the system prompt explains the tool
+  assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "user"]  # one example
+  assert example.answer in [str(n) for n in range(10**4)] and "How many" in messages[-1]["content"]
   assert env.step("Let me compute <calc>12 * (3 + 4)</calc>", []) == Turn(observation="84")
   assert env.step("<calc>1 / 0</calc>", []).observation.startswith("error")
   assert env.step(f"So the answer is {example.answer}.", []) == Turn(done=True, reward=1.0)

@@ -1,4 +1,5 @@
-"""Guess the number: the env holds a number in [1, high]; each model turn is a guess, answered "Higher." or
+"""Guess the number: the env holds a number in [1, high] (high drawn in [8, max_high] per problem, so that problems
+differ and a held-out split exists); each model turn is a guess, answered "Higher." or
 "Lower." until the guess is right (reward 1) or the turns run out (reward 0). At least 3 turns unless the model
 guesses early: a multi-turn env whose observations depend on what the model said."""
 
@@ -34,16 +35,16 @@ class GuessTask(EnvTask):
   env_class = GuessEnv
   trusted = True
 
-  def __init__(self, seed: int = 0, *, high: int = 16, system: str = "", eval_fraction: float = 0.2):
+  def __init__(self, seed: int = 0, *, max_high: int = 64, system: str = "", eval_fraction: float = 0.05):
     super().__init__(seed, eval_fraction)
-    if not isinstance(high, int) or high < 2:
-      raise ValueError(f"guess: high must be an int >= 2 (got {high!r})")
-    self.high, self.system = high, system
+    if not isinstance(max_high, int) or max_high < 8:
+      raise ValueError(f"guess: max_high must be an int >= 8 (got {max_high!r})")
+    self.max_high, self.system = max_high, system
 
   def generate(self, rng: random.Random) -> Problem:
-    secret = rng.randint(1, self.high)
-    style = rng.randrange(1000)  # problems differ by wording seed too, so that a held-out split exists
-    text = (f"I am thinking of a number from 1 to {self.high}. Guess it: reply with one number, and I will say "
+    high = rng.randint(8, self.max_high)
+    secret = rng.randint(1, high)
+    text = (f"I am thinking of a number from 1 to {high}. Guess it: reply with one number, and I will say "
             "'Higher.' or 'Lower.'")
-    return Problem(key=f"{secret}/{style}", answer=str(secret),
-                   meta={"messages": user_message(text, self.system), "high": self.high})
+    return Problem(key=f"{secret}/{high}", answer=str(secret),
+                   meta={"messages": user_message(text, self.system), "high": high})
