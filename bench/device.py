@@ -131,8 +131,9 @@ def main(argv):
   paged_slots -= paged_slots % 8 if paged_slots > 8 else 0  # whole groups of rows for the ragged XLA attention
   common = dict(max_len=max_len, steps_per_call=steps, dtype="bfloat16")
   engines = {"dense": Engine(cfg, mesh, max_slots=z["dense_slots"], **common),
+             # Every slot is live in these calls: one program of paged_slots rows (no smaller row buckets to compile).
              "paged": Engine(cfg, mesh, max_slots=paged_slots, kv="paged", page_size=z["page_size"], num_pages=pool,
-                             **common)}
+                             row_buckets=(), **common)}
   bandwidth = hbm_bandwidth(2**24 if _DRY.value else 2**31)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2

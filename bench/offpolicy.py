@@ -65,12 +65,11 @@ def _copy(tree):
   return jax.tree.map(leaf, tree)
 
 
-def _sample(ctl, sampler, group_ids):
+def _sample(prompts, score, spec, sampler, group_ids):
   """Every group of `group_ids` drawn by `sampler` and scored; the samples in group order."""
   for gid in group_ids:
-    prompt, meta = ctl.prompts(gid)
-    sampler.submit(prompt, gid, ctl.spec.group_size, meta=meta, sampling=ctl.spec.sampling,
-                   max_tokens=ctl.spec.max_new_tokens)
+    prompt, meta = prompts(gid)
+    sampler.submit(prompt, gid, spec.group_size, meta=meta, sampling=spec.sampling, max_tokens=spec.max_new_tokens)
   out = []
   while sampler.num_active or sampler.num_waiting:
     out += sampler.step()
@@ -78,7 +77,7 @@ def _sample(ctl, sampler, group_ids):
   for r in out:
     groups.setdefault(r.group_id, []).append(r)
   for g in groups.values():
-    ctl.score(g)
+    score(g)
   return [r for gid in group_ids for r in sorted(groups[gid], key=lambda r: r.sample_index)]
 
 
@@ -87,7 +86,8 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     # The learning-rate schedule decays over num_steps: the run's length.
     run = build(_config(**OBJECTIVES[objective], num_steps=steps), workdir)
-    ctl = run.controller
+    ctl = run.controller.learner_loop
+    prompts, score = run.controller.sampler_loop.prompts, run.controller.sampler_loop.score
     init = _copy(ctl.state)  # the train step donates its state: every run starts from a fresh copy
     spec, out = ctl.spec, {}
     for k in ks:
@@ -108,7 +108,7 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
           if v > sampler.version:
             sampler.update_params(history[v], v)
           gids = [seed * 10**6 + s * spec.groups_per_step + i for i in range(spec.groups_per_step)]
-          batch = make_batch(_sample(ctl, sampler, gids), spec.batch_size, spec.seq_len)
+          batch = make_batch(_sample(prompts, score, spec, sampler, gids), spec.batch_size, spec.seq_len)
           ctl.state, m = ctl.train_step(ctl.state, batch, jax.random.fold_in(jax.random.key(seed), s))
           rewards.append(float(m["reward_mean"]))
           if adaptive:
@@ -116,7 +116,7 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
           history.append(jax.tree.map(jnp.copy, ctl.state.params))
         wall += time.perf_counter() - start
         sampler.update_params(history[-1], len(history) - 1)
-        fresh = _sample(ctl, sampler, [seed * 10**6 + 900_000 + i for i in range(EVAL_GROUPS)])
+        fresh = _sample(prompts, score, spec, sampler, [seed * 10**6 + 900_000 + i for i in range(EVAL_GROUPS)])
         finals.append(float(np.mean([r.reward for r in fresh])))
         trained.append(float(np.mean(rewards)))
         mean_ks.append(float(np.mean(used_ks)))
@@ -126,7 +126,7 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
             f"{', '.join(f'{x:.3f}' for x in finals)}), trained-sample reward {out[k]['trained_reward']:.3f}, "
             f"mean k {out[k]['mean_k']:.2f}",
             flush=True)
-    run.controller.score.close()
+    score.close()
   return out
 
 
@@ -135,12 +135,12 @@ def pipeline_run(max_staleness, steps: int) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     c = _config(**{"rl.max_staleness": max_staleness, "num_steps": steps})
     run = build(c, workdir)
-    ctl = run.controller
+    ctl = run.controller.learner_loop
     marks = []
     ctl.on_step = lambda version, metrics: marks.append((time.perf_counter(), metrics))
     ctl.checkpointer = None  # nothing to resume here
-    ctl.run_pipeline()
-    ctl.score.close()
+    run.controller.run()
+    run.controller.sampler_loop.score.close()
   warm = 3
   seconds = marks[-1][0] - marks[warm - 1][0]
   rewards = [m["reward_mean"] for _, m in marks]

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.controller.loops import Controller
+from jaxrl.controller.local import Pipeline
 from jaxrl.controller.queue import WeightPublisher
 from jaxrl.learner.packing import pack_batch
 from jaxrl.profile import pooled, profile, summary
@@ -104,15 +104,16 @@ class Bench:
   state0: Any  # initial TrainState (every controller starts from a copy: the train step donates its state)
   prompt_len: int
 
-  def controller(self, mode: str, num_steps: int, on_step=None) -> Controller:
+  def controller(self, mode: str, num_steps: int, on_step=None) -> Pipeline:
     c, ctl, engine = self.config, self.run.controller, self.engine
+    learner, sampling = ctl.learner_loop, ctl.sampler_loop
     k = c.rl.max_staleness if mode == "pipeline" else 0
     spec = dataclasses.replace(ctl.spec, num_steps=num_steps, max_staleness=k)
     state = jax.tree.map(jnp.copy, self.state0)
     sampler = ForcedLengths(self.lengths, engine, state.params, 0, seed=c.seed, on_update=c.sampler.on_update)
-    return Controller(spec, sampler=sampler, train_step=ctl.train_step, state=state,
-                      publisher=WeightPublisher(engine.param_shardings), prompts=ctl.prompts, score=ctl.score,
-                      on_step=on_step)
+    return Pipeline(spec, sampler=sampler, train_step=learner.train_step, state=state,
+                    publisher=WeightPublisher(engine.param_shardings), prompts=sampling.prompts, score=sampling.score,
+                    on_step=on_step)
 
 
 def setup(c, workdir) -> Bench:
@@ -121,16 +122,15 @@ def setup(c, workdir) -> Bench:
   run = build(c, workdir)
   engine = run.engine  # the run's own engine: same executables as jaxrl-train's sampler
   b = c.bench
-  prompt_len = len(run.controller.prompts(0)[0])
+  prompt_len = len(run.controller.sampler_loop.prompts(0)[0])
   lengths = group_lengths(b.max_groups, b.median, b.p99_ratio, c.sampler.max_len - prompt_len, c.seed)
-  return Bench(c, run, engine, lengths, jax.tree.map(jnp.copy, run.controller.state), prompt_len)
+  return Bench(c, run, engine, lengths, jax.tree.map(jnp.copy, run.controller.learner_loop.state), prompt_len)
 
 
 def warm_up(bench: Bench) -> None:
   """Compiles everything both timed runs use: a short run of each mode, and a KV rebuild at every bucket."""
   for mode, steps in (("sync", 2), ("pipeline", bench.config.rl.max_staleness + 2)):
-    ctl = bench.controller(mode, steps)
-    ctl.run_pipeline()
+    bench.controller(mode, steps).run()
   engine = bench.engine
   params = engine.place(bench.state0.params, 0)
   state = engine.init_decode_state()
@@ -140,7 +140,7 @@ def warm_up(bench: Bench) -> None:
   ctl = bench.run.controller
   for rows in ctl.spec.row_buckets:  # packed batches: the train step at every row bucket
     empty = pack_batch([], ctl.spec.seq_len, (rows,), ctl.spec.max_segments)
-    jax.block_until_ready(ctl.train_step(jax.tree.map(jnp.copy, bench.state0), empty, jax.random.key(0)))
+    jax.block_until_ready(ctl.learner_loop.train_step(jax.tree.map(jnp.copy, bench.state0), empty, jax.random.key(0)))
 
 
 def _slope(step_end: np.ndarray, warmup: int) -> float:
@@ -161,11 +161,11 @@ def timed(bench: Bench, mode: str, measured_steps: int) -> dict[str, Any]:
 
   ctl = bench.controller(mode, warmup + measured_steps, on_step)
   t0 = time.perf_counter()
-  ctl.run_pipeline()
+  ctl.run()
   wall = time.perf_counter() - t0
   ends, tokens = np.asarray(ends), np.asarray(tokens)
   steady_tokens = tokens[warmup:].sum()
-  staleness = np.asarray(ctl.trained_staleness)
+  staleness = np.asarray(ctl.learner_loop.trained_staleness)
   return dict(
       steps=len(ends), warmup_steps=warmup, wall_s=wall, trained_tokens=int(round(tokens.sum())),
       wall_s_per_token=wall / tokens.sum(), step_s=_slope(ends, warmup),
@@ -175,7 +175,7 @@ def timed(bench: Bench, mode: str, measured_steps: int) -> dict[str, Any]:
       staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
       dropped=dict(ctl.ledger.dropped), length_bias=ctl.ledger.length_bias(),
       groups_admitted=ctl.ledger.groups_admitted,
-      decode_calls=ctl.sampler.stats.decode_calls, kv_rebuilds=ctl.sampler.stats.rebuilds,
+      decode_calls=ctl.sampler_loop.sampler.stats.decode_calls, kv_rebuilds=ctl.sampler_loop.sampler.stats.rebuilds,
       step_end_s=[round(float(e), 3) for e in ends])
 
 
@@ -186,7 +186,8 @@ def sampler_alone(bench: Bench, groups: int) -> float:
   sampler = ForcedLengths(bench.lengths, engine, bench.state0.params, 0, seed=c.seed)
   t0 = time.perf_counter()
   for g in range(groups):
-    sampler.submit(bench.run.controller.prompts(g)[0], g, c.rl.group_size, sampling=bench.run.controller.spec.sampling)
+    sampler.submit(bench.run.controller.sampler_loop.prompts(g)[0], g, c.rl.group_size,
+                   sampling=bench.run.controller.spec.sampling)
   while sampler.num_active or sampler.num_waiting:
     sampler.step()
   return time.perf_counter() - t0
@@ -234,7 +235,8 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
   steps, gb, k = c.bench.measured_steps, c.rl.groups_per_step, c.rl.max_staleness
 
   def measure():
-    m, details, _ = profile(bench.engine, bench.run.controller.train_step, jax.tree.map(jnp.copy, bench.state0),
+    train_step = bench.run.controller.learner_loop.train_step
+    m, details, _ = profile(bench.engine, train_step, jax.tree.map(jnp.copy, bench.state0),
                             batch_size=c.rl.group_size * gb, seq_len=c.rl.seq_len, group_size=c.rl.group_size,
                             prompt_len=bench.prompt_len, learner_devices=bench.run.meshes.learner.size,
                             decode_calls=c.bench.profile_decode_calls, train_reps=c.bench.profile_train_reps)
@@ -262,7 +264,7 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
                          speedup_wall_per_token=runs["sync"]["wall_s_per_token"] / runs["pipeline"]["wall_s_per_token"],
                          speedup_steady=runs["sync"]["step_s"] / runs["pipeline"]["step_s"]))
   finally:
-    bench.run.controller.score.close()
+    bench.run.controller.sampler_loop.score.close()
     bench.run.checkpointer.close()
     bench.run.metrics.close()
   cal = fit_calibration(pooled([m for m, _ in profiles]))

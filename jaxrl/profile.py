@@ -284,8 +284,8 @@ def pooled(ms: list[Measurements]) -> Measurements:
 def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
   """Profiles a built jaxrl.train.Run (its engine, train step and state) and fits the calibration."""
   c = run.config
-  ctl = run.controller
-  prompt_len = len(ctl.prompts(0)[0])
+  ctl = run.controller.learner_loop
+  prompt_len = len(run.controller.sampler_loop.prompts(0)[0])
   m, details, ctl.state = profile(run.engine, ctl.train_step, ctl.state, batch_size=ctl.spec.batch_size,
                                   seq_len=c.rl.seq_len, group_size=c.rl.group_size, prompt_len=prompt_len,
                                   learner_devices=run.meshes.learner.size, **kw)
@@ -341,7 +341,7 @@ def main(argv=None):
         cal, details = calibrate_run(run, decode_calls=fl.decode_calls, train_reps=fl.train_reps,
                                      with_contention=fl.contention)
       finally:
-        run.controller.score.close()
+        run.controller.sampler_loop.score.close()
         run.checkpointer.close()
         run.metrics.close()
     cal.save(fl.out)

@@ -15,7 +15,6 @@ import os
 # and none once jax is initialised; an explicit setting wins).
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
-import contextlib
 import dataclasses
 import json
 import signal
@@ -26,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
+from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.data import evaluate
-from jaxrl.controller.loops import Controller
+from jaxrl.controller.local import Pipeline
 from jaxrl.controller.queue import WeightPublisher
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
@@ -51,7 +50,7 @@ class Run:
   graphdef: Any
   tokenizer: Any
   engine: Engine
-  controller: Controller
+  controller: Pipeline
   checkpointer: Checkpointer
   metrics: MetricsWriter
   task: Any
@@ -99,37 +98,11 @@ def build(c, workdir: str | Path) -> Run:
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   publisher = WeightPublisher(engine.param_shardings, engine.dtype)
-  controller = Controller(spec, sampler=sampler, train_step=learner.train_step, state=state, publisher=publisher,
-                          prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
-                          trace=trace)
-  controller.resumed_from = resumed_from
+  controller = Pipeline(spec, sampler=sampler, train_step=learner.train_step, state=state, publisher=publisher,
+                        prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
+                        trace=trace, resumed_from=resumed_from)
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
              metrics, task, resumed_from, trace)
-
-
-@contextlib.contextmanager
-def _stop_on_signals(ctl: Controller, signals: tuple[int, ...]):
-  """While the loop runs, the first of `signals` (a preemption's SIGTERM) asks it to stop after the current step;
-  the run then saves its checkpoint as after any stop. A second signal gets the handler that was there before."""
-  if not signals or threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  previous = {s: signal.getsignal(s) for s in signals}
-
-  def handler(signum, frame):
-    name = signal.Signals(signum).name
-    print(f"jaxrl: {name}: stopping after the current step and saving a checkpoint", file=sys.stderr)
-    for s, h in previous.items():
-      signal.signal(s, h)
-    ctl.request_stop(name)
-
-  for s in signals:
-    signal.signal(s, handler)
-  try:
-    yield
-  finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
 
 
 def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTERM,)) -> dict[str, Any]:
@@ -140,14 +113,15 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   and fewer steps; the same call resumes it."""
   run = build(c, workdir)
   ctl = run.controller
-  summary: dict[str, Any] = {"mode": c.mode, "resumed_from": run.resumed_from}
+  evals = {}
   if c.eval.num_examples and run.resumed_from is None:
-    summary["eval_before"] = evaluate(run, ctl.state.params, int(jax.device_get(ctl.state.version)))
+    evals["eval_before"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
   t0 = time.perf_counter()
   finished = False
   try:
-    with _stop_on_signals(ctl, stop_signals):
-      ctl.run_pipeline()  # sync mode is this loop with max_staleness 0 (run_spec)
+    with summary_lib.stop_on_signals(ctl.request_stop, stop_signals,
+                                     "jaxrl: {name}: stopping after the current step and saving a checkpoint"):
+      ctl.run()  # sync mode is this pipeline with max_staleness 0 (run_spec)
     finished = ctl.stop_reason is None
   finally:
     ctl.finish()
@@ -156,21 +130,19 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
     if run.trace is not None:
       run.trace.close()
     if not (finished and c.eval.num_examples):  # a failed run closes its reward workers too
-      ctl.score.close()
-  summary.update(train_seconds=time.perf_counter() - t0, steps=ctl.version, version=ctl.version,
-                 ledger=ctl.ledger.to_json(), length_bias=ctl.ledger.length_bias(),
-                 samples_in_flight=ctl.samples_in_flight(),
-                 staleness_max=max(ctl.trained_staleness, default=0),
-                 staleness_mean=float(np.mean(ctl.trained_staleness)) if ctl.trained_staleness else 0.0,
-                 busy=dict(ctl.busy))
-  if getattr(run.task, "episodes", None) is not None:  # a multi-turn env task (eval_before's episodes included)
+      ctl.sampler_loop.score.close()
+  train_seconds = time.perf_counter() - t0
+  if finished and c.eval.num_examples:
+    evals["eval_after"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
+    ctl.sampler_loop.score.close()
+  summary = summary_lib.run_summary(c.mode, version=ctl.version, ledger=ctl.ledger.to_json(),
+                                    staleness=ctl.learner_loop.trained_staleness,
+                                    samples_in_flight=ctl.samples_in_flight(), busy=ctl.busy,
+                                    resumed_from=run.resumed_from, stopped_by=ctl.stop_reason,
+                                    train_seconds=train_seconds, **evals)
+  if getattr(run.task, "episodes", None) is not None:  # a multi-turn env task (the evals' episodes included)
     summary["episodes"] = run.task.episodes.stats()
-  if ctl.stop_reason is not None:
-    summary["stopped_by"] = ctl.stop_reason
-  elif c.eval.num_examples:
-    summary["eval_after"] = evaluate(run, ctl.state.params, ctl.version)
-    ctl.score.close()
-  (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  summary_lib.write_summary(run.workdir, summary)
   return summary
 
 
@@ -198,7 +170,7 @@ def main(argv=None):
   if "stopped_by" in summary:
     print(f"jaxrl-train: stopped by {summary['stopped_by']} at step {summary['steps']} of "
           f"{flags_def.config.num_steps}; checkpoint saved; the same command resumes the run", file=sys.stderr)
-    sys.exit(128 + getattr(signal, summary["stopped_by"], signal.SIGTERM))
+    sys.exit(summary_lib.exit_status(summary["stopped_by"]))
 
 
 if __name__ == "__main__":

@@ -31,22 +31,23 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
                checkpoint__every_steps=NUM_STEPS)
   run = build(c, tmp_path)
   ctl, gb = run.controller, c.rl.groups_per_step
+  sampler = ctl.sampler_loop.sampler
   admitted, events = {}, []  # group -> sampler version at admission; the controller's trace events
-  real_submit = ctl.sampler.submit
+  real_submit = sampler.submit
 
   def forced_submit(prompt, gid, n, meta=None, **kw):
-    admitted[gid] = ctl.sampler.version
+    admitted[gid] = sampler.version
     kw.update(max_tokens=_length(gid, gb), ignore_eos=True, stop_token_ids=())
     real_submit(prompt, gid, n, meta, **kw)
 
-  ctl.sampler.submit, ctl.trace = forced_submit, events.append
+  sampler.submit, ctl.learner_loop.trace = forced_submit, events.append
   try:
-    ctl.run_pipeline()
+    ctl.run()
   finally:
     ctl.finish()
     run.checkpointer.close()
     run.metrics.close()
-    ctl.score.close()
+    ctl.sampler_loop.score.close()
 
   trained = {}  # group -> learner version it was trained at
   for e in events:
@@ -57,7 +58,7 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
         trained[gid] = e["version"]
   led = ctl.ledger
   assert ctl.version == NUM_STEPS and not led.dropped
-  assert max(ctl.trained_staleness) <= k and led.samples_trained == NUM_STEPS * gb * c.rl.group_size
+  assert max(ctl.learner_loop.trained_staleness) <= k and led.samples_trained == NUM_STEPS * gb * c.rl.group_size
   for gid, version in trained.items():
     assert version <= admitted[gid] + k  # by its deadline
   due_in_run = {gid for gid, v in admitted.items() if v + k < NUM_STEPS}

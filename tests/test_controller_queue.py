@@ -46,13 +46,13 @@ def test_queue_back_pressure_and_stop():
   t = threading.Thread(target=producer)
   t.start()
   time.sleep(0.1)
-  assert not done.is_set() and q.qsize() == 2
+  assert not done.is_set() and q.depth() == 2
   assert q.get()[0].group_id == 0  # FIFO, and taking one unblocks the producer
   t.join(1)
   assert done.is_set() and q.max_depth == 2
   stop.set()
   with pytest.raises(Stopped):
-    q.get() if q.qsize() == 0 else (q.get(), q.get(), q.get())
+    q.get() if q.depth() == 0 else (q.get(), q.get(), q.get())
 
 
 def test_publisher_versions_and_bitwise_params():

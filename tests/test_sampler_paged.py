@@ -28,8 +28,9 @@ def model():
 def engines():
   mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:])
   make = lambda **kw: Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, **kw)
-  # The small pool holds 14 pages: a single sample may need 12, so four slots cannot all grow.
-  return make(), make(kv="paged", page_size=PAGE), make(kv="paged", page_size=PAGE, num_pages=14)
+  # The small pool holds 14 pages: a single sample may need 12, so four slots cannot all grow. Its generate calls
+  # run on 1, 2 or 4 rows, as many as are live (the other engine's always on 4).
+  return make(), make(kv="paged", page_size=PAGE), make(kv="paged", page_size=PAGE, num_pages=14, row_buckets=(1, 2))
 
 
 def _groups(sampler, seed=1, groups=5, n=3):
@@ -151,13 +152,55 @@ def test_keep_kv_swaps_without_recompute(model, engines, kv):
     _check_logprobs_match_forward(model[:2], before)
 
 
-def test_paged_engine_does_not_recompile(model, engines):
+@pytest.mark.parametrize("name", ["paged", "small"])
+def test_paged_engine_does_not_recompile(model, engines, name):
   _, params, _ = model
-  _, paged, _ = engines
-  _run(paged, params, seed=5)
-  before = paged.compile_count()
-  _run(paged, params, seed=6)
-  assert paged.compile_count() == before
+  engine = engines[1] if name == "paged" else engines[2]
+  _run(engine, params, seed=5)
+  assert len(engine._live_programs) == len(engine.row_buckets)  # every row bucket, compiled at the first call
+  before = engine.compile_count()
+  _run(engine, params, seed=6)
+  assert engine.compile_count() == before
+
+
+def test_generate_runs_only_the_live_rows(model, engines):
+  """Two live slots of four run as a batch of 2 rows: same tokens and logprobs as the 4-row call, the idle slots
+  untouched, and the results land in the live slots' rows."""
+  _, params, _ = model
+  _, paged, small = engines
+  assert small.row_buckets == (1, 2, 4) and small.row_bucket(2) == 2 and paged.row_bucket(2) == 4
+  out = {}
+  for name, engine in (("full", paged), ("live", small)):
+    placed = engine.place(params, 0)
+    state = engine.init_decode_state()
+    for slot, (prompt, first_page) in {1: ([5, 6, 7], 0), 3: ([9, 8, 7, 6, 5], 6)}.items():
+      settings = engine.slot_settings(jax.random.key(slot), SP, max_new=6)
+      state = engine.insert(engine.prefill(placed, prompt), state, slot, settings,
+                            table_row=np.arange(first_page, first_page + engine.pages_per_slot) % 14)
+    calls = []
+    for _ in range(2):  # the second call ends both samples (6 tokens) midway: done rows go idle inside the loop
+      state, result = engine.generate(placed, state, live=2)
+      calls.append(jax.device_get(result))
+    out[name] = jax.device_get(state), calls
+  (full_state, full_calls), (state, calls) = out["full"], out["live"]
+  np.testing.assert_array_equal(state.tokens_SxT, full_state.tokens_SxT)
+  np.testing.assert_array_equal(state.pos_S, full_state.pos_S)
+  assert not state.active_S.any() and state.num_generated_S.tolist() == [0, 6, 0, 6]
+  assert state.tokens_SxT[[0, 2]].sum() == 0 and state.pos_S[[0, 2]].tolist() == [0, 0]
+  for got, want in zip(calls, full_calls, strict=True):
+    np.testing.assert_array_equal(got.tokens_SxK, want.tokens_SxK)
+    np.testing.assert_array_equal(got.valid_SxK, want.valid_SxK)
+    np.testing.assert_array_equal(got.done_S, want.done_S)
+    # Under the tests' unoptimised XLA backend a 1-row matmul (2 rows over 2 devices) rounds unlike a wider one.
+    np.testing.assert_allclose(got.logprobs_SxK, want.logprobs_SxK, atol=2e-6)
+  assert calls[0].valid_SxK[[1, 3]].all() and not calls[0].valid_SxK[[0, 2]].any()
+  assert calls[1].done_S.tolist() == [False, True, False, True]
+  with pytest.raises(ValueError, match="live=5 active slots is outside"):
+    small.row_bucket(5)
+  with pytest.raises(ValueError, match="row_buckets must be ints in"):
+    Engine(CFG, small.mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, row_buckets=(0, 8))
+  with pytest.raises(ValueError, match="row_buckets are for kv='paged'"):
+    Engine(CFG, small.mesh, max_slots=4, max_len=MAX_LEN, row_buckets=(2,))
 
 
 def test_paged_configuration_errors_name_the_problem(engines):

@@ -15,7 +15,7 @@ from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
-from jaxrl.controller.loops import RunRecord, RunSpec
+from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.learner import (
     LossConfig,
     batch_shards,

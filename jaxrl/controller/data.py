@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.controller.loops import SkipPrompt
+from jaxrl.controller.spec import SkipPrompt
 from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, make_task
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Sampler
@@ -84,9 +84,9 @@ def make_scorer(c, task, tokenizer) -> Scorer:
 def evaluate(run, params, version: int) -> dict[str, float]:
   """Greedy completions of the first c.eval.num_examples held-out examples: mean reward and accuracy."""
   c = run.config
-  return evaluate_policy(run.engine, run.task, run.controller.score, params, version,
+  return evaluate_policy(run.engine, run.task, run.controller.sampler_loop.score, params, version,
                          num_examples=c.eval.num_examples, max_new_tokens=c.eval.max_new_tokens, seed=c.seed,
-                         detokenize=run.controller.sampler.detokenize)[0]
+                         detokenize=run.controller.sampler_loop.sampler.detokenize)[0]
 
 
 def evaluate_policy(engine, task, score, params, version: int, *, num_examples: int, max_new_tokens: int,

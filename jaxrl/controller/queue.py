@@ -67,7 +67,8 @@ class RolloutQueue:
       except queue.Full:
         continue
 
-  def get(self) -> list[Rollout]:
+  def get(self, rank: int = 0) -> list[Rollout]:
+    """The next group (one sampler in this process: `rank` is always 0)."""
     while True:
       if self._stop.is_set():
         raise Stopped
@@ -84,8 +85,11 @@ class RolloutQueue:
       except queue.Empty:
         return out
 
-  def qsize(self) -> int:
+  def depth(self) -> int:
     return self._q.qsize()
+
+  def unsent(self) -> int:
+    return 0  # a group is on the learner's side as soon as it is put
 
 
 class WeightPublisher:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,10 +35,22 @@ from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import IntegrityError
 from jaxrl.controller import build as build_lib
+from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.data import evaluate_policy
-from jaxrl.controller.queue import Ledger
+from jaxrl.controller.learner_loop import LearnerLoop
+from jaxrl.controller.sampler_loop import SamplerLoop
+from jaxrl.controller.spec import RunRecord
 from jaxrl.distributed import runtime
-from jaxrl.distributed.pipeline import DistributedController, LearnerPublisher, request_job_stop
+from jaxrl.distributed.channels import (
+  Ferry,
+  Inbox,
+  LearnerPublisher,
+  Outbox,
+  ReceivedWeights,
+  StoreCoordinator,
+  request_job_stop,
+)
+from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
@@ -50,9 +61,9 @@ from jaxrl.rollout import make_batch
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
 
-def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
-          dump_dir: Path | None = None) -> DistributedController:
-  """This process's controller: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
+def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
+          poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
+  """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
   workdir = Path(workdir)
   lead = topology.process_id == topology.lead
   config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
@@ -82,14 +93,21 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
   if spec.auto_staleness is not None:  # sampler processes would not hear of k's changes
     raise config_lib.ConfigError("config: rl.max_staleness='auto' is single-host only (jaxrl-train)")
   log = TransferLog(store)
-  common = dict(topology=topology, store=store, log=log, routes=routes, max_len=c.sampler.max_len, dump_dir=dump_dir)
+  ferry_args = (topology, store, log, routes, c.sampler.max_len)
 
   if topology.role == "sampler":
     task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)
-    engine = build_lib.build_engine(c, model_cfg, replicas[topology.sampler_rank])
+    rank = topology.sampler_rank
+    engine = build_lib.build_engine(c, model_cfg, replicas[rank])
+    coord = StoreCoordinator(store, topology, RunRecord(), spec.num_steps, spec.max_failures_in_a_row, poll_s=poll_s)
+    outbox = Outbox(store, log, rank, spec.queue_groups, c.sampler.max_len, topology.sampler_devices[rank][0],
+                    coord.stop, poll_s)
+    received = ReceivedWeights()
 
-    def make_sampler(first):
-      return build_lib.build_sampler(c, engine, first.params, first.version, tokenizer)
+    def make_loop(first):
+      sampler = build_lib.build_sampler(c, engine, first.params, first.version, tokenizer)
+      return SamplerLoop(spec, sampler=sampler, prompts=prompts, score=score, rollouts=outbox, weights=received,
+                         coord=coord, num_samplers=num_samplers)
 
     evaluate = None
     if c.eval.num_examples and topology.sampler_rank == 0:  # the first replica scores the held-out examples
@@ -98,8 +116,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
         return evaluate_policy(engine, task, score, params, version, num_examples=c.eval.num_examples,
                                max_new_tokens=c.eval.max_new_tokens, seed=c.seed)[0]
 
-    return DistributedController(spec, sampler=None, train_step=None, state=None, publisher=None, prompts=prompts,
-                                 score=score, make_sampler=make_sampler, evaluate=evaluate, **common)
+    ferry = Ferry(*ferry_args, coord, outbox=outbox, received=received, dump_dir=dump_dir)
+    return SamplerProcess(make_loop, coord, ferry, received, score, evaluate, poll_s)
 
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
   spec = build_lib.run_spec(c, build_lib.rows_unit(learner_mesh))  # the learner's packed row buckets
@@ -132,9 +150,12 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *,
     if c.log.trace:
       print("jaxrl: log.trace is single-host only; a multi-process run writes no trace.jsonl", file=sys.stderr)
     metrics = build_lib.open_metrics(c, workdir, resumed)
-  return DistributedController(spec, sampler=None, train_step=step, state=state, publisher=publisher, prompts=None,
-                               score=None, metrics=metrics, checkpointer=checkpointer, record=record,
-                               resumed_from=resumed, **common)
+  coord = StoreCoordinator(store, topology, record, spec.num_steps, spec.max_failures_in_a_row, resumed, poll_s)
+  inbox = Inbox(num_samplers, coord.stop, store if lead else None, poll_s)
+  loop = LearnerLoop(spec, train_step=step, state=state, rollouts=inbox, weights=publisher, coord=coord,
+                     num_samplers=num_samplers, checkpointer=checkpointer, metrics=metrics)
+  ferry = Ferry(*ferry_args, coord, inbox=inbox, publisher=publisher, dump_dir=dump_dir)
+  return LearnerProcess(loop, coord, ferry, log)
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
@@ -142,38 +163,16 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
   learner = parts[topology.lead]
   samplers = [parts[p] for p in topology.sampler_processes]
   evals = {k: samplers[0][k] for k in ("eval_before", "eval_after") if k in samplers[0]}
-  ledger = dict(learner["ledger"])
-  for key in ("groups_admitted", "samples_generated", "tokens_generated", "skipped_prompts"):
-    # The learner's own count is the base a resume starts from (samples_generated = trained + dropped then).
-    ledger[key] = learner["ledger"][key] + sum(s["ledger"][key] for s in samplers)
-  staleness = learner["trained_staleness"]
-  return {"mode": c.mode, "resumed_from": learner.get("resumed_from"), "num_processes": len(parts),
-          "learner_processes": list(topology.learner_processes),
-          "sampler_processes": list(topology.sampler_processes), "steps": learner["version"],
-          "version": learner["version"], "ledger": ledger, "length_bias": Ledger.from_json(ledger).length_bias(),
-          "samples_in_flight": learner["samples_in_flight"] + sum(s["samples_in_flight"] for s in samplers),
-          "staleness_max": max(staleness, default=0),
-          "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-          "sampler_versions": [s["sampler_version"] for s in samplers],
-          "busy": {"learner": learner["busy"]["learner"], "samplers": [s["busy"]["sampler"] for s in samplers]},
-          **evals, **({"stopped_by": learner["stopped_by"]} if learner.get("stopped_by") else {})}
-
-
-def _stop_on_signals(store, signals: tuple[int, ...]) -> None:
-  """The first of `signals` asks the job to stop after the learners' current step (request_job_stop; the store is
-  written from a thread, not from inside the handler)."""
-  previous = {s: signal.getsignal(s) for s in signals}
-
-  def handler(signum, frame):
-    name = signal.Signals(signum).name
-    print(f"jaxrl: process {jax.process_index()}: {name}: the job stops after the learners' current step, with a "
-          "checkpoint", file=sys.stderr, flush=True)
-    for s, h in previous.items():
-      signal.signal(s, h)
-    threading.Thread(target=request_job_stop, args=(store, name), name="jaxrl-stop-request", daemon=True).start()
-
-  for s in signals:
-    signal.signal(s, handler)
+  return summary_lib.run_summary(
+      c.mode, version=learner["version"], ledger=summary_lib.merge_ledgers(learner["ledger"],
+                                                                           [s["ledger"] for s in samplers]),
+      staleness=learner["trained_staleness"],
+      samples_in_flight=learner["samples_in_flight"] + sum(s["samples_in_flight"] for s in samplers),
+      busy={"learner": learner["busy"]["learner"], "samplers": [s["busy"]["sampler"] for s in samplers]},
+      resumed_from=learner.get("resumed_from"), stopped_by=learner.get("stopped_by") or None,
+      num_processes=len(parts), learner_processes=list(topology.learner_processes),
+      sampler_processes=list(topology.sampler_processes), sampler_versions=[s["sampler_version"] for s in samplers],
+      **evals)
 
 
 def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
@@ -181,16 +180,13 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own
   (`stopped_by` in either: the job was stopped early by that signal, after a checkpoint)."""
   workdir = Path(workdir)
-  ctl = build(c, workdir, topology, store, dump_dir=dump_dir)
+  role = build(c, workdir, topology, store, dump_dir=dump_dir)
   t0 = time.perf_counter()
   try:
-    ctl.run()
+    role.run()
   finally:
-    if ctl.metrics is not None:
-      ctl.metrics.close()
-    if ctl.score is not None:
-      ctl.score.close()
-  own = ctl.process_summary()
+    role.close()
+  own = role.summary()
   own["train_seconds"] = time.perf_counter() - t0
   store.set(f"summary/{topology.process_id}", own)
   if topology.process_id != topology.lead:
@@ -201,7 +197,7 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   parts = {p: store.get(f"summary/{p}", timeout_s) for p in range(jax.process_count())}
   summary = summarize(c, parts, topology)
   summary["train_seconds"] = own["train_seconds"]
-  (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  summary_lib.write_summary(workdir, summary)
   return summary
 
 
@@ -232,10 +228,15 @@ def main(argv=None):
       hard_exit(2)
     watchdog = Watchdog(store, me, topology.name, jax.process_count(),
                         timeout_s=flags_def.heartbeat_timeout_s).start()
-    _stop_on_signals(store, (signal.SIGTERM,))
     workdir = Path(flags_def.workdir)
+    # The store is written from a thread, not from inside the signal handler.
+    stop = lambda name: threading.Thread(target=request_job_stop, args=(store, name), name="jaxrl-stop-request",
+                                         daemon=True).start()
+    message = f"jaxrl: process {me}: {{name}}: the job stops after the learners' current step, with a checkpoint"
     try:
-      summary = train(c, workdir, topology, store, dump_dir=workdir / "weights" if flags_def.dump_weights else None)
+      with summary_lib.stop_on_signals(stop, (signal.SIGTERM,), message):
+        summary = train(c, workdir, topology, store,
+                        dump_dir=workdir / "weights" if flags_def.dump_weights else None)
     except BaseException as e:  # noqa: BLE001 - any failure stops the whole job, on every process
       traceback.print_exc()
       watchdog.wait_for_cause()  # returns only if no other process is dead or failed first
@@ -252,7 +253,7 @@ def main(argv=None):
     if stopped_by:
       print(f"jaxrl: process {me}: stopped by {stopped_by}; the learners saved a checkpoint; the same command "
             "resumes the job", file=sys.stderr, flush=True)
-      sys.exit(128 + getattr(signal, stopped_by, signal.SIGTERM))
+      sys.exit(summary_lib.exit_status(stopped_by))
 
   app.run(_main, argv=argv)
 

@@ -18,7 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("reference", "chunked", "cudnn", "splash")
+from jaxrl.settings import TRAIN_ATTENTION as IMPLEMENTATIONS  # declared once, with the run config
+
 _NEG_INF = -1e30
 
 

@@ -9,7 +9,9 @@ insert and rebuild once per prompt-length bucket).
 
 With kv="paged" the cache is a pool of pages with a page table per slot (models.PagedKVCache): the host's
 sampler/pages.py allocates them and hands the tables over (`set_tables`, `insert(table_row=)`); a group's prompt
-pages are written once (`store_prefix`) and shared; `rebuild_spans` recomputes only the live tokens.
+pages are written once (`store_prefix`) and shared; `rebuild_spans` recomputes only the live tokens; and a
+generate call runs only its live slots, gathered into a batch of the smallest row bucket that holds them (the pool
+is shared, so only page tables and per-slot state move): a step costs what its live rows do.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
 from jaxrl.sampler import continuation, paged
 from jaxrl.sampler.sampling import sample
+from jaxrl.settings import KV_LAYOUTS  # declared once, with the run config
 from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
 
 
@@ -42,9 +45,6 @@ class SlotSettings:
   greedy: jax.Array  # bool
   max_new: jax.Array  # int32, completion tokens allowed
   stop_ids: jax.Array  # int32 [..., max_stop_ids], -1 padded; generating one of them ends the sample
-
-
-KV_LAYOUTS = ("dense", "paged")
 
 
 @flax.struct.dataclass
@@ -143,6 +143,16 @@ def _generate(graphdef, steps, params, version, state: DecodeState, forward=forw
   return new_state, ResultTokens(tokens, logprobs, valid, done, version)
 
 
+def _generate_live(graphdef, steps, shardings, num_rows, params, version, state: DecodeState):
+  """Paged: `_generate` over a compacted batch of num_rows rows holding the active slots (paged.take_live_rows),
+  so a step costs what its live rows do. The batch is laid out as the decode state is (shardings[num_rows]): XLA
+  then splits each step's sums over the mesh as for the full batch, which keeps every row's numbers the same."""
+  sub, rows_R = paged.take_live_rows(state, num_rows)
+  sub = jax.lax.with_sharding_constraint(sub, shardings[num_rows])
+  sub, result = _generate(graphdef, steps, params, version, sub)
+  return paged.put_rows(state, sub, result, rows_R)
+
+
 def _rebuild(graphdef, chunk, length, params, state: DecodeState) -> DecodeState:
   """Recomputes keys/values of positions [0, length) of every slot with `params` (after a weight update)."""
   num_slots, max_len = state.tokens_SxT.shape
@@ -167,12 +177,14 @@ class Engine:
   def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
                min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, dtype: str | None = None,
                kv: str = "dense", page_size: int = 16, num_pages: int | None = None, rebuild_rows: int = 8,
-               rules=SAMPLER_RULES):
+               row_buckets=None, rules=SAMPLER_RULES):
     """dtype: of the sampler's weights, activations and KV cache: "float32" | "bfloat16" | "auto" (bfloat16 on
     TPU/GPU, float32 on CPU, where XLA's float32 matmuls are exact and bfloat16 ones are not faster everywhere);
     None: cfg.dtype. kv: "dense" (max_len positions per slot) or "paged" (a pool of num_pages pages of page_size
     positions; None: as many as the dense cache holds, max_slots * max_len / page_size). A paged rebuild runs
-    calls of rebuild_rows chunks of rebuild_chunk positions (a call's cost is fixed: small calls waste less)."""
+    calls of rebuild_rows chunks of rebuild_chunk positions (a call's cost is fixed: small calls waste less).
+    row_buckets (paged): the batch sizes a generate call may run at, over its live slots only (None: 8, 16, 32,
+    ... below max_slots; max_slots is always one); each is compiled once, all at the first generate call."""
     num_pages = max_slots * max_len // page_size if num_pages is None and page_size else num_pages
     for name, value in (("max_slots", max_slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
                         ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk),
@@ -188,6 +200,7 @@ class Engine:
     if kv == "paged" and num_pages < max_len // page_size:
       raise ValueError(f"Engine: num_pages={num_pages} cannot hold one sample of max_len={max_len} "
                        f"({max_len // page_size} pages of {page_size})")
+    self.row_buckets = paged.row_buckets(row_buckets, max_slots, kv)
     self.kv, self.page_size, self.num_pages = kv, page_size, num_pages
     self.pages_per_slot = max_len // page_size
     dtype = cfg.dtype if dtype is None else dtype
@@ -220,6 +233,11 @@ class Engine:
     self._insert = jax.jit(own(_insert), donate_argnums=1, out_shardings=self._state_shardings)
     self._generate = jax.jit(functools.partial(_generate, g, steps_per_call), donate_argnums=2,
                              out_shardings=(self._state_shardings, result_shardings))
+    # One program per row bucket, compiled ahead of time (all at the first call, so none compiles mid-run).
+    rows = {b: self._decode_state_shardings(b) for b in self.row_buckets}
+    self._generate_live = jax.jit(functools.partial(_generate_live, g, steps_per_call, rows), static_argnums=0,
+                                  donate_argnums=3, out_shardings=(self._state_shardings, result_shardings))
+    self._live_programs = {}
     self._rebuild = jax.jit(functools.partial(_rebuild, g, rebuild_chunk), static_argnums=0, donate_argnums=2,
                             out_shardings=self._state_shardings)
     self._release = jax.jit(own(_release), donate_argnums=0, out_shardings=self._state_shardings)
@@ -230,12 +248,12 @@ class Engine:
     self.rebuild_chunk, self.rebuild_rows = rebuild_chunk, rebuild_rows
     self._zeros = None
 
-  def _named(self, *axes) -> NamedSharding:
+  def _named(self, *axes, rows=None) -> NamedSharding:
     """Sharding of an array whose dimensions carry these logical axes (sizes are only checked for divisibility)."""
-    return NamedSharding(self.mesh, logical_to_spec(axes, self._dims(axes), self.mesh, self.rules))
+    return NamedSharding(self.mesh, logical_to_spec(axes, self._dims(axes, rows), self.mesh, self.rules))
 
-  def _dims(self, axes):
-    sizes = {"batch": self.max_slots, "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
+  def _dims(self, axes, rows=None):
+    sizes = {"batch": rows or self.max_slots, "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
              "layers": self.cfg.num_layers}
     return [sizes.get(a, 1) for a in axes]
 
@@ -243,9 +261,10 @@ class Engine:
     sh = self._named("layers", batch_axis, None, "kv_heads", "head_dim")
     return KVCache(sh, sh)
 
-  def _decode_state_shardings(self) -> DecodeState:
-    vec = self._named("batch")
-    mat = self._named("batch", None)
+  def _decode_state_shardings(self, rows=None) -> DecodeState:
+    """Shardings of the decode state; rows: of a compacted batch of that many rows (default max_slots)."""
+    vec = self._named("batch", rows=rows)
+    mat = self._named("batch", None, rows=rows)
     cache = self._kv_sharding()
     if self.kv == "paged":  # the pool is not split by slot (any slot may own any page); heads still are
       pages = self._named("layers", None, None, "kv_heads", "head_dim")
@@ -341,8 +360,25 @@ class Engine:
       decode_state = self._rebuild_rows(params.params, decode_state, slot_R, start_R, end_R)
     return decode_state
 
-  def generate(self, params: Versioned, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-    return self._generate(params.params, np.int32(params.version), decode_state)
+  def row_bucket(self, live: int | None) -> int:
+    """Rows a generate call runs for `live` active slots (None: all): paged, the smallest row bucket that holds
+    them; dense, always max_slots."""
+    live = self.max_slots if live is None else live
+    if not 0 <= live <= self.max_slots:
+      raise ValueError(f"live={live} active slots is outside [0, {self.max_slots}]")
+    return min(b for b in self.row_buckets if b >= live)
+
+  def generate(self, params: Versioned, decode_state: DecodeState, live: int | None = None
+               ) -> tuple[DecodeState, ResultTokens]:
+    """`steps_per_call` decode steps. live: at least the number of active slots (the host's occupied slots);
+    paged, the call then runs only that many rows (in row_bucket(live)); a smaller count would skip slots."""
+    version = np.int32(params.version)
+    if self.kv == "dense":
+      return self._generate(params.params, version, decode_state)
+    if not self._live_programs:
+      for b in self.row_buckets:
+        self._live_programs[b] = self._generate_live.lower(b, params.params, version, decode_state).compile()
+    return self._live_programs[self.row_bucket(live)](params.params, version, decode_state)
 
   def rebuild(self, params: Versioned, decode_state: DecodeState, length: int) -> DecodeState:
     """Recomputes the cache of positions [0, length) of all slots with new params (exact in-flight update)."""
@@ -390,5 +426,6 @@ class Engine:
 
   def compile_count(self) -> int:
     """Compiled executables across the engine's jitted functions (each shape compiles once)."""
-    return sum(f._cache_size() for f in (self._prefill, self._insert, self._generate, self._rebuild, self._release,
-                                         self._store_prefix, self._set_tables, self._rebuild_rows))
+    return len(self._live_programs) + sum(
+        f._cache_size() for f in (self._prefill, self._insert, self._generate, self._rebuild, self._release,
+                                  self._store_prefix, self._set_tables, self._rebuild_rows))

@@ -1,12 +1,14 @@
-"""Device side of the paged KV cache: prefix pages into a slot's table, the live-token rebuild, spans to rows.
+"""Device side of the paged KV cache: prefix pages into a slot's table, the live-token rebuild, spans to rows, and
+the compacted batch of live slots a generate call runs.
 
 The host (sampler/pages.py) owns which page holds what; these pure functions only move keys/values between a
 prefilled prompt, the page pool and the model. Letters as in models/decoder.py (P pages, Z positions per page,
-M pages per slot's table), R rows of one rebuild call, W pages of a prefix.
+M pages per slot's table), R rows of one rebuild or generate call, W pages of a prefix.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,3 +68,41 @@ def spans_to_rows(spans, chunk: int, rows: int):
     slot_R, start_R, end_R = (np.asarray(col, np.int32) for col in zip(*block, strict=True))
     calls.append((slot_R, start_R, end_R))
   return calls
+
+
+def row_buckets(buckets, max_slots: int, kv: str) -> tuple[int, ...]:
+  """The batch sizes a paged generate call may run at (default 8, 16, 32, ... below max_slots), max_slots included."""
+  if buckets is None:
+    buckets = [2**i for i in range(3, max_slots.bit_length()) if 2**i < max_slots] if kv == "paged" else []
+  bad = [b for b in buckets if not isinstance(b, (int, np.integer)) or not 0 < b <= max_slots]
+  if bad:
+    raise ValueError(f"Engine: row_buckets must be ints in [1, max_slots={max_slots}] (got {bad})")
+  if kv == "dense" and any(b != max_slots for b in buckets):
+    raise ValueError("Engine: row_buckets are for kv='paged' (a dense call runs every slot)")
+  return tuple(sorted({*(int(b) for b in buckets), max_slots}))
+
+
+def take_live_rows(state, num_rows: int):
+  """The decode state of the active slots (in slot order) as a batch of num_rows rows, and their slots rows_R.
+
+  Padding rows (fewer active slots than rows) are inactive, so they write nothing; slots left out must be
+  inactive. The pool is shared, not gathered: only page tables and per-slot state move."""
+  num_slots = state.pos_S.shape[0]
+  rows_R = jnp.nonzero(state.active_S, size=num_rows, fill_value=num_slots)[0]
+  take = lambda x: x.at[rows_R].get(mode="fill", fill_value=0)
+  cache = state.cache
+  sub = jax.tree.map(take, state.replace(cache=None))
+  return sub.replace(cache=cache.replace(table_SxM=take(cache.table_SxM), write_end_S=take(cache.write_end_S))), rows_R
+
+
+def put_rows(state, sub, result, rows_R):
+  """Scatters a compacted batch's decode state and results (rows_R as from take_live_rows) back to its slots."""
+  num_slots = state.pos_S.shape[0]
+  put = lambda full, part: full.at[rows_R].set(part, mode="drop")
+  state = state.replace(
+      cache=state.cache.replace(k_NxPxZxKxD=sub.cache.k_NxPxZxKxD, v_NxPxZxKxD=sub.cache.v_NxPxZxKxD),
+      tokens_SxT=put(state.tokens_SxT, sub.tokens_SxT), pos_S=put(state.pos_S, sub.pos_S),
+      active_S=put(state.active_S, sub.active_S), num_generated_S=put(state.num_generated_S, sub.num_generated_S))
+  full = lambda part: put(jnp.zeros((num_slots, *part.shape[1:]), part.dtype), part)
+  return state, result.replace(tokens_SxK=full(result.tokens_SxK), logprobs_SxK=full(result.logprobs_SxK),
+                               valid_SxK=full(result.valid_SxK), done_S=full(result.done_S))

@@ -12,6 +12,7 @@ shared by its samples, each live slot gets pages for the positions the next call
 dispatched, and pages return to the pool when a sample ends. When the pool runs short, admission stops; when a
 live sample cannot grow, the most recently admitted live sample is preempted: its pages are freed and it waits,
 with its tokens so far, to be prefilled again (prompt + completion) and continued with the same sampling keys.
+Each generate call is told how many slots are occupied, and a paged engine runs only that many rows.
 
 A request whose meta holds "episode" (a jaxrl.envs.episodes.EpisodeStart, dense engine) is a multi-turn episode:
 when a model turn ends (eos, a stop id or string of the env's, the turn's token budget), the slot is parked and
@@ -35,9 +36,9 @@ import numpy as np
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler.engine import Engine, Prefix, ResultTokens
 from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt, pages_for
+from jaxrl.settings import ON_UPDATE  # declared once, with the run config
 from jaxrl.sharding import Versioned
 
-ON_UPDATE = ("recompute", "finish", "keep_kv")
 ADMISSION = ("continuous", "static")
 # Tokens of text re-decoded per new token for stop strings, past the longest stop string's length in characters
 # (a token decodes to at least one character except for a few partial UTF-8 bytes).
@@ -101,7 +102,7 @@ class _InFlight:
 @dataclasses.dataclass
 class SamplerStats:
   generated_tokens: int = 0  # includes tokens cut after a stop string
-  slot_steps: int = 0  # slots x decode steps run
+  slot_steps: int = 0  # rows x decode steps run (paged: the rows of each call's live-row bucket)
   decode_calls: int = 0
   prefills: int = 0
   rebuilds: int = 0
@@ -265,10 +266,11 @@ class Sampler:
       self._grow()
     dispatched = None
     if self._num_decoding() and not self._all_end_in_flight():
-      self._state, result = self.engine.generate(self._params, self._state)
+      live = self.num_active  # every slot active on the device is occupied here (the host frees after the device)
+      self._state, result = self.engine.generate(self._params, self._state, live)
       dispatched = _InFlight(result, list(self._slots), [s.turn if s else 0 for s in self._slots])
       self.stats.decode_calls += 1
-      self.stats.slot_steps += self.engine.max_slots * self.engine.steps_per_call
+      self.stats.slot_steps += self.engine.row_bucket(live) * self.engine.steps_per_call
     previous, self._in_flight = (self._in_flight, dispatched) if self.overlap else (dispatched, None)
     finished = ended + (self._collect(previous) if previous is not None else [])
     if previous is None and dispatched is None and not finished:  # every live slot waits for its env

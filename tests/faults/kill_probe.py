@@ -10,7 +10,7 @@ import os
 import threading
 
 from jaxrl import checkpoint
-from jaxrl.controller import data, loops, queue
+from jaxrl.controller import data, learner_loop, queue
 from jaxrl.sampler import sampler
 
 _LOCK = threading.Lock()
@@ -48,17 +48,17 @@ def _mark(owner, name: str, phase: str) -> None:
 
 
 _mark(sampler.Sampler, "step", "sampling")
-_mark(loops.Controller, "_train", "training")
+_mark(learner_loop.LearnerLoop, "_train", "training")
 _mark(queue.WeightPublisher, "publish", "publish")
 _mark(checkpoint.Checkpointer, "save", "checkpoint")
 _mark(checkpoint.Checkpointer, "_commit_step", "checkpoint")  # the background write and commit
 _mark(data, "evaluate_policy", "eval")  # before the trainers import it by name
 
 if os.environ.get("JAXRL_PROBE") == "distributed":
-  from jaxrl.distributed import pipeline
+  from jaxrl.distributed import channels
 
-  _mark(pipeline.LearnerPublisher, "publish", "publish")
-  _mark(pipeline.DistributedController, "_copy_weights", "publish")  # a sampler receiving a version
+  _mark(channels.LearnerPublisher, "publish", "publish")
+  _mark(channels.Ferry, "_copy_weights", "publish")  # a sampler receiving a version
   from jaxrl.distributed import train as distributed_train
 
   if __name__ == "__main__":

@@ -31,7 +31,7 @@ def finished(tmp_path_factory):
   with pytest.MonkeyPatch.context() as mp:
     built = inject(mp)
     train_lib.train(tiny_config("sync", **KEEP), workdir)
-  state = built["run"].controller.state
+  state = built["run"].controller.learner_loop.state
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   assert committed_steps(workdir) == [2, 4, 6]
   return workdir, abstract
@@ -185,7 +185,7 @@ def test_a_failed_save_ends_the_run_clearly_and_keeps_the_previous_checkpoint(mo
   assert committed_steps(tmp_path) == [2]  # max_to_keep=1, yet the only verified checkpoint was not deleted
   ck = Checkpointer(tmp_path / "checkpoints")
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          built["run"].controller.state)
+                          built["run"].controller.learner_loop.state)
   state, _ = ck.restore(abstract)
   ck.close()
   assert ck.restored_step == 2 and not ck.rejected

@@ -34,9 +34,9 @@ def _fail_on_call(fn, n: int, fired: dict):
 
 
 TARGETS = {  # component -> (attribute path on the controller, failing call)
-    "sampler": ("sampler.step", 6),
-    "learner": ("train_step", 3),
-    "publisher": ("publisher.publish", 2),
+    "sampler": ("sampler_loop.sampler.step", 6),
+    "learner": ("learner_loop.train_step", 3),
+    "publisher": ("learner_loop.weights.publish", 2),
 }
 
 
@@ -79,7 +79,7 @@ def test_component_exception_stops_the_run_with_its_traceback_and_a_checkpoint(m
 def test_a_raising_reward_fn_drops_its_group_and_the_run_goes_on(tmp_path, monkeypatch):
   built = inject(monkeypatch)
   summary = train_lib.train(tiny_config("pipeline", task__reward="faults_rewards:flaky"), tmp_path)
-  runner = built["run"].controller.score.runner
+  runner = built["run"].controller.sampler_loop.score.runner
   assert runner.isolation == "process"
   led = summary["ledger"]
   failed_groups = led["dropped"]["reward_failed"] // 4

@@ -19,7 +19,7 @@ def _recorded_run(c, workdir, monkeypatch):
   steps, params = [], []
 
   def record(run):
-    ctl = run.controller
+    ctl = run.controller.learner_loop
     real_step = ctl.train_step
 
     def train_step(state, batch, key):

@@ -18,6 +18,7 @@ from jaxrl import config as config_lib
 from jaxrl import train as train_lib
 from jaxrl.controller import build as build_lib
 from jaxrl.models import Decoder, ModelConfig, hf
+from jaxrl.settings import SETTINGS
 
 # ---- fuzzed configs ---------------------------------------------------------------------------------------------
 
@@ -31,20 +32,21 @@ NOT_STR = st.one_of(st.integers(), st.floats(), st.none(), st.booleans())
 def _bad_values() -> dict[str, st.SearchStrategy]:
   """Field -> values it must reject: wrong types, and values out of range."""
   bad = {}
-  for path, lo in config_lib._INTS:
-    bad[path] = st.one_of(NOT_INT, st.integers(max_value=lo - 1))
-  for path, _, _ in config_lib._REALS:
-    bad[path] = NOT_REAL
+  for s in SETTINGS:
+    if s.kind == "int":
+      bad[s.name] = st.one_of(NOT_INT, st.integers(max_value=s.lo - 1))
+    elif s.kind == "real":
+      bad[s.name] = NOT_REAL
+    elif s.kind == "bool":
+      bad[s.name] = NOT_BOOL
+    elif s.kind == "choice":
+      bad[s.name] = st.one_of(NOT_STR, st.text(max_size=8).filter(lambda v, c=s.choices: v not in c))
   bad.update({"sampler.temperature": st.one_of(NOT_REAL, st.floats(max_value=0)),
               "sampler.top_p": st.one_of(NOT_REAL, st.floats(max_value=0), st.floats(min_value=1.01, max_value=1e9)),
               "optimizer.learning_rate": st.one_of(NOT_REAL, st.floats(max_value=0)),
               "optimizer.weight_decay": st.one_of(NOT_REAL, st.floats(max_value=-1e-9)),
               "task.reward_timeout_s": st.one_of(NOT_REAL, st.floats(max_value=0)),
               "optimizer.max_grad_norm": st.one_of(st.text(max_size=3), st.floats(max_value=0), st.booleans())})
-  for path in config_lib._BOOLS:
-    bad[path] = NOT_BOOL
-  for path, choices in config_lib._CHOICES:
-    bad[path] = st.one_of(NOT_STR, st.text(max_size=8).filter(lambda s, c=choices: s not in c))
   for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
     bad[f"model.tiny.{name}"] = st.one_of(NOT_INT, st.integers(max_value=0))
   bad.update({

@@ -35,8 +35,8 @@ def slow_learner_run(tmp_path_factory):
       alive[0] -= 1
 
   def slow_learner(run):
-    ctl = run.controller
-    real_step, real_rollout = ctl.train_step, ctl.sampler._rollout
+    ctl, sampling = run.controller.learner_loop, run.controller.sampler_loop
+    real_step, real_rollout = ctl.train_step, sampling.sampler._rollout
 
     def slow_step(state, batch, key):
       time.sleep(0.25)
@@ -50,15 +50,16 @@ def slow_learner_run(tmp_path_factory):
       weakref.finalize(r, forget)
       return r
 
-    ctl.train_step, ctl.sampler._rollout = slow_step, counted_rollout
-    stats["ctl"] = ctl
+    ctl.train_step, sampling.sampler._rollout = slow_step, counted_rollout
+    stats["ctl"], stats["sampling"], stats["rollouts"] = ctl, sampling, run.controller.rollouts
 
   def watch():
     while not done.wait(0.02):
       ctl = stats.get("ctl")  # steps done, from a host list (the learner owns the device state)
       stats["rss"].append((len(ctl.step_times) if ctl is not None else 0, _rss_mib()))
-      if ctl is not None and ctl.book is not None:
-        stats["peak_waiting"] = max(stats["peak_waiting"], len(ctl.book.finished))
+      book = stats["sampling"].book if ctl is not None else None
+      if book is not None:
+        stats["peak_waiting"] = max(stats["peak_waiting"], len(book.finished))
 
   watcher = threading.Thread(target=watch, daemon=True)
   watcher.start()
@@ -79,7 +80,7 @@ def test_finished_groups_waiting_stop_admission(slow_learner_run):
   summary, stats = slow_learner_run
   c = tiny_config()
   assert summary["steps"] == LONG_STEPS
-  assert stats["ctl"].queue.max_depth <= QUEUE_GROUPS  # never past its bound
+  assert stats["rollouts"].max_depth <= QUEUE_GROUPS  # never past its bound
   # Admission stops at max(queue, a step's groups) waiting; what was generating then still finishes. Without the
   # stop, k = 50 would let the sampler run the whole run's groups ahead of the learner.
   bound = max(QUEUE_GROUPS, c.rl.groups_per_step) + c.sampler.max_slots // c.rl.group_size
@@ -107,8 +108,8 @@ def test_a_learner_faster_than_the_sampler_waits_without_spinning(tmp_path, monk
   training, windows = [], []
 
   def slow_sampler(run):
-    ctl = run.controller
-    real_step, real_after_step, real_sampler_step = ctl.train_step, ctl._after_step, ctl.sampler.step
+    ctl, sampler = run.controller.learner_loop, run.controller.sampler_loop.sampler
+    real_step, real_after_step, real_sampler_step = ctl.train_step, ctl._after_step, sampler.step
 
     def timed_train_step(state, batch, key):
       training.append([time.monotonic(), float("inf")])
@@ -124,7 +125,7 @@ def test_a_learner_faster_than_the_sampler_waits_without_spinning(tmp_path, monk
       windows.append((w0, time.monotonic(), time.process_time() - c0))
       return real_sampler_step()
 
-    ctl.train_step, ctl._after_step, ctl.sampler.step = timed_train_step, timed_after_step, slow_sampler_step
+    ctl.train_step, ctl._after_step, sampler.step = timed_train_step, timed_after_step, slow_sampler_step
 
   inject(monkeypatch, slow_sampler)
   summary = train_lib.train(tiny_config("pipeline", checkpoint__every_steps=100), tmp_path)  # no saves mid-run

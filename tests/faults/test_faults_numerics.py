@@ -50,8 +50,8 @@ def _corrupt(batch, fault: str):
 
 
 def _inject_faults(run, calls: list):
-  ctl = run.controller
-  real_step, real_score = ctl.train_step, ctl.score
+  ctl, sampling = run.controller.learner_loop, run.controller.sampler_loop
+  real_step, real_score = ctl.train_step, sampling.score
   counter = itertools.count(1)
 
   def train_step(state, batch, key):
@@ -67,8 +67,8 @@ def _inject_faults(run, calls: list):
       for r in group:
         r.reward = 0.5
 
-  ctl.train_step, ctl.score = train_step, score
-  ctl.score.close = real_score.close
+  ctl.train_step, sampling.score = train_step, score
+  sampling.score.close = real_score.close
 
 
 @pytest.fixture(scope="module", params=["sync", "pipeline"])
@@ -102,7 +102,7 @@ def test_nonfinite_updates_are_skipped_and_counted(faulty_run):
 
 
 def test_params_stay_finite_and_each_version_is_logged_once(faulty_run):
-  assert params_finite(faulty_run["run"].controller.state.params)
+  assert params_finite(faulty_run["run"].controller.learner_loop.state.params)
   records = read_jsonl(faulty_run["workdir"] / "metrics.jsonl")
   assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
   assert records[-1]["updates_skipped_total"] == len(SKIPPED)
@@ -128,8 +128,9 @@ def test_groups_with_all_equal_rewards_are_counted(faulty_run):
 
 def test_every_update_skipped_stops_the_run_instead_of_looping(tmp_path, monkeypatch):
   def corrupt_every_batch(run):
-    real_step = run.controller.train_step
-    run.controller.train_step = lambda state, batch, key: real_step(state, _corrupt(batch, "inf_logits"), key)
+    learner = run.controller.learner_loop
+    real_step = learner.train_step
+    learner.train_step = lambda state, batch, key: real_step(state, _corrupt(batch, "inf_logits"), key)
 
   monkeypatch.setattr(step_lib, "as_logits_fn", _marking_logits_fn)
   inject(monkeypatch, corrupt_every_batch)

@@ -65,7 +65,7 @@ def test_a_stop_request_mid_batch_in_sync_mode_saves_and_resumes(tmp_path, monke
 
   def stop_mid_batch(run):
     ctl = run.controller
-    real_step = ctl.sampler.step
+    real_step = ctl.sampler_loop.sampler.step
 
     def step():
       calls["n"] += 1
@@ -73,7 +73,7 @@ def test_a_stop_request_mid_batch_in_sync_mode_saves_and_resumes(tmp_path, monke
         ctl.request_stop("test")  # the first decode call of step 3's batch
       return real_step()
 
-    ctl.sampler.step = step
+    ctl.sampler_loop.sampler.step = step
 
   inject(monkeypatch, stop_mid_batch)
   summary = train_lib.train(tiny_config("sync", checkpoint__every_steps=100), tmp_path)

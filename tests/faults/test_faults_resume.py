@@ -120,13 +120,13 @@ def test_a_run_stopped_with_a_full_admission_window_resumes(tmp_path, monkeypatc
   run saves (max_staleness + 1) * groups_per_step groups to regenerate. Counting them as admitted a second time
   when they are generated again made the admission policy refuse every group after such a resume: a hang."""
   def stop_once_the_window_is_full(run):
-    ctl = run.controller
+    ctl = run.controller.learner_loop
     real_step, calls = ctl.train_step, []
 
     def train_step(state, batch, key):
       calls.append(1)
       if len(calls) == 3:  # version 2: the sampler may admit groups up to (2 + 1 + 1) * 4 = 16
-        wait_for(lambda: ctl.record.next_group_id >= 16, timeout=60, what="a full admission window")
+        wait_for(lambda: ctl.coord.record.next_group_id >= 16, timeout=60, what="a full admission window")
         raise Stop("window full")
       return real_step(state, batch, key)
 

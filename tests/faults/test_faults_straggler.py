@@ -12,7 +12,7 @@ OVERTAKEN_BY = 3  # groups that finish before the held one is released
 
 
 def _hold_first_group(run):
-  ctl = run.controller
+  ctl = run.controller.sampler_loop
   real, held, finished_after = ctl._complete_groups, [], []
 
   def complete_groups(rollouts):

@@ -1,0 +1,193 @@
+"""The learner loop: asks for each step's groups, takes them from the rollouts channel (share after share, sampler
+by sampler: every learner process of a job builds the same batch), trains, publishes the new params to the weights
+channel, checkpoints. It talks to the sampler side only through the three channels (controller.channels)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl.controller.adaptive import AdaptiveStaleness
+from jaxrl.controller.assembly import reject_reason
+from jaxrl.controller.channels import Coordination, Rollouts, Weights
+from jaxrl.controller.spec import RunSpec
+from jaxrl.rollout import Rollout, check_sampling
+
+
+class LearnerLoop:
+  """One run's learner: the train state and what it needs to take, train, publish and save."""
+
+  def __init__(self, spec: RunSpec, *, train_step: Callable, state, rollouts: Rollouts, weights: Weights,
+               coord: Coordination, num_samplers: int = 1, checkpointer=None, metrics=None,
+               on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None):
+    self.spec, self.train_step, self.state = spec, train_step, state
+    self.rollouts, self.weights, self.coord = rollouts, weights, coord
+    self.share = spec.groups_per_step // num_samplers  # each sampler's part of every step
+    self.num_samplers = num_samplers
+    self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
+    # rl.max_staleness="auto": the admission bound moves within [k_min, k_max] from the measured drift; k_max
+    # (spec.max_staleness) stays the hard bound checked at every train step.
+    self.adaptive = None if spec.auto_staleness is None else AdaptiveStaleness(spec.auto_staleness)
+    if self.adaptive is not None:
+      coord.admit_k = self.adaptive.k
+    self.trained_staleness: list[int] = []  # per trained sample, for tests and histograms
+    self.busy = 0.0
+    self.step_times: list[float] = []
+    self._batch_groups: list[list[Rollout]] = []  # taken, not yet trained
+    self.leftover: list[list[Rollout]] = []  # groups still in the channel when the run stopped
+    self._base_key = jax.random.key(spec.seed)
+
+  @property
+  def ledger(self):
+    return self.coord.ledger
+
+  @property
+  def version(self) -> int:
+    return int(jax.device_get(self.state.version))
+
+  def _log(self, event: str, **fields) -> None:
+    if self.trace is not None:
+      self.trace({"event": event, **fields})
+
+  def run(self) -> None:
+    last = time.perf_counter()
+    while self.coord.go_on(self.version):
+      groups = self._batch_groups = []
+      self.coord.ask()  # the sampler side assembles the next share now, from what has finished
+      for rank in range(self.num_samplers):
+        self._take(rank, groups)
+      t0 = time.perf_counter()
+      metrics = self._train(groups)
+      self._batch_groups = []
+      self.busy += time.perf_counter() - t0
+      metrics["queue_depth"] = self.rollouts.depth()
+      now = time.perf_counter()
+      self._after_step(metrics, now - last)
+      last = now
+      self.coord.wake()
+
+  def _take(self, rank: int, groups: list[list[Rollout]]) -> None:
+    """Appends sampler `rank`'s next share to groups (dropping, counted, the groups that cannot be trained)."""
+    taken = 0
+    while taken < self.share:
+      g = self.rollouts.get(rank)
+      if self._accept(g):
+        groups.append(g)
+        taken += 1
+
+  def _accept(self, group: list[Rollout]) -> bool:
+    """Drops (and counts) a group that cannot be trained (the sampler side left it out of every share already);
+    never one for its staleness."""
+    reason = reject_reason(group, self.spec.seq_len)
+    if reason is None:
+      return True
+    if reason == "reward_failed":
+      self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
+    with self.coord.lock:
+      self.ledger.drop(group, reason)
+      self.coord.live.discard(group[0].group_id)
+      self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
+      self.coord.progress.failed(reason)
+    return False
+
+  def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
+    """One train step on the groups; an update the learner skipped (non-finite) drops them, counted."""
+    samples = [r for g in groups for r in g]
+    step = self.version
+    over = [(r.group_id, step - r.min_version) for r in samples
+            if len(r.versions) and step - r.min_version > self.spec.max_staleness]
+    if over:
+      raise RuntimeError(f"staleness invariant broken at step {step}: (group, staleness) {over[:4]} over "
+                         f"max_staleness={self.spec.max_staleness}")
+    check_sampling(samples, self.spec.sampling)
+    batch = self.spec.make_batch(samples)
+    train_step = int(jax.device_get(self.state.step))
+    state, metrics = self.train_step(self.state, batch, jax.random.fold_in(self._base_key, train_step))
+    applied = int(jax.device_get(state.version)) > step
+    # The new state and the fate of its groups change together: a checkpoint never sees one without the other.
+    with self.coord.lock:
+      self.state = state
+      for g in groups:
+        self.coord.live.discard(g[0].group_id)
+        if not applied:
+          self.ledger.drop(g, "update_skipped")
+      if applied:
+        self.ledger.trained(samples)
+        self.coord.progress.applied()
+      else:
+        self.ledger.skipped_updates += 1
+        self.coord.update_skipped()  # the samplers' next shares come a step earlier
+      self._log("train", step=train_step, version=step, applied=applied,
+                samples=[[r.group_id, r.sample_index, r.min_version, int(r.versions.max(initial=-1))]
+                         for r in samples])
+      if not applied:
+        self.coord.progress.failed("update_skipped")
+    if applied:
+      self.trained_staleness += [step - r.min_version for r in samples]
+    self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
+    metrics = dict(jax.device_get(metrics))
+    metrics["applied"] = applied
+    rewards = np.array([r.reward for r in samples])
+    staleness = [step - r.min_version for r in samples]
+    metrics.update(reward_mean=float(rewards.mean()),
+                   completion_len=float(np.mean([len(r.completion_tokens) for r in samples])),
+                   staleness_mean=float(np.mean(staleness)), staleness_max=float(max(staleness)))
+    accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
+    if accuracy:
+      metrics["accuracy"] = float(np.mean(accuracy))
+    return metrics
+
+  def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
+    if not metrics.pop("applied"):
+      # Same version, same params: nothing to publish, log under this version, or checkpoint.
+      reasons = [k for k in ("skip/reward", "skip/empty", "skip/nonfinite") if metrics.get(k)]
+      progress = self.coord.progress
+      after = f", right after resuming from checkpoint {progress.resumed_from}" if progress.just_resumed() else ""
+      print(f"jaxrl: update skipped at version {self.version} ({', '.join(reasons)}){after}; its groups are dropped",
+            file=sys.stderr)
+      return
+    version = self.version
+    self.weights.publish(self.state.params, version)
+    self.step_times.append(step_time)
+    if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
+      self.coord.admit_k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
+      metrics["admit_staleness"] = self.coord.admit_k
+    led = self.ledger
+    metrics.update(step_time_s=step_time, version=version, samples_generated=led.samples_generated,
+                   samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
+                   updates_skipped_total=led.skipped_updates, zero_advantage_groups=led.zero_advantage_groups,
+                   **{f"length/{k}": v for k, v in led.length_bias().items()})
+    if self.metrics is not None:
+      self.metrics.write(version, metrics)
+    if self.on_step is not None:
+      self.on_step(version, metrics)
+    if self.checkpointer is not None and self.checkpointer.should_save(version):
+      self.save_checkpoint()
+
+  def save_checkpoint(self, force: bool = False) -> None:
+    """Saves the state and the run record at the current version, unless that version is already saved."""
+    if self.checkpointer.latest_step() == self.version:
+      return
+    record = self.coord.checkpoint_record()
+    self._log("checkpoint", version=self.version, next_group_id=record["next_group_id"],
+              pending=record["pending_group_ids"], ledger=record["ledger"])
+    self.checkpointer.save(self.version, self.state, record, force=force)
+
+  def finish(self) -> None:
+    """Saves the last good state, whatever stopped the run (an interrupted step never reaches the state)."""
+    self.save_checkpoint(force=True)
+    record = self.coord.checkpoint_record()
+    self._log("end", version=self.version, next_group_id=record["next_group_id"], pending=record["pending_group_ids"],
+              ledger=record["ledger"])
+
+  def drain(self) -> None:
+    """Keeps, for the in-flight count, the groups left in the channel once the run stopped."""
+    self.leftover += self.rollouts.drain()
+
+  def samples_in_flight(self) -> int:
+    return sum(len(g) for g in self.leftover + self._batch_groups)

@@ -1,0 +1,80 @@
+"""A single-host run: the sampler loop and the learner loop in two threads of one process, joined by the in-process
+channels (the bounded rollout queue, the weight publisher, a LocalCoordinator)."""
+
+from __future__ import annotations
+
+import threading
+
+from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.learner_loop import LearnerLoop
+from jaxrl.controller.queue import RolloutQueue, WeightPublisher
+from jaxrl.controller.sampler_loop import SamplerLoop
+from jaxrl.controller.spec import RunRecord, RunSpec
+
+
+class Pipeline:
+  """Both role loops of one run and their channels; `run` drives them to spec.num_steps (or a stop request)."""
+
+  def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,
+               record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
+               resumed_from: int | None = None, poll_s: float = 0.05):
+    self.spec, self.poll_s, self.trace = spec, poll_s, trace
+    self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
+                                  resumed_from)
+    self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
+    self.learner_loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=self.rollouts,
+                                    weights=publisher, coord=self.coord, checkpointer=checkpointer, metrics=metrics,
+                                    on_step=on_step, trace=trace)
+    self.sampler_loop = SamplerLoop(spec, sampler=sampler, prompts=prompts, score=score, rollouts=self.rollouts,
+                                    weights=publisher, coord=self.coord, trace=trace)
+
+  # what a run's summary reads (controller.summary)
+  @property
+  def ledger(self):
+    return self.coord.ledger
+
+  @property
+  def version(self) -> int:
+    return self.learner_loop.version
+
+  @property
+  def stop_reason(self) -> str | None:
+    return self.coord.stop_reason
+
+  @property
+  def busy(self) -> dict[str, float]:
+    return {"sampler": self.sampler_loop.busy, "learner": self.learner_loop.busy}
+
+  def samples_in_flight(self) -> int:
+    return self.sampler_loop.samples_in_flight() + self.learner_loop.samples_in_flight()
+
+  def request_stop(self, reason: str) -> None:
+    self.coord.request_stop(reason)
+
+  def finish(self) -> None:
+    self.learner_loop.finish()
+
+  def run(self, join_timeout_s: float = 60.0) -> None:
+    coord = self.coord
+    if self.trace is not None:
+      self.trace({"event": "start", "mode": "sync" if self.spec.max_staleness == 0 else "pipeline",
+                  "version": self.version, "next_group_id": coord.record.next_group_id,
+                  "regenerate": list(coord.regenerate)})
+    threads = [threading.Thread(target=coord.guarded, args=("sampler", self.sampler_loop.run, self.poll_s),
+                                name="jaxrl-sampler", daemon=True),
+               threading.Thread(target=coord.guarded, args=("learner", self.learner_loop.run), name="jaxrl-learner",
+                                daemon=True)]
+    for t in threads:
+      t.start()
+    try:
+      while any(t.is_alive() for t in threads) and not coord.stop.is_set():
+        coord.stop.wait(self.poll_s)
+    finally:
+      coord.stop.set()
+      for t in threads:
+        t.join(join_timeout_s)
+      self.learner_loop.drain()
+      hung = [t.name for t in threads if t.is_alive()]
+      if hung:
+        coord.errors.append(("controller", TimeoutError(f"threads did not stop within {join_timeout_s}s: {hung}"), ""))
+    coord.raise_errors()

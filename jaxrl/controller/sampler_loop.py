@@ -1,0 +1,120 @@
+"""The sampler loop: takes newer weights between decode calls, admits groups while every deadline stays feasible,
+scores finished groups and assembles each learner step's share by deadline (controller.assembly), then puts the
+share on the rollouts channel. It talks to the learner side only through the three channels (controller.channels).
+
+Sync mode is this same loop with max_staleness 0: a step's groups are admitted only once the sampler holds that
+step's params, and handed over only once all have finished.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxrl.controller.assembly import DeadlineBook, reject_reason
+from jaxrl.controller.channels import Coordination, Rollouts, Weights
+from jaxrl.controller.queue import GroupAssembler
+from jaxrl.controller.spec import RunSpec, SkipPrompt
+from jaxrl.rollout import Rollout
+
+
+class SamplerLoop:
+  """One sampler replica (`rank` of `num_samplers`): it admits data positions rank, rank + num_samplers, ... and
+  assembles its share (groups_per_step / num_samplers) of every step from its own groups."""
+
+  def __init__(self, spec: RunSpec, *, sampler, prompts: Callable[[int], tuple[np.ndarray, dict]],
+               score: Callable[[list[Rollout]], None], rollouts: Rollouts, weights: Weights, coord: Coordination,
+               num_samplers: int = 1, trace: Callable[[dict], None] | None = None):
+    self.spec, self.sampler, self.prompts, self.score = spec, sampler, prompts, score
+    self.rollouts, self.weights, self.coord = rollouts, weights, coord
+    self.num_samplers, self.trace = num_samplers, trace
+    self.share = spec.groups_per_step // num_samplers
+    self.book: DeadlineBook | None = None  # made when the loop starts, at the sampler's version
+    self.assembler = GroupAssembler()
+    self.busy = 0.0
+    self._outbox: list[list[Rollout]] = []  # complete groups not put on the channel yet
+
+  @property
+  def ledger(self):
+    return self.coord.ledger
+
+  def run(self, poll_s: float = 0.05) -> None:
+    spec, coord = self.spec, self.coord
+    self.book = DeadlineBook(spec.max_staleness, self.share, self.sampler.version, spec.num_steps,
+                             spec.queue_groups // self.num_samplers)
+    skipped_at_start = coord.updates_skipped()
+    while not coord.stop.is_set():
+      t0 = time.perf_counter()
+      newer = self.weights.take_newer(self.sampler.version)
+      if newer is not None:
+        self.sampler.update_params(newer.params, newer.version)
+      self.book.skipped = coord.updates_skipped() - skipped_at_start
+      self.book.admit_k = coord.admit_k
+      # Admit while every deadline stays feasible; keep the waiting list short so new versions are used soon.
+      while self.sampler.num_waiting < self.sampler.engine.max_slots and self.book.room(self.sampler.version):
+        self._admit_one()
+      if self.sampler.num_active or self.sampler.num_waiting:
+        for g in self._complete_groups(self.sampler.step()):
+          if reject_reason(g, spec.seq_len) is None:
+            self.book.finish(g)
+          else:  # sent on its own: the learner drops and counts it
+            self.book.discard(g[0].group_id)
+            self._outbox.append(g)
+      while self.book.shares < coord.shares_asked():
+        share = self.book.take()
+        if share is None:
+          break
+        self._outbox += share
+      self.busy += time.perf_counter() - t0
+      if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
+        coord.idle(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
+      while self._outbox:
+        self.rollouts.put(self._outbox[0])  # blocks when the learner is behind (back-pressure)
+        self._outbox.pop(0)
+
+  def _admit_one(self) -> bool:
+    """Submits the next group (a regenerated one first); False if the prompt was skipped."""
+    coord = self.coord
+    with coord.lock:
+      gid = coord.next_group(self.num_samplers)
+      try:
+        prompt, meta = self.prompts(gid)
+        room = self.sampler.engine.max_len
+        if len(prompt) >= room:
+          raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
+      except SkipPrompt as e:
+        self.ledger.skipped_prompts += 1
+        print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
+        if self.trace is not None:
+          self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
+        coord.progress.failed("skipped_prompt")
+        return False
+      self.book.admit(gid, self.sampler.version)
+      self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
+                          max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
+      self.assembler.expect(gid, self.spec.group_size)
+      coord.live.add(gid)
+      self.ledger.groups_admitted += 1
+      return True
+
+  def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+    """Counts finished samples, releases complete groups with their rewards computed."""
+    groups = []
+    for r in rollouts:
+      self.ledger.samples_generated += 1
+      self.ledger.tokens_generated += len(r.completion_tokens)
+      group = self.assembler.add(r)
+      if group is not None:
+        self.score(group)
+        groups.append(group)
+    return groups
+
+  def samples_in_flight(self) -> int:
+    """Finished samples neither trained nor dropped on this side: in open groups, waiting for a share, not yet on
+    the channel, or on the channel's sending end."""
+    partial = sum(len(v) for v in self.assembler._open.values())
+    waiting = self._outbox + (self.book.finished if self.book else [])
+    return partial + sum(len(g) for g in waiting) + self.rollouts.unsent()

@@ -1,0 +1,63 @@
+"""What both role loops share: a run's sizes (RunSpec) and its host-side position (RunRecord), saved with every
+checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxrl.controller.queue import Ledger
+from jaxrl.learner.packing import pack_batch
+from jaxrl.rollout import Rollout, make_batch
+
+
+class SkipPrompt(Exception):
+  """A prompt that cannot be used (too long, malformed): skipped and counted, the run goes on."""
+
+
+@dataclasses.dataclass
+class RunRecord:
+  """Host-side run position, saved with every checkpoint and restored on resume."""
+
+  next_group_id: int = 0  # data position: the next prompt index to admit
+  pending_group_ids: list[int] = dataclasses.field(default_factory=list)  # admitted, not yet trained or dropped
+  ledger: Ledger = dataclasses.field(default_factory=Ledger)
+
+  def to_json(self) -> dict:
+    return {"next_group_id": self.next_group_id, "pending_group_ids": sorted(self.pending_group_ids),
+            "ledger": self.ledger.to_json()}
+
+  @classmethod
+  def from_json(cls, d: dict) -> RunRecord:
+    return cls(d["next_group_id"], list(d["pending_group_ids"]), Ledger.from_json(d["ledger"]))
+
+
+@dataclasses.dataclass
+class RunSpec:
+  """Sizes of one run, shared by both loops."""
+
+  num_steps: int
+  group_size: int
+  groups_per_step: int
+  seq_len: int
+  max_staleness: int = 1  # k: every trained token has staleness <= k (0: sync)
+  queue_groups: int = 8
+  max_new_tokens: int | None = None
+  sampling: Any = None  # jaxrl.rollout.SamplingParams
+  stop_token_ids: tuple[int, ...] = ()
+  seed: int = 0
+  max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
+  auto_staleness: Any = None  # jaxrl.controller.adaptive.AutoStaleness: k adapts below max_staleness; None: fixed
+  pack: bool = False  # several samples per row of seq_len tokens (jaxrl.learner.packing)
+  max_segments: int = 16  # samples per packed row at most
+  row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
+
+  @property
+  def batch_size(self) -> int:
+    return self.group_size * self.groups_per_step
+
+  def make_batch(self, samples: list[Rollout]):
+    """The learner's batch of these samples: packed into the smallest row bucket, or one sample per row."""
+    if self.pack:
+      return pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments)
+    return make_batch(samples, self.batch_size, self.seq_len)

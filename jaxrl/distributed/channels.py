@@ -1,0 +1,321 @@
+"""The three channels across processes: learner processes run the learner loop (SPMD over the learner mesh, in
+lock step), every sampler process runs the sampler loop on its own devices; the loops are the single-host ones,
+only the channels differ:
+
+  rollouts      sampler loop --Outbox--> transfer log --(cross-host copy of a packet)--> Inbox --> learner loop
+  weights       learner loop --LearnerPublisher--> transfer log --(cross-host copy of the params)--> ReceivedWeights
+  coordinator   StoreCoordinator: counters in the coordination store (groups taken by the learner, shares the
+                learner asked for, updates it skipped, data positions, sampler versions)
+
+One Ferry thread per process follows the transfer log and issues every copy in order. The learners take share
+after share, sampler by sampler, so every learner process builds the same batch. Sync mode is this same pipeline
+with max_staleness 0: a sampler admits a step's groups only once it holds the params of that step, which is the
+single-host sync schedule.
+
+A stop request (a preemption's SIGTERM on any process: `request_job_stop`) must end every learner process after the
+same step, or the others would wait in a collective for ever: before every step the lead decides, from the store,
+whether to go on, and the other learners wait for that decision (one store round trip a step). The learners then
+checkpoint together and end the job as at its last step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxrl.controller.channels import Coordination
+from jaxrl.controller.queue import Stopped
+from jaxrl.controller.spec import RunRecord
+from jaxrl.distributed import packets
+from jaxrl.distributed.transfer import TransferLog, WeightRoute, copy_packet, save_local_shards
+from jaxrl.rollout import Rollout
+from jaxrl.sharding import Versioned
+
+
+def request_job_stop(store, reason: str) -> None:
+  """Asks the job (from any of its processes) to stop after the learners' current step, with a checkpoint."""
+  store.set("stop_request", reason)
+
+
+class Inbox:
+  """The learner's end of the rollout queue: one FIFO per sampler, each in transfer-log order, which is the same on
+  every learner process. The lead counts the groups it takes; that count frees room for the samplers (see Outbox)."""
+
+  def __init__(self, num_samplers: int, stop: threading.Event, store=None, poll_s: float = 0.05):
+    self._qs: list[queue.Queue[list[Rollout]]] = [queue.Queue() for _ in range(num_samplers)]
+    self._stop, self._store, self._poll_s = stop, store, poll_s
+
+  def deliver(self, rank: int, group: list[Rollout]) -> None:
+    """A group of sampler `rank`, as the Ferry received it."""
+    self._qs[rank].put(group)
+
+  def get(self, rank: int) -> list[Rollout]:
+    """The next group from sampler `rank`."""
+    while True:
+      if self._stop.is_set():
+        raise Stopped
+      try:
+        group = self._qs[rank].get(timeout=self._poll_s)
+      except queue.Empty:
+        continue
+      if self._store is not None:
+        self._store.incr("consumed")
+      return group
+
+  def depth(self) -> int:
+    return sum(q.qsize() for q in self._qs)
+
+  def unsent(self) -> int:
+    return 0
+
+  def drain(self) -> list[list[Rollout]]:
+    out = []
+    for q in self._qs:
+      while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+class Outbox:
+  """The sampler's end of the rollout queue. put() waits while `capacity` groups, over all samplers, are sent and
+  not yet taken by the learner (the single-host queue's bound), then puts the group's packet on this process's
+  first device and appends it to the transfer log; the Ferry sends it when the log reaches it."""
+
+  def __init__(self, store, log: TransferLog, rank: int, capacity: int, max_len: int, device,
+               stop: threading.Event, poll_s: float = 0.05):
+    self.store, self.log, self.rank, self.capacity, self.max_len = store, log, rank, capacity, max_len
+    self.device, self._stop, self._poll_s = device, stop, poll_s
+    self._lock = threading.Lock()
+    self._pending: dict[int, tuple[jax.Array, int]] = {}  # seq -> (packet, samples), appended and not yet sent
+    self._seq = 0
+
+  def put(self, group: list[Rollout]) -> None:
+    ticket = self.store.incr("sent")
+    while ticket - self.store.count("consumed") > self.capacity:  # back-pressure: the learner is behind
+      if self._stop.wait(self._poll_s):
+        raise Stopped
+    packet = packets.encode([group], self.max_len)
+    with self._lock:
+      seq, self._seq = self._seq, self._seq + 1
+      self._pending[seq] = (jax.device_put(packet, self.device), len(group))
+    self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet)})
+
+  def take(self, seq: int) -> jax.Array:
+    with self._lock:
+      return self._pending.pop(seq)[0]
+
+  def unsent(self) -> int:
+    """Samples put and not yet sent by the Ferry."""
+    with self._lock:
+      return sum(n for _, n in self._pending.values())
+
+  def drain(self) -> list[list[Rollout]]:
+    return []  # nothing waits on this side but the unsent packets, counted by unsent()
+
+
+class LearnerPublisher:
+  """The learner's side of the weight publisher: each version is replicated over the learner mesh, cut into every
+  replica's layout and held for the Ferry; the lead appends it to the transfer log."""
+
+  def __init__(self, routes: list[WeightRoute], replicated_sharding, log: TransferLog | None,
+               dump_dir: Path | None = None):
+    self.routes, self.log, self.dump_dir = routes, log, dump_dir
+    self._replicate = jax.jit(lambda params: params, out_shardings=replicated_sharding)
+    self._staged: dict[int, list[list[jax.Array]]] = {}
+    self._cond = threading.Condition()
+    self.published = 0
+
+  def compile(self, params) -> None:
+    self._replicate.lower(params).compile()
+
+  def publish(self, params, version: int) -> None:
+    if self.dump_dir is not None:  # the learner's own shards, before any copy: what the samplers must end up with
+      save_local_shards(params, self.dump_dir / f"v{version}_process{jax.process_index()}.npz")
+    replicated = self._replicate(params)
+    staged = [route.stage(replicated) for route in self.routes]
+    with self._cond:
+      self._staged[version] = staged
+      self._cond.notify_all()
+    self.published += 1
+    if self.log is not None:
+      self.log.append({"kind": "weights", "version": version})
+
+  def take(self, version: int, stop: threading.Event) -> list[list[jax.Array]]:
+    """The staged sources of `version` (waits for this process's learner loop to publish it)."""
+    with self._cond:
+      while version not in self._staged:
+        if stop.is_set():
+          raise Stopped
+        self._cond.wait(0.05)
+      return self._staged.pop(version)
+
+
+class ReceivedWeights:
+  """The sampler's side of the weight publisher: the newest params the Ferry received."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._latest: Versioned | None = None
+    self._arrived = threading.Event()
+
+  def deliver(self, versioned: Versioned) -> None:
+    with self._lock:
+      self._latest = versioned
+    self._arrived.set()
+
+  def take_newer(self, version: int) -> Versioned | None:
+    with self._lock:
+      latest = self._latest
+    return latest if latest is not None and latest.version > version else None
+
+  def wait_first(self, stop: threading.Event, poll_s: float = 0.05) -> Versioned:
+    while not self._arrived.wait(poll_s):
+      if stop.is_set():
+        raise Stopped
+    return self._latest
+
+
+
+
+class StoreCoordinator(Coordination):
+  """The coordinator of one process of a job: counters in the store, written by the lead learner (shares asked,
+  updates skipped, the decision to go on) or by each sampler (its data position)."""
+
+  def __init__(self, store, topology, record: RunRecord, num_steps: int, max_failures_in_a_row: int,
+               resumed_from: int | None = None, poll_s: float = 0.05):
+    super().__init__(record, max_failures_in_a_row, resumed_from)
+    self.store, self.topology, self.num_steps, self.poll_s = store, topology, num_steps, poll_s
+    self.is_lead = topology.process_id == topology.lead
+    self.num_samplers = len(topology.sampler_processes)
+    self._rounds = 0  # learner loop iterations: the same on every learner process (they run in lock step)
+
+  # learner side
+  def go_on(self, version: int) -> bool:
+    """Whether the learners train another step: the lead decides (a stop request in the store ends every learner
+    after the same step) and the other learners wait for its decision."""
+    if version >= self.num_steps:
+      return False
+    self._rounds += 1
+    key = f"go_on/{self._rounds}"
+    if self.is_lead:
+      reason = self.store.try_get("stop_request")
+      if reason is not None:
+        self.store.set("stopped_by", reason)  # before "done": every process reads it once its loop has ended
+      self.store.set(key, reason)
+    else:
+      while True:
+        try:
+          reason = self.store.get(key, timeout_s=20 * self.poll_s)
+          break
+        except TimeoutError:
+          if self.abort.is_set() or self.stop.is_set():
+            raise Stopped from None
+    if reason is not None:
+      self.stop_reason = reason
+      return False
+    return True
+
+  def ask(self) -> None:
+    if self.is_lead:
+      self.store.incr("shares_asked")
+
+  def update_skipped(self) -> None:
+    if self.is_lead:
+      self.store.incr("updates_skipped")
+
+  def learner_started(self, version: int, fresh: bool) -> None:
+    """Where the samplers start: past every group admitted before the checkpoint resumed from."""
+    if self.is_lead:
+      self.store.set("resume", {"next_group_id": self.record.next_group_id, "version": version, "fresh": fresh})
+
+  def checkpoint_record(self) -> dict:
+    """The record's data position is past every group any sampler has admitted (groups in flight are not generated
+    again after a resume: the samplers start there)."""
+    if self.is_lead:
+      positions = [self.store.try_get(f"next_group/{r}", 0) for r in range(self.num_samplers)]
+      with self.lock:
+        self.record.next_group_id = max(self.record.next_group_id, *positions)
+    return super().checkpoint_record()
+
+  # sampler side
+  def sampler_started(self, share: int) -> dict:
+    """Waits for the learners' resume point; this sampler's data positions are rank, rank + samplers, ... past it."""
+    resume = self.store.get("resume", timeout_s=60.0)  # set before the first weights were published
+    num, rank = self.num_samplers, self.topology.sampler_rank
+    self.record.next_group_id = -(-resume["next_group_id"] // num) * num + rank
+    self.ledger.groups_admitted = resume["version"] * share  # as if it had admitted its share of each step
+    return resume
+
+  def shares_asked(self) -> int:
+    return self.store.count("shares_asked")
+
+  def updates_skipped(self) -> int:
+    return self.store.count("updates_skipped")
+
+  def next_group(self, stride: int) -> int:
+    gid = self.record.next_group_id
+    self.record.next_group_id += stride
+    # Published before any sample of the group exists, so a checkpoint's data position is past every group that
+    # can have been trained (see checkpoint_record).
+    self.store.set(f"next_group/{self.topology.sampler_rank}", self.record.next_group_id)
+    return gid
+
+
+class Ferry:
+  """This process's thread that follows the transfer log and issues every copy in log order (the same order on
+  every process, as JAX cross-host copies need): weights from the learners to every sampler, packets from a sampler
+  to every learner."""
+
+  def __init__(self, topology, store, log: TransferLog, routes: list[WeightRoute], max_len: int,
+               coord: Coordination, *, inbox: Inbox | None = None, outbox: Outbox | None = None,
+               publisher: LearnerPublisher | None = None, received: ReceivedWeights | None = None,
+               dump_dir: Path | None = None):
+    self.topology, self.store, self.log, self.routes, self.max_len = topology, store, log, routes, max_len
+    self.coord, self.inbox, self.outbox, self.publisher, self.received = coord, inbox, outbox, publisher, received
+    self.dump_dir = dump_dir
+    self.is_learner = topology.role == "learner"
+    self._learner_inputs = [next(d for d in topology.learner_devices if d.process_index == p)
+                            for p in topology.learner_processes]
+    self.thread = threading.Thread(target=coord.guarded, args=("transfer", self._follow_log), name="jaxrl-ferry",
+                                   daemon=True)
+
+  def _follow_log(self) -> None:
+    for entry in self.log.follow(self.coord.abort):
+      if entry is None:
+        continue
+      if entry["kind"] == "weights":
+        self._copy_weights(entry["version"])
+      elif entry["kind"] == "rollouts":
+        self._copy_rollouts(entry)
+      elif entry["kind"] == "done":
+        self.coord.stop.set()
+        return
+      else:
+        raise ValueError(f"unknown transfer log entry {entry}")
+
+  def _copy_weights(self, version: int) -> None:
+    sources = self.publisher.take(version, self.coord.abort) if self.is_learner else None
+    for rank, route in enumerate(self.routes):
+      params = route.copy(sources[rank] if sources else route.placeholders())
+      if not self.is_learner and rank == self.topology.sampler_rank:
+        jax.block_until_ready(params)
+        if self.dump_dir is not None:
+          save_local_shards(params, self.dump_dir / f"v{version}_process{self.topology.process_id}.npz")
+        self.received.deliver(Versioned(params, version))
+        self.store.set(f"sampler_version/{rank}", version)
+        self.coord.wake()
+
+  def _copy_rollouts(self, entry: dict) -> None:
+    rank = entry["sampler"]
+    mine = not self.is_learner and rank == self.topology.sampler_rank
+    shape = (entry["rows"], packets.packet_width(self.max_len))
+    copies = copy_packet(self.outbox.take(entry["seq"]) if mine else None, shape,
+                         self.topology.sampler_devices[rank][0], self._learner_inputs)
+    if self.is_learner:
+      received = copies[self.topology.learner_processes.index(self.topology.process_id)]
+      for group in packets.decode(np.asarray(received), self.max_len):
+        self.inbox.deliver(rank, group)

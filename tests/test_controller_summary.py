@@ -1,0 +1,97 @@
+"""The pieces both entry points share: the run summary, the exit status of a stopped run, the stop signals; the
+in-process coordinator's data positions; and the role loops' separation (each talks to the other only through
+controller.channels)."""
+
+import ast
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from jaxrl.controller import summary
+from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.queue import Ledger
+from jaxrl.controller.spec import RunRecord
+
+CONTROLLER = Path(__file__).resolve().parents[1] / "jaxrl" / "controller"
+
+
+def _ledger(**counts) -> dict:
+  return Ledger(**counts).to_json()
+
+
+def test_merge_ledgers_adds_the_samplers_counts_to_the_learners_base():
+  learner = _ledger(groups_admitted=4, samples_generated=16, tokens_generated=100, samples_trained=12,
+                    tokens_trained=80, skipped_prompts=1)
+  samplers = [_ledger(groups_admitted=3, samples_generated=10, tokens_generated=50, skipped_prompts=2),
+              _ledger(groups_admitted=2, samples_generated=6, tokens_generated=30)]
+  merged = summary.merge_ledgers(learner, samplers)
+  assert (merged["groups_admitted"], merged["samples_generated"], merged["tokens_generated"],
+          merged["skipped_prompts"]) == (9, 32, 180, 3)
+  assert merged["samples_trained"] == 12 and merged["tokens_trained"] == 80  # the learner's own counts
+  assert learner["groups_admitted"] == 4  # the inputs are left alone
+
+
+def test_run_summary_fields_and_stop_reason():
+  led = _ledger(samples_generated=8, tokens_generated=40, samples_trained=4, tokens_trained=12)
+  out = summary.run_summary("pipeline", version=3, ledger=led, staleness=[0, 1, 1, 0], samples_in_flight=4,
+                            busy={"learner": 1.0}, resumed_from=None, extra=7)
+  assert out["steps"] == out["version"] == 3 and out["extra"] == 7 and "stopped_by" not in out
+  assert out["staleness_max"] == 1 and out["staleness_mean"] == 0.5
+  assert out["length_bias"]["generated_mean_len"] == 5.0 and out["length_bias"]["trained_mean_len"] == 3.0
+  stopped = summary.run_summary("sync", version=0, ledger=_ledger(), staleness=[], samples_in_flight=0, busy={},
+                                resumed_from=2, stopped_by="SIGTERM")
+  assert stopped["stopped_by"] == "SIGTERM" and stopped["staleness_max"] == 0 and stopped["staleness_mean"] == 0.0
+  assert summary.exit_status("SIGTERM") == 143 and summary.exit_status("SIGINT") == 130
+
+
+def test_stop_on_signals_asks_once_then_restores_the_previous_handler(capsys):
+  asked, previous = [], signal.getsignal(signal.SIGUSR1)
+  seen = []
+  signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+  try:
+    with summary.stop_on_signals(asked.append, (signal.SIGUSR1,), "stopping on {name}"):
+      os.kill(os.getpid(), signal.SIGUSR1)
+      os.kill(os.getpid(), signal.SIGUSR1)  # the second one reaches the handler that was there before
+    assert asked == ["SIGUSR1"] and seen == [signal.SIGUSR1]
+    assert "stopping on SIGUSR1" in capsys.readouterr().err
+  finally:
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def test_local_coordinator_regenerates_pending_groups_first_and_checkpoints_them():
+  record = RunRecord(next_group_id=10, pending_group_ids=[7, 8])
+  record.ledger.groups_admitted = 12
+  coord = LocalCoordinator(record, num_steps=5, group_size=4, max_failures_in_a_row=3)
+  assert record.ledger.samples_regenerated == 8 and record.ledger.groups_admitted == 10
+  with coord.lock:
+    first = coord.next_group(1)
+    coord.live.add(first)
+  assert first == 7 and coord.checkpoint_record()["pending_group_ids"] == [7, 8]  # 8 not admitted yet: still due
+  with coord.lock:
+    assert [coord.next_group(1), coord.next_group(1), coord.next_group(1)] == [8, 10, 11]
+  assert coord.checkpoint_record()["next_group_id"] == 12
+  assert coord.go_on(4) and not coord.go_on(5)
+  coord.request_stop("test")
+  assert not coord.go_on(0) and coord.stop_reason == "test"
+
+
+def test_failures_in_a_row_stop_the_run_and_an_applied_update_resets_them():
+  coord = LocalCoordinator(RunRecord(), num_steps=5, group_size=4, max_failures_in_a_row=3)
+  coord.progress.failed("too_long")
+  coord.progress.failed("too_long")
+  coord.progress.applied()
+  coord.progress.failed("skipped_prompt")
+  coord.progress.failed("skipped_prompt")
+  with pytest.raises(RuntimeError, match="3 failures in a row"):
+    coord.progress.failed("skipped_prompt")
+
+
+@pytest.mark.parametrize("loop, other", [("sampler_loop", "learner_loop"), ("learner_loop", "sampler_loop")])
+def test_a_role_loop_imports_neither_the_other_loop_nor_a_transport(loop, other):
+  tree = ast.parse((CONTROLLER / f"{loop}.py").read_text())
+  imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+  imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+  assert f"jaxrl.controller.{other}" not in imported and "jaxrl.controller.local" not in imported
+  assert not any(m.startswith("jaxrl.distributed") or m == "threading" for m in imported), imported
