@@ -141,6 +141,8 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
                                     samples_in_flight=ctl.samples_in_flight(), busy=ctl.busy,
                                     resumed_from=run.resumed_from, stopped_by=ctl.stop_reason,
                                     train_seconds=train_seconds, **evals)
+  if getattr(run.task, "episodes", None) is not None:  # a multi-turn env task (the evals' episodes included)
+    summary["episodes"] = run.task.episodes.stats()
   summary_lib.write_summary(run.workdir, summary)
   return summary
 
