@@ -28,6 +28,9 @@ def get_config(arg: str | None = None):
   c.sampler.max_new_tokens = 24
   c.sampler.temperature = 0.7  # at 1.0 the 135M model almost never answers right: no learning signal
   c.rl.seq_len = 80
+  # Recompute each block in the backward pass: the saved activations were ~1 GiB of the train step's temporaries
+  # (peak RSS -1.9 GB, docs/BENCHMARKS.md "The main job's memory") for one more forward per mini-batch.
+  c.model.remat = True
   c.rl.group_size = 8
   c.rl.groups_per_step = 2
   c.rl.max_staleness = 1

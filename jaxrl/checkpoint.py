@@ -227,7 +227,14 @@ class Checkpointer:
     self._reload = True
 
   def wait(self) -> None:
+    """Blocks until the save under way is committed (it then holds no reference to the state); raises SaveError
+    if it failed."""
     self._finish_commit()
+
+  @property
+  def saving(self) -> bool:
+    """A save has started and was not waited for."""
+    return self._commit is not None
 
   def close(self) -> None:
     try:

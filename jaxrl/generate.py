@@ -187,7 +187,8 @@ def _evaluate(c, policy, engine) -> None:
   start = time.perf_counter()
   try:
     summary, rollouts = evaluate_policy(engine, task, score, policy.params, policy.version, num_examples=num,
-                                        max_new_tokens=_setting(_MAX_TOKENS, c.eval.max_new_tokens), seed=c.seed)
+                                        max_new_tokens=_setting(_MAX_TOKENS, c.eval.max_new_tokens), seed=c.seed,
+                                        detokenize=policy.tokenizer.decode if policy.tokenizer else None)
   finally:
     score.close()
   out = _open_output()

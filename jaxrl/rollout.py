@@ -46,6 +46,9 @@ class Rollout:
   sampling: SamplingParams = SamplingParams()
   reward: float = float("nan")
   meta: dict = dataclasses.field(default_factory=dict)
+  # float32 [C]: 1 on the model's tokens, 0 on an environment's observation tokens (multi-turn episodes), which
+  # are in the learner's input but never trained on (their logprob 0, version -1); None: every token is the model's.
+  loss_mask: np.ndarray | None = None
 
   def __post_init__(self):
     c = len(self.completion_tokens)
@@ -54,11 +57,21 @@ class Rollout:
           f"rollout arrays disagree: {c} completion tokens, {len(self.logprobs)} logprobs, "
           f"{len(self.versions)} versions"
       )
+    if self.loss_mask is not None and len(self.loss_mask) != c:
+      raise ValueError(f"rollout arrays disagree: {c} completion tokens, {len(self.loss_mask)} loss mask entries")
+
+  @property
+  def model_mask(self) -> np.ndarray:
+    """bool [C]: the completion tokens the model generated (the ones trained on)."""
+    if self.loss_mask is None:
+      return np.ones(len(self.completion_tokens), bool)
+    return np.asarray(self.loss_mask) > 0
 
   @property
   def min_version(self) -> int:
-    """Oldest policy version in the sample; staleness at learner step s is s - min_version."""
-    return int(self.versions.min()) if len(self.versions) else -1
+    """Oldest policy version of the model's tokens; staleness at learner step s is s - min_version."""
+    versions = np.asarray(self.versions)[self.model_mask]
+    return int(versions.min()) if len(versions) else -1
 
   @property
   def num_tokens(self) -> int:
@@ -136,7 +149,7 @@ def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ..
     tokens[row, p:end] = r.completion_tokens
     positions[row, start:end] = np.arange(r.num_tokens)
     segments[row, start:end] = segment
-    loss_mask[row, p:end] = 1.0
+    loss_mask[row, p:end] = 1.0 if r.loss_mask is None else r.loss_mask
     logprobs[row, p:end] = r.logprobs
     versions[row, p:end] = r.versions
     rewards[index] = r.reward

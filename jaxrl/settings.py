@@ -93,10 +93,14 @@ SETTINGS = (
     Setting("mesh.learner_axes", dict(fsdp=-1, tensor=1), "learner mesh axes, -1: the rest"),
     Setting("mesh.sampler_axes", dict(data=-1, tensor=1), "sampler mesh axes, -1: the rest"),
 
-    Setting("task.name", "target_token", '"target_token", "arithmetic", "countdown" or "gsm8k" (local JSONL)'),
+    Setting("task.name", "target_token", '"target_token", "arithmetic", "countdown" or "gsm8k" (local JSONL); '
+            'multi-turn envs: "calculator", "guess", "token_turns" (jaxrl.envs.env)'),
     Setting("task.kwargs", {}, "task-specific options (digits, ops, path, ...)"),
     Setting("task.reward", "", 'reward fn name in the registry; "" uses the task\'s own'),
-    Real("task.reward_timeout_s", 5.0, positive, "> 0", "a reward fn slower than this is counted as failed"),
+    Real("task.reward_timeout_s", 5.0, positive, "> 0",
+         "a reward fn (or a multi-turn env's step) slower than this is counted as failed"),
+    Int("task.env_workers", 4, 1, "multi-turn env tasks: env steps run at once (threads; worker processes if "
+        "untrusted)"),
     Int("task.max_prompt_tokens", 64, 1, "longer prompts are skipped and counted"),
     Bool("task.chat_template", True, "render prompts with the tokenizer's chat template (text tasks)"),
 

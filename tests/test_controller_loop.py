@@ -20,6 +20,17 @@ NUM_STEPS = 6
 LONG, SHORT = 16, 2
 
 
+def _run_to_the_end(run) -> None:
+  ctl = run.controller
+  try:
+    ctl.run()
+  finally:
+    ctl.finish()
+    run.checkpointer.close()
+    run.metrics.close()
+    ctl.sampler_loop.score.close()
+
+
 def _length(gid: int, groups_per_step: int) -> int:
   return LONG if gid < groups_per_step or gid % 5 == 0 else SHORT
 
@@ -41,13 +52,7 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
     real_submit(prompt, gid, n, meta, **kw)
 
   sampler.submit, ctl.learner_loop.trace = forced_submit, events.append
-  try:
-    ctl.run()
-  finally:
-    ctl.finish()
-    run.checkpointer.close()
-    run.metrics.close()
-    ctl.sampler_loop.score.close()
+  _run_to_the_end(run)
 
   trained = {}  # group -> learner version it was trained at
   for e in events:
@@ -72,3 +77,25 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
     assert any(order.index(g) > order.index(h) for g in trained for h in trained
                if g < h and _length(g, gb) == LONG and _length(h, gb) == SHORT)
   assert np.isfinite(led.length_bias()["trained_mean_len"])
+
+
+def test_a_train_step_never_runs_while_a_checkpoint_save_still_reads_the_state(tmp_path):
+  """The step donates the state: with a save in flight it would run beside a second state (issue 14's memory)."""
+  c = override(tiny.get_config("pipeline"), num_steps=3, mesh__num_devices=2, mesh__sampler_devices=1,
+               log__tensorboard=False, log__progress=False, checkpoint__every_steps=1)
+  run = build(c, tmp_path)
+  ctl = run.controller
+  real_step, real_save, seen = ctl.learner_loop.train_step, run.checkpointer.save, []
+
+  def step(*args):
+    seen.append(("step", run.checkpointer.saving))
+    return real_step(*args)
+
+  def save(*args, **kw):
+    seen.append(("save", run.checkpointer.saving))
+    return real_save(*args, **kw)
+
+  ctl.learner_loop.train_step, run.checkpointer.save = step, save
+  _run_to_the_end(run)
+  assert [e for e, _ in seen] == ["step", "save"] * 3  # finish() finds version 3 saved
+  assert not any(saving for e, saving in seen if e == "step")

@@ -68,6 +68,20 @@ def test_packet_round_trip_is_bitwise():
     assert got.meta == {k: v for k, v in want.meta.items() if k == "correct"}
 
 
+def test_packet_carries_the_loss_mask_of_multi_turn_samples():
+  """Observation tokens (loss mask 0) cross as version -1 and come back masked; a version -1 elsewhere is refused."""
+  r = _rollout(4, 0, [1, 2], [5, 6, 7, 8, 9], 1.0)
+  r.versions[1:3] = -1
+  r.logprobs[1:3] = 0.0
+  r.loss_mask = np.array([1, 0, 0, 1, 1], np.float32)
+  (back,), = packets.decode(packets.encode([[r]], max_len=16), max_len=16)
+  np.testing.assert_array_equal(back.loss_mask, r.loss_mask)
+  assert back.min_version == r.min_version >= 0
+  r.loss_mask = None
+  with pytest.raises(ValueError, match="exactly the observation tokens"):
+    packets.encode([[r]], max_len=16)
+
+
 def test_packet_errors_name_the_problem():
   with pytest.raises(ValueError, match="group 3 sample 0 has 9 tokens, more than max_len=8"):
     packets.encode([[_rollout(3, 0, [1] * 5, [2] * 4, 1.0)]], max_len=8)

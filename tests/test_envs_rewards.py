@@ -130,7 +130,7 @@ def test_target_token_reward_on_ids():
 def test_registry():
   assert {"exact_answer", "format", "countdown", "target_token"} <= set(reward_names())
   assert reward_spec("exact_answer").inline
-  with pytest.raises(ValueError, match=r"unknown reward 'nope'; known: .*countdown, exact_answer, format"):
+  with pytest.raises(ValueError, match=r"unknown reward 'nope'; known: .*countdown, episode, exact_answer, format"):
     get_reward("nope")
 
   @register_reward("test_envs_rewards_len")

@@ -12,6 +12,9 @@ TASKS = {
     "arithmetic": dict(digits=2, ops=("+", "-", "*")),
     "countdown": dict(num_numbers=4),
     "target_token": dict(vocab_size=32, target_ids=(1, 2)),
+    "calculator": dict(digits=2),  # multi-turn env tasks draw their problems the same way
+    "guess": dict(max_high=64),
+    "token_turns": dict(vocab_size=32),
 }
 
 
@@ -103,7 +106,8 @@ def test_target_token_prompts():
 
 
 def test_make_task_errors():
-  with pytest.raises(ValueError, match="unknown task 'nope'; known: arithmetic, countdown, gsm8k, target_token"):
+  known = "arithmetic, calculator, countdown, gsm8k, guess, target_token, token_turns"
+  with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
     make_task("nope")
   with pytest.raises(ValueError, match=r"unknown options \['digts'\]"):
     make_task("arithmetic", digts=3)

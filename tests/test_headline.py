@@ -25,7 +25,7 @@ TOLERANCE = 0.15
 # The pipeline's learner waits 20-40 ms a step for its share on this CPU loopback (the sampler sends a share's groups
 # one cross-process copy each once the learner asks for it). --from-run charges the window's least wait as a per-step
 # hand-off (runlog.handoff_s): the simulator then predicted these runs -5% to -13% (-25% to -39% without it, 6 runs
-# on the shared box, bench/handoff.py). The rest of the wait varies from step to step; see docs/BENCHMARKS.md (headline).
+# on the shared box, bench/handoff.py). The rest of the wait varies step to step; see docs/BENCHMARKS.md (headline).
 PIPELINE_TOLERANCE = 0.20
 
 

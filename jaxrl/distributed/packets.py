@@ -3,6 +3,7 @@
 Row layout, one row per sample, T = the sampler's max_len:
   [prompt_len, completion_len, group_id, sample_index, finish_reason, correct, reward (float64 as 2 int32),
    tokens[T] (prompt then completion), logprobs[T] (float32 bits, on completion positions), versions[T]]
+An environment's observation tokens (loss mask 0) carry version -1, which is how their mask crosses.
 Only what the learner reads crosses: the prompt text and reward metadata stay on the sampler.
 """
 
@@ -29,6 +30,9 @@ def encode(groups: list[list[Rollout]], max_len: int) -> np.ndarray:
     p, c = len(r.prompt_tokens), len(r.completion_tokens)
     if p + c > max_len:
       raise ValueError(f"group {r.group_id} sample {r.sample_index} has {p + c} tokens, more than max_len={max_len}")
+    if np.any((np.asarray(r.versions) < 0) != ~r.model_mask):
+      raise ValueError(f"group {r.group_id} sample {r.sample_index}: exactly the observation tokens (loss mask 0) "
+                       "must carry version -1")
     correct = -1 if "correct" not in r.meta else int(bool(r.meta["correct"]))
     out[i, :6] = (p, c, r.group_id, r.sample_index, FINISH_REASONS.index(r.finish_reason), correct)
     out[i, 6:8] = np.array([r.reward], np.float64).view(np.int32)
@@ -52,10 +56,12 @@ def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
     logprobs = row[_HEAD + max_len : _HEAD + 2 * max_len].view(np.float32)
     versions = row[_HEAD + 2 * max_len :]
     meta = {} if correct < 0 else {"correct": bool(correct)}
+    observed = versions[p : p + c] < 0  # observation tokens of a multi-turn episode
     r = Rollout(prompt_tokens=tokens[:p].copy(), completion_tokens=tokens[p : p + c].copy(),
                 logprobs=logprobs[p : p + c].copy(), versions=versions[p : p + c].copy(),
                 finish_reason=FINISH_REASONS[reason], group_id=gid, sample_index=index,
-                reward=float(row[6:8].copy().view(np.float64)[0]), meta=meta)
+                reward=float(row[6:8].copy().view(np.float64)[0]), meta=meta,
+                loss_mask=(~observed).astype(np.float32) if observed.any() else None)
     if groups and groups[-1][0].group_id == gid:
       groups[-1].append(r)
     else:

@@ -5,20 +5,29 @@
   prompt = PromptRenderer(tokenizer, 64, text_prompts=task.text_prompts)(example)   # SkipExample if too long
   runner = RewardRunner(task.reward, timeout_s=5.0)
   results = runner.score([(prompt.text, completion, {**example.reward_meta, "completion_ids": ids})])
+
+Multi-turn environments (jaxrl.envs.env: Env, Turn, EnvTask) are tasks too ("calculator", "guess", "token_turns"):
+their episodes run in the sampler through an `Episodes` driver (jaxrl.envs.episodes).
 """
 
 import inspect
 
 from jaxrl.envs.arithmetic import ArithmeticTask
+from jaxrl.envs.calculator import CalculatorTask
 from jaxrl.envs.countdown import CountdownTask
+from jaxrl.envs.env import Env, EnvTask, Turn
+from jaxrl.envs.episodes import Episodes
+from jaxrl.envs.guess import GuessTask
 from jaxrl.envs.jsonl import JsonlError, JsonlTask, load_jsonl
 from jaxrl.envs.prompts import ChatTemplateError, Prompt, PromptRenderer, SkipExample
 from jaxrl.envs.rewards import get_reward, register_reward, reward_names, reward_spec
 from jaxrl.envs.runner import RewardResult, RewardRunner, RewardStats
 from jaxrl.envs.target_token import TargetTokenTask
 from jaxrl.envs.task import EVAL, TRAIN, Example, Task
+from jaxrl.envs.token_turns import TokenTurnsTask
 
-TASKS = {t.name: t for t in (ArithmeticTask, CountdownTask, JsonlTask, TargetTokenTask)}
+TASKS = {t.name: t for t in (ArithmeticTask, CalculatorTask, CountdownTask, GuessTask, JsonlTask, TargetTokenTask,
+                              TokenTurnsTask)}
 
 
 def make_task(name: str, seed: int = 0, **kwargs) -> Task:
@@ -36,8 +45,8 @@ def make_task(name: str, seed: int = 0, **kwargs) -> Task:
 
 
 __all__ = [
-    "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "ChatTemplateError", "CountdownTask", "Example", "JsonlError",
-    "JsonlTask", "Prompt", "PromptRenderer", "RewardResult", "RewardRunner", "RewardStats", "SkipExample",
-    "TargetTokenTask", "Task", "get_reward", "load_jsonl", "make_task", "register_reward", "reward_names",
-    "reward_spec",
+    "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "CalculatorTask", "ChatTemplateError", "CountdownTask", "Env",
+    "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError", "JsonlTask", "Prompt", "PromptRenderer",
+    "RewardResult", "RewardRunner", "RewardStats", "SkipExample", "TargetTokenTask", "Task", "TokenTurnsTask", "Turn",
+    "get_reward", "load_jsonl", "make_task", "register_reward", "reward_names", "reward_spec",
 ]

@@ -46,6 +46,7 @@ class RewardResult:
   ok: bool
   error: str | None = None  # what went wrong, for logs
   reason: str = ""  # one of REASONS when not ok
+  payload: Any = None  # what a `call` other than call_reward returns with the value (an env step's new state)
 
 
 def _failed(reason: str, error: str) -> RewardResult:
@@ -69,6 +70,8 @@ def call_reward(fn: Callable, prompt: str, completion: str, meta: Mapping[str, A
 # re-run, so scripts without a main guard and notebooks work). It takes sys.path, then the pickled fn, over the pipe.
 _BOOT = ("import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
          "sys.path[:] = c.recv(); from jaxrl.envs.runner import _serve; _serve(c, c.recv())")
+# call(fn, *item) -> RewardResult: how a worker applies the fn to an item (an env step is a different call).
+Call = Callable[..., RewardResult]
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -83,7 +86,7 @@ def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
   (prompt, completion, meta) items until told to stop."""
   watch = threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start
   try:
-    fn = conn.recv()
+    call, fn = conn.recv()
     budget = None
     if sandbox is not None:  # after the fn's imports; the watcher thread must start before processes are limited
       limits = SandboxLimits(**sandbox[0])
@@ -105,7 +108,7 @@ def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
     if budget is not None:
       budget()
     try:
-      conn.send(("done", call_reward(fn, *item)))
+      conn.send(("done", call(fn, *item)))
     except BaseException as e:  # SystemExit and the like from user code
       conn.send(("done", _failed("error", f"{type(e).__name__}: {e}")))
 
@@ -166,11 +169,12 @@ class RewardRunner:
 
   isolation: "auto" (inline for fns registered inline=True, else "process"), "inline" or "process".
   sandbox: limits for sandboxed workers, None for plain ones, or "auto" (sandboxed if registered sandbox=True).
+  call: a module-level function applying the fn to an item (call_reward; jaxrl.envs.env.call_env_step).
   """
 
   def __init__(self, reward: str | RewardFn, *, timeout_s: float = 5.0, workers: int = 2,
                isolation: str = "auto", startup_timeout_s: float = 120.0,
-               sandbox: SandboxLimits | None | str = "auto"):
+               sandbox: SandboxLimits | None | str = "auto", call: Call = call_reward):
     if isolation not in ("auto", "inline", "process"):
       raise ValueError(f"isolation must be 'auto', 'inline' or 'process' (got {isolation!r})")
     if not timeout_s > 0 or workers < 1:
@@ -184,7 +188,7 @@ class RewardRunner:
       sandbox = SandboxLimits() if spec is not None and spec.sandbox else None
     if sandbox is not None and isolation != "process":
       raise ValueError(f"reward {self.name!r}: a sandbox needs isolation='process' (got {isolation!r})")
-    self.sandbox = sandbox
+    self.sandbox, self.call = sandbox, call
     self.isolation, self.timeout_s, self.startup_timeout_s = isolation, timeout_s, startup_timeout_s
     self.stats = RewardStats()
     self._lock = threading.Lock()  # one batch at a time: workers hold one item each
@@ -194,7 +198,7 @@ class RewardRunner:
         raise ValueError(f"reward {self.name!r} is defined in __main__, which a worker process cannot import; move "
                          "it to a module, or use isolation='inline'")
       try:
-        self._fn_bytes = pickle.dumps(self.fn)
+        self._fn_bytes = pickle.dumps((call, self.fn))
       except Exception as e:
         raise ValueError(f"reward {self.name!r} cannot be sent to a worker process ({type(e).__name__}: {e}); "
                          "define it at module level of an importable module, or use isolation='inline'") from None
@@ -236,7 +240,7 @@ class RewardRunner:
     with self._lock:
       t0 = time.perf_counter()
       if self.isolation == "inline":
-        results = [call_reward(self.fn, *item) for item in items]
+        results = [self.call(self.fn, *item) for item in items]
       else:
         results = self._score_in_workers(list(items))
       self.stats.calls += len(results)

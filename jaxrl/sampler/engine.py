@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jaxrl.models import KVCache, ModelConfig, PagedKVCache, forward_cached, init_cache, init_paged_cache
 from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
-from jaxrl.sampler import paged
+from jaxrl.sampler import continuation, paged
 from jaxrl.sampler.sampling import sample
 from jaxrl.settings import KV_LAYOUTS  # declared once, with the run config
 from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
@@ -389,6 +389,40 @@ class Engine:
   def release(self, decode_state: DecodeState, slot: int) -> DecodeState:
     """Stops a slot (the host ended its sample, e.g. on a stop string)."""
     return self._release(decode_state, np.int32(slot))
+
+  def append(self, params: Versioned, decode_state: DecodeState, slot: int, tokens, start: int,
+             max_new: int) -> DecodeState:
+    """Continues a slot whose model turn ended at position `start` with an environment's observation tokens
+    (jaxrl.sampler.continuation): they go at start+1.., their keys/values are computed with `params` in chunks of
+    rebuild_chunk, and the slot decodes again with a budget of max_new generated tokens (the whole episode's).
+    Paged: the slot's table must already hold pages for the new positions (the host reserves them)."""
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if not 0 <= slot < self.max_slots:
+      raise ValueError(f"slot {slot} is outside [0, {self.max_slots})")
+    if tokens.size == 0:
+      raise ValueError("append: no observation tokens (a turn continues with at least one)")
+    end = int(start) + len(tokens)
+    if not 0 <= start or end > self.max_len - 2:
+      raise ValueError(f"append: {len(tokens)} tokens after position {start} leave no room to generate in "
+                       f"max_len={self.max_len}")
+    if not hasattr(self, "_append_fns"):  # compiled on first use: engines that never continue a slot skip them
+      g, chunk, out = self.graphdef, self.rebuild_chunk, self._state_shardings
+      self._append_fns = (jax.jit(continuation.write_observation, donate_argnums=0, out_shardings=out),
+                          jax.jit(functools.partial(continuation.fill_dense, g, chunk), donate_argnums=1,
+                                  out_shardings=out))
+    write, fill = self._append_fns
+    padded = np.zeros(self.bucket(len(tokens)), np.int32)
+    padded[: len(tokens)] = tokens
+    decode_state = write(decode_state, np.int32(slot), np.int32(start), padded, np.int32(len(tokens)),
+                         np.int32(max_new))
+    if self.kv == "paged":
+      return self.rebuild_spans(params, decode_state, [(slot, int(start), end)])
+    # While the slot was parked, generate ran it as an idle row, which writes garbage at position 0 of a dense cache
+    # (a finished slot's next insert overwrites it; a parked slot keeps its cache): recompute it first (exact, as
+    # position 0 attends to itself only; the rest of that chunk is rewritten with the values it already holds).
+    for a in (0, *range(int(start), end, self.rebuild_chunk)):
+      decode_state = fill(params.params, decode_state, np.int32(slot), np.int32(a))
+    return decode_state
 
   def compile_count(self) -> int:
     """Compiled executables across the engine's jitted functions (each shape compiles once)."""

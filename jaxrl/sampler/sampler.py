@@ -13,14 +13,22 @@ dispatched, and pages return to the pool when a sample ends. When the pool runs 
 live sample cannot grow, the most recently admitted live sample is preempted: its pages are freed and it waits,
 with its tokens so far, to be prefilled again (prompt + completion) and continued with the same sampling keys.
 Each generate call is told how many slots are occupied, and a paged engine runs only that many rows.
+
+A request whose meta holds "episode" (a jaxrl.envs.episodes.EpisodeStart, dense engine) is a multi-turn episode:
+when a model turn ends (eos, a stop id or string of the env's, the turn's token budget), the slot is parked and
+its env steps on a thread pool while the other slots decode and free slots refill; then the observation's tokens
+are appended to the same slot (Engine.append) and the model's next turn decodes from there. The rollout's
+completion holds every turn and observation; observation tokens have loss mask 0, logprob 0 and version -1.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -46,6 +54,7 @@ class Request:
   n: int = 1
   sampling: SamplingParams = SamplingParams()
   max_tokens: int | Sequence[int] | None = None  # None: until the cache is full; a sequence: one per sample
+  # (a multi-turn episode: per model turn, the episode itself within its env's max_tokens)
   stop_token_ids: tuple[int, ...] = ()  # end the sample (finish_reason "stop"), kept in the completion
   stop_strings: tuple[str, ...] = ()  # needs the Sampler's `detokenize`
   ignore_eos: bool = False
@@ -72,6 +81,9 @@ class _Sample:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
   admitted: int = 0  # admission order (paged: the most recent live sample is preempted first)
+  episode: Any = None  # jaxrl.envs.episodes.Episode of a multi-turn sample
+  turn: int = 0  # model turns started: results of a call dispatched in an earlier turn are stale
+  reason: str = ""  # how the last model turn ended
 
   @property
   def pos(self) -> int:
@@ -84,6 +96,7 @@ class _InFlight:
 
   result: ResultTokens
   occupants: list[_Sample | None]
+  turns: list[int]  # each occupant's turn when the call was dispatched
 
 
 @dataclasses.dataclass
@@ -95,6 +108,7 @@ class SamplerStats:
   rebuilds: int = 0
   rebuilt_tokens: int = 0  # positions an in-flight update recomputed (slots x length dense; live tokens paged)
   preemptions: int = 0  # paged: samples whose pages were taken back (and recomputed later)
+  observed_tokens: int = 0  # multi-turn: observation tokens appended to slots
   finished: int = 0
   seconds: float = 0.0  # wall time inside step()
   live_rows: int = 0  # live slots summed over decode calls (rows / calls: a call's mean live batch)
@@ -196,6 +210,15 @@ class Sampler:
       raise ValueError(f"group {r.group_id}: max_tokens must be >= 1, or n={r.n} such ints (got {r.max_tokens})")
     if not isinstance(r.sampling, SamplingParams):
       raise ValueError(f"group {r.group_id}: sampling must be a SamplingParams (got {type(r.sampling).__name__})")
+    start = r.meta.get("episode")
+    if start is not None:  # the env's stops end a model turn; the env's budget bounds the episode
+      if self._pages is not None:
+        raise ValueError(f"group {r.group_id}: multi-turn episodes need a dense engine (kv='dense')")
+      d = start.driver
+      r = dataclasses.replace(r, stop_strings=(*r.stop_strings, *d.stop_strings),
+                              stop_token_ids=(*r.stop_token_ids, *d.stop_token_ids))
+      self._check_ids(r.stop_token_ids, f"group {r.group_id}: env stop token")
+      budgets = np.minimum(budgets, d.max_tokens)
     if r.stop_strings and self.detokenize is None:
       raise ValueError(f"group {r.group_id}: stop_strings need a Sampler built with detokenize=")
     stop_ids = tuple(dict.fromkeys(int(i) for i in (*(() if r.ignore_eos else self.eos_token_ids),
@@ -240,22 +263,25 @@ class Sampler:
   def step(self) -> list[Rollout]:
     """Admits waiting samples, dispatches one generate call, returns the samples that finished."""
     start = time.perf_counter()
+    ended = self._continue_episodes()
     if self._pending is not None and not self.num_active:
       self._swap(self._pending)
     self._admit()
     if self._pages is not None:
       self._grow()
     dispatched = None
-    if self.num_active and not self._all_end_in_flight():
+    if self._num_decoding() and not self._all_end_in_flight():
       live = self.num_active  # every slot active on the device is occupied here (the host frees after the device)
       self._state, result = self.engine.generate(self._params, self._state, live)
-      dispatched = _InFlight(result, list(self._slots))
+      dispatched = _InFlight(result, list(self._slots), [s.turn if s else 0 for s in self._slots])
       self.stats.decode_calls += 1
       self.stats.slot_steps += self.engine.row_bucket(live) * self.engine.steps_per_call
       self.stats.live_rows += live
       self.stats.context_tokens += sum(s.pos for s in self._slots if s is not None)
     previous, self._in_flight = (self._in_flight, dispatched) if self.overlap else (dispatched, None)
-    finished = self._collect(previous) if previous is not None else []
+    finished = ended + (self._collect(previous) if previous is not None else [])
+    if previous is None and dispatched is None and not finished:  # every live slot waits for its env
+      self._wait_for_envs()
     self.stats.finished += len(finished)
     self.stats.seconds += time.perf_counter() - start
     return finished
@@ -266,7 +292,8 @@ class Sampler:
     if call is None:
       return False
     steps = self.engine.steps_per_call
-    return all(s is None or (call.occupants[i] is s and len(s.tokens) + steps >= s.group.max_new[s.index])
+    return all(s is None or s.episode is not None and s.episode.future is not None
+               or (s.episode is None and call.occupants[i] is s and len(s.tokens) + steps >= s.group.max_new[s.index])
                for i, s in enumerate(self._slots))
 
   def run(self, requests: Iterable[Request]) -> Iterator[Rollout]:
@@ -321,7 +348,9 @@ class Sampler:
     settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new[g.placed],
                                          g.stop_ids)
     self._insert(slot, g.prefix, settings, g.shared, 0)
-    self._slots[slot] = _Sample(g, g.placed, admitted=self._admissions)
+    start = r.meta.get("episode")
+    self._slots[slot] = _Sample(g, g.placed, admitted=self._admissions,
+                                episode=start.driver.open(start) if start is not None else None)
     g.placed += 1
     if g.placed == r.n:
       self._waiting.popleft()
@@ -375,8 +404,8 @@ class Sampler:
     result = jax.device_get(call.result)
     version = int(result.version)
     for slot, sample in enumerate(call.occupants):
-      if sample is None or self._slots[slot] is not sample:  # empty, or ended by the host after this dispatch
-        continue
+      if sample is None or self._slots[slot] is not sample or call.turns[slot] != sample.turn:
+        continue  # empty, ended by the host after this dispatch, or a turn that ended then (its env is working)
       valid = result.valid_SxK[slot]
       before = len(sample.tokens)
       sample.tokens += result.tokens_SxK[slot][valid].tolist()
@@ -390,7 +419,9 @@ class Sampler:
         if reason is None:
           self._state = self.engine.release(self._state, slot)
         reason = "stop"
-      if reason is not None:
+      if reason is not None and sample.episode is not None:
+        self._end_turn(sample, reason)
+      elif reason is not None:
         finished.append(self._rollout(sample, reason))
         self._free(slot)
     return finished
@@ -410,14 +441,62 @@ class Sampler:
     if not stops:
       return None
     window = max(len(s) for s in stops) + _STOP_WINDOW
+    first = sample.episode.turn_start if sample.episode is not None else 0  # never match in an earlier turn
     for end in range(before + 1, len(sample.tokens) + 1):
-      text = self.detokenize(sample.tokens[max(0, end - window) : end])
+      text = self.detokenize(sample.tokens[max(first, end - window) : end])
       if any(s in text for s in stops):
         return end
     return None
 
+  def _num_decoding(self) -> int:
+    """Live slots not waiting for their env."""
+    return sum(s is not None and (s.episode is None or s.episode.future is None) for s in self._slots)
+
+  def _end_turn(self, sample: _Sample, reason: str) -> None:
+    """Parks a multi-turn sample whose model turn ended: its env steps on the turn meanwhile."""
+    ep = sample.episode
+    sample.reason = reason
+    sample.group.request.meta["episode"].driver.step(ep, sample.tokens[ep.turn_start :])
+
+  def _continue_episodes(self) -> list[Rollout]:
+    """Appends the observation of every parked sample whose env answered, or ends its episode."""
+    finished = []
+    for slot, s in enumerate(self._slots):
+      ep = s.episode if s is not None else None
+      if ep is None or ep.future is None or not ep.future.done():
+        continue
+      driver = s.group.request.meta["episode"].driver
+      pos = s.pos
+      # Room for the observation: one generated token must still fit the cache and the env's budget after it.
+      room = min(self.engine.max_len - 2 - pos, driver.max_tokens - 1 - len(s.tokens))
+      tokens = driver.observation(ep, s.reason == "eos", room)
+      if tokens is None:
+        finished.append(self._rollout(s, s.reason))
+        self._free(slot)
+        continue
+      generated = len(s.tokens) - ep.observed_tokens
+      ep.observed.append((len(s.tokens), len(s.tokens) + len(tokens)))
+      s.tokens += tokens
+      s.logprobs += [0.0] * len(tokens)
+      s.versions += [-1] * len(tokens)
+      ep.turn_start, s.turn = len(s.tokens), s.turn + 1
+      budget = min(s.group.max_new[s.index], driver.max_tokens - len(s.tokens))
+      self._state = self.engine.append(self._params, self._state, slot, tokens, pos, generated + budget)
+      self.stats.observed_tokens += len(tokens)
+    return finished
+
+  def _wait_for_envs(self) -> None:
+    """Blocks until some env step is done (briefly), instead of spinning while nothing decodes."""
+    futures = [s.episode.future for s in self._slots if s is not None and s.episode is not None
+               and s.episode.future is not None]
+    if futures:
+      concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+
   def _rollout(self, sample: _Sample, reason: str) -> Rollout:
     r = sample.group.request
+    meta, loss_mask = dict(r.meta), None
+    if sample.episode is not None:
+      meta["episode"], loss_mask = sample.episode.outcome, sample.episode.loss_mask(len(sample.tokens))
     return Rollout(
         prompt_tokens=sample.group.prompt,
         completion_tokens=np.asarray(sample.tokens, np.int32),
@@ -427,5 +506,6 @@ class Sampler:
         group_id=int(r.group_id),
         sample_index=sample.index,
         sampling=r.sampling,
-        meta=dict(r.meta),
+        meta=meta,
+        loss_mask=loss_mask,
     )
