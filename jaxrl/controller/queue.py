@@ -67,6 +67,11 @@ class RolloutQueue:
       except queue.Full:
         continue
 
+  def put_all(self, groups: list[list[Rollout]]) -> None:
+    while groups:
+      self.put(groups[0])
+      groups.pop(0)
+
   def get(self, rank: int = 0) -> list[Rollout]:
     """The next group (one sampler in this process: `rank` is always 0)."""
     while True:

@@ -72,9 +72,8 @@ class SamplerLoop:
       self.busy += time.perf_counter() - t0
       if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
         coord.idle(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
-      while self._outbox:
-        self.rollouts.put(self._outbox[0])  # blocks when the learner is behind (back-pressure)
-        self._outbox.pop(0)
+      if self._outbox:
+        self.rollouts.put_all(self._outbox)  # blocks when the learner is behind (back-pressure)
 
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""

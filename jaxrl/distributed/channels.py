@@ -81,9 +81,10 @@ class Inbox:
 
 
 class Outbox:
-  """The sampler's end of the rollout queue. put() waits while `capacity` groups, over all samplers, are sent and
-  not yet taken by the learner (the single-host queue's bound), then puts the group's packet on this process's
-  first device and appends it to the transfer log; the Ferry sends it when the log reaches it."""
+  """The sampler's end of the rollout queue. put_all() waits while `capacity` groups, over all samplers, are sent
+  and not yet taken by the learner (the single-host queue's bound), then puts the groups' packet (up to `capacity`
+  groups each) on this process's first device and appends it to the transfer log; the Ferry sends it when the log
+  reaches it."""
 
   def __init__(self, store, log: TransferLog, rank: int, capacity: int, max_len: int, device,
                stop: threading.Event, poll_s: float = 0.05):
@@ -94,15 +95,24 @@ class Outbox:
     self._seq = 0
 
   def put(self, group: list[Rollout]) -> None:
-    ticket = self.store.incr("sent")
-    while ticket - self.store.count("consumed") > self.capacity:  # back-pressure: the learner is behind
-      if self._stop.wait(self._poll_s):
-        raise Stopped
-    packet = packets.encode([group], self.max_len)
-    with self._lock:
-      seq, self._seq = self._seq, self._seq + 1
-      self._pending[seq] = (jax.device_put(packet, self.device), len(group))
-    self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet)})
+    self.put_all([group])
+
+  def put_all(self, groups: list[list[Rollout]]) -> None:
+    """The groups in packets of up to `capacity` groups: one cross-process copy and a few store calls for a whole
+    share (a packet per group cost the learner 20-40 ms a step of waiting on loopback: docs/BENCHMARKS.md, the
+    headline). Each chunk leaves `groups` once it is on its way."""
+    while groups:
+      chunk = groups[: self.capacity]
+      ticket = self.store.incr("sent", len(chunk))
+      while ticket - self.store.count("consumed") > self.capacity:  # back-pressure: the learner is behind
+        if self._stop.wait(self._poll_s):
+          raise Stopped
+      packet = packets.encode(chunk, self.max_len)
+      with self._lock:
+        seq, self._seq = self._seq, self._seq + 1
+        self._pending[seq] = (jax.device_put(packet, self.device), len(packet))
+      self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet)})
+      del groups[: len(chunk)]
 
   def take(self, seq: int) -> jax.Array:
     with self._lock:

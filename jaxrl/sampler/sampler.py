@@ -33,9 +33,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl.rollout import Rollout, SamplingParams
+from jaxrl.rollout import Rollout
 from jaxrl.sampler.engine import Engine, Prefix, ResultTokens
 from jaxrl.sampler.pages import OutOfPages, PageAllocator, SharedPrompt, pages_for
+from jaxrl.sampler.requests import Request, check_ids, check_request
 from jaxrl.settings import ON_UPDATE  # declared once, with the run config
 from jaxrl.sharding import Versioned
 
@@ -43,22 +44,6 @@ ADMISSION = ("continuous", "static")
 # Tokens of text re-decoded per new token for stop strings, past the longest stop string's length in characters
 # (a token decodes to at least one character except for a few partial UTF-8 bytes).
 _STOP_WINDOW = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  """n samples of one prompt (a GRPO group)."""
-
-  prompt_tokens: Sequence[int]
-  group_id: int
-  n: int = 1
-  sampling: SamplingParams = SamplingParams()
-  max_tokens: int | Sequence[int] | None = None  # None: until the cache is full; a sequence: one per sample
-  # (a multi-turn episode: per model turn, the episode itself within its env's max_tokens)
-  stop_token_ids: tuple[int, ...] = ()  # end the sample (finish_reason "stop"), kept in the completion
-  stop_strings: tuple[str, ...] = ()  # needs the Sampler's `detokenize`
-  ignore_eos: bool = False
-  meta: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -151,7 +136,7 @@ class Sampler:
     self.overlap = overlap
     self._in_flight: _InFlight | None = None
     self.eos_token_ids = tuple(engine.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    self._check_ids(self.eos_token_ids, "eos token")
+    check_ids(self.eos_token_ids, engine.cfg.vocab_size, "eos token")
     self._params = engine.place(params, version)
     self._pending: Versioned | None = None
     self._state = engine.init_decode_state()
@@ -178,57 +163,15 @@ class Sampler:
     """Samples submitted but not yet in a slot (preempted ones included)."""
     return sum(g.request.n - g.placed for g in self._waiting) + len(self._preempted)
 
-  def _check_ids(self, ids, what):
-    v = self.engine.cfg.vocab_size
-    bad = [int(i) for i in ids if not 0 <= int(i) < v]
-    if bad:
-      raise ValueError(f"{what} ids {bad} are outside the vocabulary [0, {v})")
-
   def submit(self, prompt_tokens, group_id: int, n: int = 1, meta: dict | None = None, **kw) -> None:
     """Queues n samples of a prompt; kw are the other Request fields. Bad input raises ValueError here."""
     self.submit_request(Request(prompt_tokens, group_id, n, meta=dict(meta or {}), **kw))
 
   def submit_request(self, r: Request) -> None:
-    prompt = np.asarray(r.prompt_tokens).reshape(-1)
-    if prompt.size == 0:
-      raise ValueError(f"group {r.group_id}: empty prompt (a sample needs at least one prompt token)")
-    if not np.issubdtype(prompt.dtype, np.integer):
-      raise ValueError(f"group {r.group_id}: prompt tokens must be integers (got dtype {prompt.dtype})")
-    room = self.engine.max_len - len(prompt)
-    if room < 1:
-      raise ValueError(f"group {r.group_id}: prompt of {len(prompt)} tokens does not fit the KV cache "
-                       f"(max_len={self.engine.max_len} allows prompts of at most {self.engine.max_len - 1})")
-    self._check_ids(prompt, f"group {r.group_id}: prompt token")
-    self._check_ids(r.stop_token_ids, f"group {r.group_id}: stop token")
-    if not isinstance(r.group_id, (int, np.integer)) or not 0 <= r.group_id < 2**31:
-      raise ValueError(f"group_id must be an int in [0, 2**31) (got {r.group_id!r})")
-    if not isinstance(r.n, (int, np.integer)) or r.n < 1:
-      raise ValueError(f"group {r.group_id}: n must be a positive int (got {r.n!r})")
-    budgets = np.atleast_1d(np.asarray(room if r.max_tokens is None else r.max_tokens))
-    if budgets.ndim != 1 or len(budgets) not in (1, r.n) or not np.issubdtype(budgets.dtype, np.integer) \
-        or budgets.min() < 1:
-      raise ValueError(f"group {r.group_id}: max_tokens must be >= 1, or n={r.n} such ints (got {r.max_tokens})")
-    if not isinstance(r.sampling, SamplingParams):
-      raise ValueError(f"group {r.group_id}: sampling must be a SamplingParams (got {type(r.sampling).__name__})")
-    start = r.meta.get("episode")
-    if start is not None:  # the env's stops end a model turn; the env's budget bounds the episode
-      if self._pages is not None:
-        raise ValueError(f"group {r.group_id}: multi-turn episodes need a dense engine (kv='dense')")
-      d = start.driver
-      r = dataclasses.replace(r, stop_strings=(*r.stop_strings, *d.stop_strings),
-                              stop_token_ids=(*r.stop_token_ids, *d.stop_token_ids))
-      self._check_ids(r.stop_token_ids, f"group {r.group_id}: env stop token")
-      budgets = np.minimum(budgets, d.max_tokens)
-    if r.stop_strings and self.detokenize is None:
-      raise ValueError(f"group {r.group_id}: stop_strings need a Sampler built with detokenize=")
-    stop_ids = tuple(dict.fromkeys(int(i) for i in (*(() if r.ignore_eos else self.eos_token_ids),
-                                                      *r.stop_token_ids)))
-    if len(stop_ids) > self.engine.max_stop_ids:
-      raise ValueError(f"group {r.group_id}: {len(stop_ids)} stop ids (eos included) exceed the engine's "
-                       f"max_stop_ids={self.engine.max_stop_ids}")
-    max_new = tuple(min(int(b), room) for b in np.broadcast_to(budgets, (r.n,)))
+    r, prompt, max_new, stop_ids = check_request(r, self.engine, self.eos_token_ids, self.detokenize,
+                                                 paged=self._pages is not None)
     key = jax.random.fold_in(self._key, int(r.group_id))
-    self._waiting.append(_Group(r, prompt.astype(np.int32), key, max_new, stop_ids))
+    self._waiting.append(_Group(r, prompt, key, max_new, stop_ids))
 
   def update_params(self, params, version: int) -> None:
     """New params for the next step; in-flight samples continue on them ("recompute") or finish first."""
