@@ -36,7 +36,6 @@ import numpy as np
 from bench.common import write_json
 from jaxrl.controller.local import Pipeline
 from jaxrl.controller.queue import WeightPublisher
-from jaxrl.learner.packing import pack_batch
 from jaxrl.profile import pooled, profile, summary
 from jaxrl.sampler import Engine
 from jaxrl.sampler.forced import Z99, ForcedLengths
@@ -100,11 +99,7 @@ def warm_up(bench: Bench) -> None:
   state = engine.init_decode_state()
   for b in engine.buckets:
     state = engine.rebuild(params, state, b)
-  jax.block_until_ready(state)
-  ctl = bench.run.controller
-  for rows in ctl.spec.row_buckets:  # packed batches: the train step at every row bucket
-    empty = pack_batch([], ctl.spec.seq_len, (rows,), ctl.spec.max_segments)
-    jax.block_until_ready(ctl.learner_loop.train_step(jax.tree.map(jnp.copy, bench.state0), empty, jax.random.key(0)))
+  jax.block_until_ready(state)  # the train step's packed row buckets were compiled at build (CompiledSteps)
 
 
 def _slope(step_end: np.ndarray, warmup: int) -> float:

@@ -93,13 +93,14 @@ def build(c, workdir: str | Path) -> Run:
   checkpointer = build_lib.open_checkpointer(c, workdir)
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
   resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
+  train_step = build_lib.CompiledSteps(learner.train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed))
 
   engine = build_lib.build_engine(c, learner.model_config, meshes.sampler)
   sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   publisher = WeightPublisher(engine.param_shardings, engine.dtype)
-  controller = Pipeline(spec, sampler=sampler, train_step=learner.train_step, state=state, publisher=publisher,
+  controller = Pipeline(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                         prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
                         trace=trace, resumed_from=resumed_from)
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,

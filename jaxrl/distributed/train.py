@@ -54,9 +54,7 @@ from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
-from jaxrl.learner.packing import pack_batch
 from jaxrl.models import hf
-from jaxrl.rollout import make_batch
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -132,19 +130,12 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   record.pending_group_ids = []  # not generated again: the samplers start past every group admitted before
   batch_sh = batch_shardings(learner.batch_sharding)
 
-  def step(state, batch, key):
-    # Every learner process holds the whole (identical) numpy batch; device_put keeps each one's rows.
-    return train_step(state, jax.device_put(batch, batch_sh), key)
-
   publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir)
   # Compile what has collectives before running any of it, then start together: gloo gives up on a peer that
   # reaches the first collective 30 s late (e.g. still compiling while the other process found a cached binary).
   key = jax.random.fold_in(jax.random.key(c.seed), 0)
-  # Every packed row bucket too: a bucket compiled mid-run on one learner would stall the others' collectives.
-  empties = [make_batch([], spec.batch_size, c.rl.seq_len)]
-  empties += [pack_batch([], c.rl.seq_len, (b,), spec.max_segments) for b in spec.row_buckets]
-  for empty in empties:
-    train_step.lower(state, jax.device_put(empty, batch_sh), key).compile()
+  # Every learner process holds the whole (identical) numpy batch; device_put keeps each one's rows.
+  step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, key, lambda b: jax.device_put(b, batch_sh))
   publisher.compile(state.params)
   store.barrier("learners_compiled", topology.learner_processes)
   metrics = None
