@@ -156,13 +156,18 @@ def main(argv=None):
   flags.DEFINE_string("workload", "", "configs/bench_headline.py argument: '' (forced long tail), 'test', 'smollm2'")
   flags.DEFINE_string("out", str(Path(__file__).parent / "results" / "headline.json"), "JSON results path")
   flags.DEFINE_integer("rounds", 0, "rounds of both modes (0: the config's bench.rounds)")
+  flags.DEFINE_string("keep", "", "a folder for the runs' workdirs, kept afterwards (default: a temporary one)")
 
   def _main(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     fl = flags.FLAGS
-    with tempfile.TemporaryDirectory(prefix="jaxrl-headline-") as scratch:
-      out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None)
+    if fl.keep:
+      Path(fl.keep).mkdir(parents=True, exist_ok=True)
+      out = run_benchmark(fl.workload, Path(fl.keep), fl.rounds or None)
+    else:
+      with tempfile.TemporaryDirectory(prefix="jaxrl-headline-") as scratch:
+        out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None)
     print(report(out))
     write_json(fl.out, out)
 
