@@ -28,6 +28,7 @@ def get_config(arg: str | None = None):
   c.sampler.temperature = 0.7
   c.rl.seq_len = 256
   c.rl.pack = True  # episodes vary from ~10 to ~100 tokens: pack them
+  c.rl.compile_ahead = False  # a bucket at its first use: 8 buckets of this model would take minutes to start
   c.rl.logprob_chunk = 512  # no float32 [rows, 256, 49152] logits tensor (0.8 GB per 16 rows)
   c.model.remat = True  # the learner's activations are recomputed in the backward pass: peak memory, not speed
   c.rl.group_size = 8

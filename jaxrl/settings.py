@@ -134,6 +134,10 @@ SETTINGS = (
     # to a few buckets (one compilation each): train cost follows the real tokens, not batch x seq_len
     Bool("rl.pack", False, "pack the learner's batches"),
     Int("rl.max_segments", 16, 1, "samples per packed row at most"),
+    # Every packed row bucket compiled before the first step, so no step pays a compilation mid-run (a multi-process
+    # job always does: a late compile stalls every learner's collectives). False: each at its first use (a shorter
+    # start on CPU, where a real model's bucket takes 10-60 s to compile, and not every bucket is met)
+    Bool("rl.compile_ahead", True, "compile the train step for every packed row bucket before the first step"),
     Int("rl.logprob_chunk", 0, 0, "> 0: log-probs computed this many positions at a time (no [B, L, V] logits)"),
     # k: a group admitted at sampler version v is trained by step v + k, late or not (nothing is dropped for
     # staleness): every trained token has staleness <= k, in learner steps (pipeline mode; sync is k = 0). "auto":

@@ -93,7 +93,9 @@ def build(c, workdir: str | Path) -> Run:
   checkpointer = build_lib.open_checkpointer(c, workdir)
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
   resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
-  train_step = build_lib.CompiledSteps(learner.train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed))
+  train_step = learner.train_step
+  if c.rl.compile_ahead:
+    train_step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed))
 
   engine = build_lib.build_engine(c, learner.model_config, meshes.sampler)
   sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)

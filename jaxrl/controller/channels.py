@@ -130,6 +130,11 @@ class Coordination:
     """Groups a checkpoint taken now must generate again (call under the lock)."""
     return sorted(self.live)
 
+  def sending(self, costs: dict) -> None:
+    """The sampler is about to put finished groups on the rollout channel; `costs` are its cumulative costs so far
+    (jaxrl-profile --from-run reads them from the learner's step records)."""
+    self.post_sampler_costs(costs)
+
   def checkpoint_record(self) -> dict:
     with self.lock:
       self.record.pending_group_ids = self.pending()

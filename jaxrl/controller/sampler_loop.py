@@ -73,6 +73,7 @@ class SamplerLoop:
       if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
         coord.idle(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
       if self._outbox:
+        coord.sending(dict(dataclasses.asdict(self.sampler.stats), busy_s=self.busy))
         self.rollouts.put_all(self._outbox)  # blocks when the learner is behind (back-pressure)
 
   def _admit_one(self) -> bool:
@@ -102,8 +103,6 @@ class SamplerLoop:
 
   def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
     """Counts finished samples, releases complete groups with their rewards computed."""
-    if rollouts:  # this sampler's costs so far, logged by the learner with each step (jaxrl-profile --from-run)
-      self.coord.post_sampler_costs(dict(dataclasses.asdict(self.sampler.stats), busy_s=self.busy))
     groups = []
     for r in rollouts:
       self.ledger.samples_generated += 1

@@ -202,6 +202,10 @@ class StoreCoordinator(Coordination):
     self.is_lead = topology.process_id == topology.lead
     self.num_samplers = len(topology.sampler_processes)
     self._rounds = 0  # learner loop iterations: the same on every learner process (they run in lock step)
+    # Sampler side: the lead's asks as the watcher thread last saw them (no store call in the sampler loop).
+    self._asked = self._skipped = self._skipped_total = 0
+    self._published_position: int | None = None
+    self._watcher: threading.Thread | None = None
 
   # learner side
   def go_on(self, version: int) -> bool:
@@ -230,12 +234,15 @@ class StoreCoordinator(Coordination):
     return True
 
   def ask(self) -> None:
+    """The lead asks every sampler for its next share: a counter (the watchdog reads it) and a key per ask holding
+    the updates skipped so far, on which each sampler's watcher thread blocks."""
     if self.is_lead:
-      self.store.incr("shares_asked")
+      n = self.store.incr("shares_asked")
+      self.store.set(f"asked/{n}", self._skipped_total)
 
   def update_skipped(self) -> None:
     if self.is_lead:
-      self.store.incr("updates_skipped")
+      self._skipped_total = self.store.incr("updates_skipped")
 
   def learner_started(self, version: int, fresh: bool) -> None:
     """Where the samplers start: past every group admitted before the checkpoint resumed from."""
@@ -263,13 +270,32 @@ class StoreCoordinator(Coordination):
     num, rank = self.num_samplers, self.topology.sampler_rank
     self.record.next_group_id = -(-resume["next_group_id"] // num) * num + rank
     self.ledger.groups_admitted = resume["version"] * share  # as if it had admitted its share of each step
+    self._watcher = threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks",
+                                     daemon=True)
+    self._watcher.start()
     return resume
 
+  def _watch_asks(self) -> None:
+    """Follows the lead's asks (asked/1, asked/2, ...) and wakes the sampler loop at each: its per-iteration
+    checks (shares asked, updates skipped) read these fields instead of two store round trips (~1 ms each on a
+    core the decode shares, 9% of the headline sampler's time)."""
+    while not self.stop.is_set():
+      try:
+        skipped = self.store.get(f"asked/{self._asked + 1}", timeout_s=20 * self.poll_s)
+      except TimeoutError:
+        continue
+      except Exception:
+        if self.stop.is_set():  # the job is ending: the coordination service may already be gone
+          return
+        raise
+      self._skipped, self._asked = skipped, self._asked + 1  # skipped first: it goes with the ask it came with
+      self.wake()
+
   def shares_asked(self) -> int:
-    return self.store.count("shares_asked")
+    return self._asked
 
   def updates_skipped(self) -> int:
-    return self.store.count("updates_skipped")
+    return self._skipped
 
   def post_sampler_costs(self, costs: dict) -> None:
     self.store.set(f"sampler_costs/{self.topology.sampler_rank}", costs)
@@ -277,10 +303,16 @@ class StoreCoordinator(Coordination):
   def next_group(self, stride: int) -> int:
     gid = self.record.next_group_id
     self.record.next_group_id += stride
-    # Published before any sample of the group exists, so a checkpoint's data position is past every group that
-    # can have been trained (see checkpoint_record).
-    self.store.set(f"next_group/{self.topology.sampler_rank}", self.record.next_group_id)
     return gid
+
+  def sending(self, costs: dict) -> None:
+    """Before any group leaves this sampler: its data position (past every group it admitted, so a checkpoint's
+    position is past every group that can have been trained: checkpoint_record) and its costs. Once per send,
+    not once per admitted group and decode call (~1 ms a store call)."""
+    if self._published_position != self.record.next_group_id:
+      self._published_position = self.record.next_group_id
+      self.store.set(f"next_group/{self.topology.sampler_rank}", self._published_position)
+    self.post_sampler_costs(costs)
 
 
 class Ferry:
