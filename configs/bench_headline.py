@@ -21,7 +21,7 @@ from jaxrl import config as config_lib
 def get_config(arg: str | None = None):
   c = config_lib.base()
   c.mode = "pipeline"
-  c.num_steps = 16
+  c.num_steps = 40  # 37 timed steps: the box's speed drifts by up to 2x between minutes, 13 steps were too few
   c.mesh.sampler_devices = 1  # of 2: one learner device, one sampler device (a whole process in the pipeline)
   c.model.source = "tiny"
   c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
@@ -43,7 +43,7 @@ def get_config(arg: str | None = None):
   c.checkpoint.every_steps = 1000  # no checkpoint inside the timed steps (one at the end)
   c.log.tensorboard = False
   c.log.progress = False
-  c.bench = ml_collections.ConfigDict(dict(warmup_steps=3, rounds=3))  # untimed first steps; rounds of both modes
+  c.bench = ml_collections.ConfigDict(dict(warmup_steps=3, rounds=5))  # untimed first steps; rounds of both modes
   if arg == "test":
     c.num_steps = 7
     c.model.tiny.num_layers = 1

@@ -336,7 +336,8 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
       batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
       lengths=Replay(lengths.of(range(groups)), c.rl.group_size), max_staleness=c.rl.max_staleness,
       prompt_len=prompt_len, steps=len(records) - warmup, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
-      pack=c.rl.pack, max_segments=c.rl.max_segments, steps_per_call=c.sampler.steps_per_call))
+      pack=c.rl.pack, max_segments=c.rl.max_segments, steps_per_call=c.sampler.steps_per_call,
+      overlap_calls=1))  # the run's Sampler overlaps (its default): a finished slot idles one call
   measured = runlog.step_time_s(records, warmup)
   predicted = pred.sync_step_s if c.mode == "sync" else pred.pipeline_step_s
   details.update(prompt_len=prompt_len)

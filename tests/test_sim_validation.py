@@ -86,15 +86,20 @@ def test_sync_step_is_whole_engine_calls_of_the_longest_sample_plus_a_fixed_shap
   pred = predict(costs, _run(Replay(np.array([5, 13] * 20), 1), steps_per_call=4, seq_len=32))
   sync_s = costs.sync_time(1, 1)
   assert pred.sync_step_s == pytest.approx(16 * 0.01 + 2 * 32 / 1000.0 + sync_s, rel=1e-9)
-  # Without the padded-batch model the train step follows the tokens, the lengths rounded to whole calls included
-  # (2 x 4 prompt + 8 + 16).
+  # Without the padded-batch model the train step follows the real tokens, not the whole calls' (2 x 4 prompt + 5
+  # + 13).
   plain = predict(costs, _run(Replay(np.array([5, 13] * 20), 1), steps_per_call=4))
-  assert plain.sync_step_s == pytest.approx(16 * 0.01 + (8 + 24) / 1000.0 + sync_s, rel=1e-9)
+  assert plain.sync_step_s == pytest.approx(16 * 0.01 + (8 + 18) / 1000.0 + sync_s, rel=1e-9)
+  # jaxrl's sampler reads a call after dispatching the next: the longest sample holds its slot one call more.
+  lagged = predict(costs, _run(Replay(np.array([5, 13] * 20), 1), steps_per_call=4, seq_len=32, overlap_calls=1))
+  assert lagged.sync_step_s == pytest.approx(20 * 0.01 + 2 * 32 / 1000.0 + sync_s, rel=1e-9)
 
 
 def test_bad_run_description_is_rejected():
   with pytest.raises(ValueError, match="steps_per_call must be >= 1"):
     predict(_costs(), _run([4, 4], steps_per_call=0))
+  with pytest.raises(ValueError, match="overlap_calls >= 0"):
+    predict(_costs(), _run([4, 4], overlap_calls=-1))
 
 
 # ---- contention and in-flight updates -----------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class RunSpec:
   # Tokens a train step is charged for, from its samples' lengths (prompt + completion): e.g. the packed rows
   # times their length (jaxrl.learner.packing.packed_rows); None charges the real tokens.
   train_tokens: Callable[[np.ndarray], float] | None = None
+  # Decode steps a sample holds its slot for, from its lengths (an engine that lets samples leave only between
+  # calls of several steps holds them longer than their tokens); None: its length. Tokens trained stay its length.
+  slot_steps: Callable[[np.ndarray], np.ndarray] | None = None
 
   def __post_init__(self):
     for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
@@ -262,10 +265,11 @@ class _Sim:
       self.open[self.version + self.k].add(g)
       self.n_open += 1
       lengths = self._group_lengths(g)
+      held = self.spec.slot_steps(lengths) if self.spec.slot_steps is not None else lengths
       for i, n in enumerate(lengths):
         sid = g * self.g + i
         self.s["length"][sid], self.s["group"][sid], self.s["engine"][sid] = n, g, e.index
-        e.pending.append((sid, int(n)))
+        e.pending.append((sid, int(held[i])))
       if at_boundary:
         self._fill(e)
       self._refresh(e)
