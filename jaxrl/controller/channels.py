@@ -35,6 +35,7 @@ class Rollouts(Protocol):
   def drain(self) -> list[list[Rollout]]: ...
   def depth(self) -> int: ...  # groups waiting for the learner
   def unsent(self) -> int: ...  # samples put on this side and not yet on their way (counted as in flight)
+  send_s: float  # seconds the sending side spent in put / put_all doing work (not waiting for room)
 
 
 class Weights(Protocol):

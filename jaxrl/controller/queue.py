@@ -67,6 +67,8 @@ class RolloutQueue:
       except queue.Full:
         continue
 
+  send_s = 0.0  # in-process: a put hands over references (Rollouts.send_s)
+
   def put_all(self, groups: list[list[Rollout]]) -> None:
     while groups:
       self.put(groups[0])

@@ -74,7 +74,9 @@ class SamplerLoop:
         coord.idle(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
       if self._outbox:
         coord.sending(dict(dataclasses.asdict(self.sampler.stats), busy_s=self.busy))
+        sent = self.rollouts.send_s
         self.rollouts.put_all(self._outbox)  # blocks when the learner is behind (back-pressure)
+        self.busy += self.rollouts.send_s - sent  # sending is the loop's work (a packet's encoding and copy-out)
 
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -93,6 +94,7 @@ class Outbox:
     self._lock = threading.Lock()
     self._pending: dict[int, tuple[jax.Array, int]] = {}  # seq -> (packet, samples), appended and not yet sent
     self._seq = 0
+    self.send_s = 0.0  # seconds put_all spent sending (encoding, store calls, device_put), not waiting for room
 
   def put(self, group: list[Rollout]) -> None:
     self.put_all([group])
@@ -102,17 +104,21 @@ class Outbox:
     share (a packet per group cost the learner 20-40 ms a step of waiting on loopback: docs/BENCHMARKS.md, the
     headline). Each chunk leaves `groups` once it is on its way."""
     while groups:
+      t0 = time.perf_counter()
       chunk = groups[: self.capacity]
       ticket = self.store.incr("sent", len(chunk))
       while ticket - self.store.count("consumed") > self.capacity:  # back-pressure: the learner is behind
+        t_wait = time.perf_counter()
         if self._stop.wait(self._poll_s):
           raise Stopped
+        t0 += time.perf_counter() - t_wait  # waiting for room is not sending work
       packet = packets.encode(chunk, self.max_len)
       with self._lock:
         seq, self._seq = self._seq, self._seq + 1
         self._pending[seq] = (jax.device_put(packet, self.device), len(packet))
       self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet)})
       del groups[: len(chunk)]
+      self.send_s += time.perf_counter() - t0
 
   def take(self, seq: int) -> jax.Array:
     with self._lock:

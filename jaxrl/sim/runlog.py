@@ -7,7 +7,7 @@ Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.l
 - `publish_s`: the learner's weight publish after the step;
 - `sampler/<field>`: the samplers' cumulative jaxrl.sampler.SamplerStats (summed over replicas): decode calls,
   live rows and context positions at dispatch, seconds inside update_params(); and `sampler/busy_s`, the sampler
-  loop's busy time (SamplerLoop.busy: admissions, decode calls, rewards, batch assembly; not its waits).
+  loop's busy time (SamplerLoop.busy: admissions, decode calls, rewards, batch assembly, sending; not its waits).
 Between two records the deltas give one decode row (mean live batch, mean context, busy seconds less updates per
 decode step); the fit is calibrate.fit_decode's. Everything the sampler loop does per call is folded into the decode
 rows (prefill_s_per_token is 0). Sampler and learner of the headline run on disjoint cores or one after the other:
