@@ -191,8 +191,9 @@ def test_generate_runs_only_the_live_rows(model, engines):
     np.testing.assert_array_equal(got.tokens_SxK, want.tokens_SxK)
     np.testing.assert_array_equal(got.valid_SxK, want.valid_SxK)
     np.testing.assert_array_equal(got.done_S, want.done_S)
-    # Under the tests' unoptimised XLA backend a 1-row matmul (2 rows over 2 devices) rounds unlike a wider one.
-    np.testing.assert_allclose(got.logprobs_SxK, want.logprobs_SxK, atol=2e-6)
+    # Under the tests' unoptimised XLA backend a 1-row matmul (2 rows over 2 devices) rounds unlike a wider one: a
+    # few float32 ulps at these magnitudes (2.3e-6 seen at -1.57 in a full-suite run; 2e-6 was too tight).
+    np.testing.assert_allclose(got.logprobs_SxK, want.logprobs_SxK, atol=5e-6)
   assert calls[0].valid_SxK[[1, 3]].all() and not calls[0].valid_SxK[[0, 2]].any()
   assert calls[1].done_S.tolist() == [False, True, False, True]
   with pytest.raises(ValueError, match="live=5 active slots is outside"):
