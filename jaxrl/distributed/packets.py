@@ -2,7 +2,9 @@
 
 Row layout, one row per sample, T = the sampler's max_len:
   [prompt_len, completion_len, group_id, sample_index, finish_reason, correct, reward (float64 as 2 int32),
-   tokens[T] (prompt then completion), logprobs[T] (float32 bits, on completion positions), versions[T]]
+   temperature and top_p (float64 as 2 int32 each), top_k, greedy (the distribution the tokens were drawn from,
+   which the learner checks against its own), tokens[T] (prompt then completion), logprobs[T] (float32 bits, on
+   completion positions), versions[T]]
 An environment's observation tokens (loss mask 0) carry version -1, which is how their mask crosses.
 Only what the learner reads crosses: the prompt text and reward metadata stay on the sampler.
 """
@@ -11,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl.rollout import Rollout
+from jaxrl.rollout import Rollout, SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length")
-_HEAD = 8  # columns before tokens
+_HEAD = 14  # columns before tokens
 
 
 def packet_width(max_len: int) -> int:
@@ -36,6 +38,9 @@ def encode(groups: list[list[Rollout]], max_len: int) -> np.ndarray:
     correct = -1 if "correct" not in r.meta else int(bool(r.meta["correct"]))
     out[i, :6] = (p, c, r.group_id, r.sample_index, FINISH_REASONS.index(r.finish_reason), correct)
     out[i, 6:8] = np.array([r.reward], np.float64).view(np.int32)
+    sp = r.sampling
+    out[i, 8:12] = np.array([sp.temperature, sp.top_p], np.float64).view(np.int32)
+    out[i, 12:14] = (sp.top_k, int(sp.greedy))
     out[i, tok : tok + p] = r.prompt_tokens
     out[i, tok + p : tok + p + c] = r.completion_tokens
     out[i, lp + p : lp + p + c] = np.asarray(r.logprobs, np.float32).view(np.int32)
@@ -52,6 +57,7 @@ def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
   groups: list[list[Rollout]] = []
   for row in packet:
     p, c, gid, index, reason, correct = (int(v) for v in row[:6])
+    temperature, top_p = row[8:12].copy().view(np.float64)
     tokens = row[_HEAD : _HEAD + max_len]
     logprobs = row[_HEAD + max_len : _HEAD + 2 * max_len].view(np.float32)
     versions = row[_HEAD + 2 * max_len :]
@@ -61,7 +67,9 @@ def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
                 logprobs=logprobs[p : p + c].copy(), versions=versions[p : p + c].copy(),
                 finish_reason=FINISH_REASONS[reason], group_id=gid, sample_index=index,
                 reward=float(row[6:8].copy().view(np.float64)[0]), meta=meta,
-                loss_mask=(~observed).astype(np.float32) if observed.any() else None)
+                loss_mask=(~observed).astype(np.float32) if observed.any() else None,
+                sampling=SamplingParams(temperature=float(temperature), top_k=int(row[12]), top_p=float(top_p),
+                                        greedy=bool(row[13])))
     if groups and groups[-1][0].group_id == gid:
       groups[-1].append(r)
     else:
