@@ -211,7 +211,6 @@ class StoreCoordinator(Coordination):
     # Sampler side: the lead's asks as the watcher thread last saw them (no store call in the sampler loop).
     self._asked = self._skipped = self._skipped_total = 0
     self._published_position: int | None = None
-    self._watcher: threading.Thread | None = None
 
   # learner side
   def go_on(self, version: int) -> bool:
@@ -276,9 +275,7 @@ class StoreCoordinator(Coordination):
     num, rank = self.num_samplers, self.topology.sampler_rank
     self.record.next_group_id = -(-resume["next_group_id"] // num) * num + rank
     self.ledger.groups_admitted = resume["version"] * share  # as if it had admitted its share of each step
-    self._watcher = threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks",
-                                     daemon=True)
-    self._watcher.start()
+    threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks", daemon=True).start()
     return resume
 
   def _watch_asks(self) -> None:
