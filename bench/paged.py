@@ -51,7 +51,8 @@ _STEPS = flags.DEFINE_integer("steps_per_call", 8, "Decode steps per host round 
 _UPDATES = flags.DEFINE_integer("updates", 3, "In-flight updates timed per engine (spread over the run).")
 _RUNS = flags.DEFINE_integer("runs", 2, "Rounds of runs over all engines; each engine reports its fastest run.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for lengths, prompts and sampling.")
-_HIDDEN = flags.DEFINE_integer("hidden", 128, "Model width (layers 4, head_dim 32).")
+_HIDDEN = flags.DEFINE_integer("hidden", 128, "Model width (head_dim 32).")
+_LAYERS = flags.DEFINE_integer("layers", 4, "Model layers (30 at --hidden 576: SmolLM2-135M's shape of blocks).")
 _OUT = flags.DEFINE_string("out", str(Path(__file__).parent / "results" / "paged.json"), "JSON results path.")
 
 
@@ -162,7 +163,7 @@ def _warm(engine, params, vocab):
 def main(argv):
   del argv
   h = _HIDDEN.value
-  cfg, params = random_model(h, _MAX_LEN.value)
+  cfg, params = random_model(h, _MAX_LEN.value, _LAYERS.value)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   common = dict(max_len=_MAX_LEN.value, steps_per_call=_STEPS.value)
   budget_positions = _DENSE_SLOTS.value * _MAX_LEN.value
