@@ -93,6 +93,66 @@ def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(kv):
   assert len(set(np.asarray(after.tokens_SxK[0]).tolist())) > 1  # not a degenerate repetition
 
 
+def _paged(num_pages=None):
+  return Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
+                steps_per_call=4, min_bucket=8, rebuild_chunk=8, kv="paged", page_size=8, num_pages=num_pages)
+
+
+@pytest.fixture(scope="module")
+def paged_engines():
+  """A pool as large as the dense cache, and one of 10 pages (an episode may need 5): samples are preempted."""
+  return _paged(), _paged(num_pages=10)
+
+
+def _same_rollouts(a, b):
+  assert [(r.group_id, r.sample_index) for r in a] == [(r.group_id, r.sample_index) for r in b]
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
+    np.testing.assert_array_equal(x.versions, y.versions)
+    np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+    np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=2e-5)
+    assert x.meta["episode"] == y.meta["episode"] and x.finish_reason == y.finish_reason
+
+
+def _run_counted(eng, params, task, **kw):
+  """(rollouts, sampler, preemptions at an observation) of _run with a fresh sampler and driver."""
+  sampler = Sampler(eng, params, seed=5)
+  continued, at_observation = sampler._continue_episodes, []
+
+  def spy():
+    before = sampler.stats.preemptions
+    out = continued()
+    at_observation.append(sampler.stats.preemptions - before)
+    return out
+
+  sampler._continue_episodes = spy
+  rollouts = _run(sampler, task, Episodes(task, vocab_size=CFG.vocab_size), groups=5,
+                  sampling=SamplingParams(temperature=0.9), max_tokens=6, **kw)
+  if eng.kv == "paged":
+    assert sampler._pages.num_free == eng.num_pages and not any(sampler._pages.tables)  # every page came back
+  return rollouts, sampler, sum(at_observation)
+
+
+def test_paged_episodes_equal_dense_and_survive_preemption(engine, paged_engines):
+  """Episodes over a paged cache equal the dense engine's token for token across turns and an in-flight update.
+  Over a pool too small for every slot, samples (parked ones never) are preempted, and so is an episode whose
+  observation cannot grow its pages: every episode still comes out as with the large pool (same sampling keys,
+  same budgets), and every page returns to the pool."""
+  task = make_task("token_turns", seed=1, vocab_size=CFG.vocab_size)
+  old, new = _params(2), _params(3)
+  dense, _, _ = _run_counted(engine, old, task, update=(6, new))
+  paged, sampler, _ = _run_counted(paged_engines[0], old, task, update=(6, new))
+  assert sampler.stats.preemptions == 0
+  assert all(r.meta["episode"]["turns"] == 3 for r in dense)
+  assert {0, 1} <= {int(v) for r in dense for v in r.versions}  # episodes span the update
+  _same_rollouts(dense, paged)
+  # Without an update (preemption changes when a sample's tokens are drawn, hence under which weights).
+  large, _, _ = _run_counted(paged_engines[0], old, task)
+  small, sampler, at_observation = _run_counted(paged_engines[1], old, task)
+  assert sampler.stats.preemptions > at_observation > 0
+  _same_rollouts(large, small)
+
+
 def test_append_refuses_what_does_not_fit(engine):
   params = engine.place(_params(0), 0)
   state = engine.init_decode_state()
@@ -134,15 +194,21 @@ def _learner_logprobs(graphdef, params, sampling, batch):
   return token_logprobs(logits, batch.tokens_BxL, sampling)[0]
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.8, top_k=8), SamplingParams(top_p=0.7)], ids=str)
-def test_learner_logprobs_of_model_tokens_equal_the_sampler_across_turns_and_an_update(engine, sp):
-  """Weights change while episodes are parked or decoding (recompute): each model token's logprob under the
-  params of its version, recomputed by the learner over the whole episode, is the sampler's (ratio 1)."""
+@pytest.mark.parametrize("kv,sp", [("dense", SamplingParams(temperature=0.8, top_k=8)),
+                                   ("dense", SamplingParams(top_p=0.7)),
+                                   ("paged_small", SamplingParams(temperature=0.8, top_k=8))], ids=str)
+def test_learner_logprobs_of_model_tokens_equal_the_sampler_across_turns_and_an_update(engine, paged_engines, kv,
+                                                                                       sp):
+  """Weights change while episodes are parked or decoding (recompute; paged_small: samples preempted and
+  prefilled again, some across the update): each model token's logprob under the params of its version,
+  recomputed by the learner over the whole episode, is the sampler's (ratio 1)."""
   graphdef, _ = abstract_params(CFG)
   old, new = _params(2), _params(3)
   task = make_task("token_turns", seed=1, vocab_size=CFG.vocab_size)
   episodes = Episodes(task, vocab_size=CFG.vocab_size)
-  rollouts = _run(Sampler(engine, old, seed=5), task, episodes, groups=4, sampling=sp, update=(5, new))
+  sampler = Sampler(engine if kv == "dense" else paged_engines[1], old, seed=5)
+  rollouts = _run(sampler, task, episodes, groups=4, sampling=sp, update=(5, new))
+  assert (sampler.stats.preemptions > 0) == (kv == "paged_small")
   batch = make_batch(rollouts, 8, L)
   model = batch.loss_mask_BxL > 0
   versions = batch.versions_BxL

@@ -1,5 +1,6 @@
-"""Multi-turn episodes end to end on the tiny config (task token_turns): sync and pipeline both train them, every
-episode is accounted for, staleness stays bounded per model token, and the reward rises."""
+"""Multi-turn episodes end to end on the tiny config (task token_turns): sync and pipeline both train them (and
+pipeline over a paged KV cache), every episode is accounted for, staleness stays bounded per model token, and the
+reward rises."""
 
 import sys
 from pathlib import Path
@@ -18,9 +19,9 @@ EPISODES = {"task.name": "token_turns", "sampler.max_len": 64, "rl.seq_len": 64,
             "log.tensorboard": False, "log.progress": False, "eval.num_examples": 0}
 
 
-@pytest.mark.parametrize("mode, steps", [("sync", 3), ("pipeline", 8)])
-def test_multi_turn_episodes_train(tmp_path, mode, steps):
-  c = override(tiny.get_config(mode), **EPISODES, num_steps=steps)
+@pytest.mark.parametrize("mode, steps, kv", [("sync", 3, "dense"), ("pipeline", 8, "dense"), ("pipeline", 8, "paged")])
+def test_multi_turn_episodes_train(tmp_path, mode, steps, kv):
+  c = override(tiny.get_config(mode), **EPISODES, num_steps=steps, **{"sampler.kv": kv})
   summary = train(c, tmp_path)
   led = summary["ledger"]
   episodes = c.rl.group_size * c.rl.groups_per_step * steps

@@ -32,7 +32,7 @@ def check_ids(ids, vocab_size: int, what: str) -> None:
     raise ValueError(f"{what} ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
-def check_request(r: Request, engine, eos_token_ids: Sequence[int], detokenize: Callable | None, *, paged: bool
+def check_request(r: Request, engine, eos_token_ids: Sequence[int], detokenize: Callable | None
                   ) -> tuple[Request, np.ndarray, tuple[int, ...], tuple[int, ...]]:
   """(request, prompt int32, per-sample token budgets, stop ids incl. eos) of a request the engine can serve, or a
   ValueError naming what is wrong. A multi-turn request (meta "episode") takes its env's stops and budget."""
@@ -60,8 +60,6 @@ def check_request(r: Request, engine, eos_token_ids: Sequence[int], detokenize: 
     raise ValueError(f"group {r.group_id}: sampling must be a SamplingParams (got {type(r.sampling).__name__})")
   start = r.meta.get("episode")
   if start is not None:  # the env's stops end a model turn; the env's budget bounds the episode
-    if paged:
-      raise ValueError(f"group {r.group_id}: multi-turn episodes need a dense engine (kv='dense')")
     d = start.driver
     r = dataclasses.replace(r, stop_strings=(*r.stop_strings, *d.stop_strings),
                             stop_token_ids=(*r.stop_token_ids, *d.stop_token_ids))

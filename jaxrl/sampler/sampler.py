@@ -14,11 +14,15 @@ live sample cannot grow, the most recently admitted live sample is preempted: it
 with its tokens so far, to be prefilled again (prompt + completion) and continued with the same sampling keys.
 Each generate call is told how many slots are occupied, and a paged engine runs only that many rows.
 
-A request whose meta holds "episode" (a jaxrl.envs.episodes.EpisodeStart, dense engine) is a multi-turn episode:
-when a model turn ends (eos, a stop id or string of the env's, the turn's token budget), the slot is parked and
-its env steps on a thread pool while the other slots decode and free slots refill; then the observation's tokens
-are appended to the same slot (Engine.append) and the model's next turn decodes from there. The rollout's
-completion holds every turn and observation; observation tokens have loss mask 0, logprob 0 and version -1.
+A request whose meta holds "episode" (a jaxrl.envs.episodes.EpisodeStart) is a multi-turn episode: when a model
+turn ends (eos, a stop id or string of the env's, the turn's token budget), the slot is parked and its env steps on
+a thread pool while the other slots decode and free slots refill; then the observation's tokens are appended to
+the same slot (Engine.append, a chunked prefill at the slot's offset) and the model's next turn decodes from there.
+The rollout's completion holds every turn and observation; observation tokens have loss mask 0, logprob 0 and
+version -1. Paged, a parked slot keeps its pages and reserves none (it writes nothing until it continues, and is
+never preempted while its env works); the observation's pages are reserved before the append, and when the pool
+cannot hold them the episode itself is preempted with its observation: it is prefilled again (prompt, turns and
+observations so far) when pages free, and continues with the same sampling keys and budget.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class _Sample:
   episode: Any = None  # jaxrl.envs.episodes.Episode of a multi-turn sample
   turn: int = 0  # model turns started: results of a call dispatched in an earlier turn are stale
   reason: str = ""  # how the last model turn ended
+  limit: int | None = None  # multi-turn: the slot's budget of model tokens (over the episode) since its last append
 
   @property
   def pos(self) -> int:
@@ -168,8 +173,7 @@ class Sampler:
     self.submit_request(Request(prompt_tokens, group_id, n, meta=dict(meta or {}), **kw))
 
   def submit_request(self, r: Request) -> None:
-    r, prompt, max_new, stop_ids = check_request(r, self.engine, self.eos_token_ids, self.detokenize,
-                                                 paged=self._pages is not None)
+    r, prompt, max_new, stop_ids = check_request(r, self.engine, self.eos_token_ids, self.detokenize)
     key = jax.random.fold_in(self._key, int(r.group_id))
     self._waiting.append(_Group(r, prompt, key, max_new, stop_ids))
 
@@ -213,8 +217,8 @@ class Sampler:
     if self._pages is not None:
       self._grow()
     dispatched = None
-    if self._num_decoding() and not self._all_end_in_flight():
-      live = self.num_active  # every slot active on the device is occupied here (the host frees after the device)
+    live = self._num_decoding()  # every slot active on the device is decoding here (the host frees after it)
+    if live and not self._all_end_in_flight():
       self._state, result = self.engine.generate(self._params, self._state, live)
       dispatched = _InFlight(result, list(self._slots), [s.turn if s else 0 for s in self._slots])
       self.stats.decode_calls += 1
@@ -319,15 +323,19 @@ class Sampler:
       raise OutOfPages(f"{need} pages needed, {self._pages.num_free} free")
     prefix = self.engine.prefill(self._params, tokens)
     self.stats.prefills += 1
-    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling,
-                                         g.max_new[sample.index], g.stop_ids)
-    self._insert(slot, prefix, settings, None, len(sample.tokens))
+    # Sampling keys and budgets count model tokens (an episode's observations are not drawn).
+    generated = len(sample.tokens) - (sample.episode.observed_tokens if sample.episode is not None else 0)
+    limit = g.max_new[sample.index] if sample.limit is None else sample.limit
+    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling, limit, g.stop_ids)
+    self._insert(slot, prefix, settings, None, generated)
     sample.admitted = self._admissions
     self._slots[slot] = sample
 
   def _grow(self) -> None:
-    """Reserves pages for what the next call may write; preempts the latest admitted samples when they run out."""
-    live = sorted((i for i, s in enumerate(self._slots) if s is not None), key=lambda i: self._slots[i].admitted)
+    """Reserves pages for what the next call may write; preempts the latest admitted samples when they run out.
+    Slots parked for their env write nothing meanwhile: they reserve nothing here and are never preempted."""
+    live = sorted((i for i, s in enumerate(self._slots) if s is not None and not self._parked(s)),
+                  key=lambda i: self._slots[i].admitted)
     victims, grown = self._pages.reserve_or_preempt([(i, self._horizon(self._slots[i].pos)) for i in live])
     for victim in victims:
       self._preempted.append(self._slots[victim])
@@ -391,9 +399,14 @@ class Sampler:
         return end
     return None
 
+  @staticmethod
+  def _parked(s: _Sample) -> bool:
+    """A multi-turn sample whose env is working on its last turn (inactive on the device)."""
+    return s.episode is not None and s.episode.future is not None
+
   def _num_decoding(self) -> int:
     """Live slots not waiting for their env."""
-    return sum(s is not None and (s.episode is None or s.episode.future is None) for s in self._slots)
+    return sum(s is not None and not self._parked(s) for s in self._slots)
 
   def _end_turn(self, sample: _Sample, reason: str) -> None:
     """Parks a multi-turn sample whose model turn ended: its env steps on the turn meanwhile."""
@@ -424,8 +437,18 @@ class Sampler:
       s.versions += [-1] * len(tokens)
       ep.turn_start, s.turn = len(s.tokens), s.turn + 1
       budget = min(s.group.max_new[s.index], driver.max_tokens - len(s.tokens))
-      self._state = self.engine.append(self._params, self._state, slot, tokens, pos, generated + budget)
+      s.limit = generated + budget
       self.stats.observed_tokens += len(tokens)
+      if self._pages is not None:
+        try:  # the observation's positions and what the next calls may write
+          if self._pages.reserve(slot, self._horizon(pos + len(tokens))):
+            self._state = self.engine.set_tables(self._state, self._pages.table_SxM())
+        except OutOfPages:  # continued later by a prefill of the whole episode so far (see _resume)
+          self._free(slot)
+          self._preempted.appendleft(s)
+          self.stats.preemptions += 1
+          continue
+      self._state = self.engine.append(self._params, self._state, slot, tokens, pos, s.limit)
     return finished
 
   def _wait_for_envs(self) -> None:
