@@ -37,10 +37,14 @@ def _params(seed, scale=0.08):
   return jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
+def _engine(**kw):
+  return Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
+                steps_per_call=4, min_bucket=8, rebuild_chunk=8, **kw)
+
+
 @pytest.fixture(scope="module")
 def engine():
-  return Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
-                steps_per_call=4, min_bucket=8, rebuild_chunk=8)
+  return _engine()
 
 
 def _run(sampler, task, episodes, groups, n=2, sampling=None, max_tokens=6, update=None):
@@ -93,15 +97,10 @@ def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(kv):
   assert len(set(np.asarray(after.tokens_SxK[0]).tolist())) > 1  # not a degenerate repetition
 
 
-def _paged(num_pages=None):
-  return Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
-                steps_per_call=4, min_bucket=8, rebuild_chunk=8, kv="paged", page_size=8, num_pages=num_pages)
-
-
 @pytest.fixture(scope="module")
 def paged_engines():
   """A pool as large as the dense cache, and one of 10 pages (an episode may need 5): samples are preempted."""
-  return _paged(), _paged(num_pages=10)
+  return _engine(kv="paged", page_size=8), _engine(kv="paged", page_size=8, num_pages=10)
 
 
 def _same_rollouts(a, b):

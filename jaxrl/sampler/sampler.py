@@ -73,7 +73,6 @@ class _Sample:
   episode: Any = None  # jaxrl.envs.episodes.Episode of a multi-turn sample
   turn: int = 0  # model turns started: results of a call dispatched in an earlier turn are stale
   reason: str = ""  # how the last model turn ended
-  limit: int | None = None  # multi-turn: the slot's budget of model tokens (over the episode) since its last append
 
   @property
   def pos(self) -> int:
@@ -323,11 +322,9 @@ class Sampler:
       raise OutOfPages(f"{need} pages needed, {self._pages.num_free} free")
     prefix = self.engine.prefill(self._params, tokens)
     self.stats.prefills += 1
-    # Sampling keys and budgets count model tokens (an episode's observations are not drawn).
-    generated = len(sample.tokens) - (sample.episode.observed_tokens if sample.episode is not None else 0)
-    limit = g.max_new[sample.index] if sample.limit is None else sample.limit
+    drawn, limit = self._budget(sample)
     settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling, limit, g.stop_ids)
-    self._insert(slot, prefix, settings, None, generated)
+    self._insert(slot, prefix, settings, None, drawn)
     sample.admitted = self._admissions
     self._slots[slot] = sample
 
@@ -400,6 +397,18 @@ class Sampler:
     return None
 
   @staticmethod
+  def _budget(s: _Sample) -> tuple[int, int]:
+    """(model tokens drawn so far, the slot's max_new): sampling keys and budgets count model tokens only (an
+    episode's observations are not drawn); a model turn may draw the sample's max_new tokens, within the env's
+    budget for the whole episode."""
+    g, ep = s.group, s.episode
+    if ep is None:
+      return len(s.tokens), g.max_new[s.index]
+    drawn_before_turn = ep.turn_start - ep.observed_tokens
+    turn = min(g.max_new[s.index], g.request.meta["episode"].driver.max_tokens - ep.turn_start)
+    return len(s.tokens) - ep.observed_tokens, drawn_before_turn + turn
+
+  @staticmethod
   def _parked(s: _Sample) -> bool:
     """A multi-turn sample whose env is working on its last turn (inactive on the device)."""
     return s.episode is not None and s.episode.future is not None
@@ -430,14 +439,11 @@ class Sampler:
         finished.append(self._rollout(s, s.reason))
         self._free(slot)
         continue
-      generated = len(s.tokens) - ep.observed_tokens
       ep.observed.append((len(s.tokens), len(s.tokens) + len(tokens)))
       s.tokens += tokens
       s.logprobs += [0.0] * len(tokens)
       s.versions += [-1] * len(tokens)
       ep.turn_start, s.turn = len(s.tokens), s.turn + 1
-      budget = min(s.group.max_new[s.index], driver.max_tokens - len(s.tokens))
-      s.limit = generated + budget
       self.stats.observed_tokens += len(tokens)
       if self._pages is not None:
         try:  # the observation's positions and what the next calls may write
@@ -448,7 +454,7 @@ class Sampler:
           self._preempted.appendleft(s)
           self.stats.preemptions += 1
           continue
-      self._state = self.engine.append(self._params, self._state, slot, tokens, pos, s.limit)
+      self._state = self.engine.append(self._params, self._state, slot, tokens, pos, self._budget(s)[1])
     return finished
 
   def _wait_for_envs(self) -> None:
