@@ -28,6 +28,19 @@ def merge_ledgers(learner: dict, samplers: Sequence[dict]) -> dict:
   return ledger
 
 
+def merge_episode_stats(parts: Sequence[dict]) -> dict:
+  """The job's episode counts (Episodes.stats) from every sampler process's own: counts and seconds add up."""
+  out: dict[str, Any] = {"episodes": 0, "ends": {}, "env_steps": 0, "env_failures": {}, "env_seconds": 0.0}
+  for part in parts:
+    for key in ("episodes", "env_steps", "env_seconds"):
+      out[key] += part[key]
+    for key in ("ends", "env_failures"):
+      for name, n in part[key].items():
+        out[key][name] = out[key].get(name, 0) + n
+  out["env_seconds"] = round(out["env_seconds"], 3)
+  return out
+
+
 def run_summary(mode: str, *, version: int, ledger: dict, staleness: Sequence[int], samples_in_flight: int,
                 busy: dict, resumed_from: int | None, stopped_by: str | None = None, **extra) -> dict[str, Any]:
   """What a run did: steps, its ledger and length bias, the samples still in flight, the trained staleness, the

@@ -97,8 +97,10 @@ class SamplerProcess:
   def summary(self) -> dict[str, Any]:
     coord, loop = self.coord, self.loop
     newest = self.received.take_newer(-1)
+    episodes = getattr(self.score, "episodes", None)  # a multi-turn env task's counts
     return {"process": coord.topology.process_id, "role": coord.topology.name(coord.topology.process_id),
             "ledger": coord.ledger.to_json(), "samples_in_flight": loop.samples_in_flight() if loop else 0,
             "busy": {"sampler": loop.busy if loop else 0.0}, "stopped_by": coord.store.try_get("stopped_by"),
             "sampler_version": newest.version if newest is not None else None,  # the newest params received
-            "generated_tokens": loop.sampler.stats.generated_tokens if loop is not None else 0, **self.evals}
+            "generated_tokens": loop.sampler.stats.generated_tokens if loop is not None else 0, **self.evals,
+            **({"episodes": episodes.stats()} if episodes is not None else {})}

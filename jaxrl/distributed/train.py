@@ -165,7 +165,8 @@ def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str
       resumed_from=learner.get("resumed_from"), stopped_by=learner.get("stopped_by") or None,
       num_processes=len(parts), learner_processes=list(topology.learner_processes),
       sampler_processes=list(topology.sampler_processes), sampler_versions=[s["sampler_version"] for s in samplers],
-      **evals)
+      **evals, **({"episodes": summary_lib.merge_episode_stats([s["episodes"] for s in samplers])}
+                  if "episodes" in samplers[0] else {}))
 
 
 def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
