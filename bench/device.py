@@ -9,8 +9,9 @@ steady pipeline sampler; the dense engine has --dense_slots slots of --max_len p
 the same bytes and as many slots as the pool holds at the workload's live lengths (capped at --paged_slots).
 Reported per engine: live sequences, tokens/s (median of --calls generate calls of --steps_per_call steps) and
 the roofline: live sequences / ((weight bytes + KV bytes the step must read) / measured HBM bandwidth), where
-the KV bytes are the live tokens (what a ragged kernel reads). The HBM bandwidth is measured in the same run (a
-large on-device copy). JSON to --out.
+the KV bytes are the live tokens (what a ragged kernel reads). The paged engine runs twice: with its default
+attention (on a GPU the Pallas paged-attention kernel, reading the pool in place) and with the XLA path. The HBM
+bandwidth is measured in the same run (a large on-device copy). JSON to --out.
 """
 
 from __future__ import annotations
@@ -132,8 +133,11 @@ def main(argv):
   common = dict(max_len=max_len, steps_per_call=steps, dtype="bfloat16")
   engines = {"dense": Engine(cfg, mesh, max_slots=z["dense_slots"], **common),
              # Every slot is live in these calls: one program of paged_slots rows (no smaller row buckets to compile).
-             "paged": Engine(cfg, mesh, max_slots=paged_slots, kv="paged", page_size=z["page_size"], num_pages=pool,
-                             row_buckets=(), **common)}
+             # The paged engine's attention: "auto" is the Pallas paged-attention kernel on a GPU, "xla" the ragged
+             # XLA path (the CPU's) on the same pool.
+             **{name: Engine(cfg, mesh, max_slots=paged_slots, kv="paged", page_size=z["page_size"], num_pages=pool,
+                             row_buckets=(), attention=attention, **common)
+                for name, attention in (("paged", "auto"), ("paged_xla", "xla"))}}
   bandwidth = hbm_bandwidth(2**24 if _DRY.value else 2**31)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
@@ -148,12 +152,15 @@ def main(argv):
     step_bytes = weight_bytes + kv_per_token * r["mean_live_tokens"] * r["live"]
     r["roofline_tokens_per_s"] = round(r["live"] * bandwidth / step_bytes, 1)
     r["of_roofline"] = round(r["tokens_per_s"] / r["roofline_tokens_per_s"], 3)
+    r["attention"] = engine.attention
     report[name] = r
-    print(f"{name:<6} slots {n:>4}  tokens/s {r['tokens_per_s']:>10,.0f}  roofline {r['roofline_tokens_per_s']:>10,.0f}"
+    print(f"{name:<9} slots {n:>4}  tokens/s {r['tokens_per_s']:>10,.0f}  roofline {r['roofline_tokens_per_s']:>10,.0f}"
           f"  ({r['of_roofline']:.0%})", flush=True)
     del placed
   report["paged_over_dense"] = round(report["paged"]["tokens_per_s"] / report["dense"]["tokens_per_s"], 2)
-  print(f"HBM {bandwidth / 1e9:,.0f} GB/s measured; paged / dense tokens/s = {report['paged_over_dense']}x")
+  report["kernel_over_xla"] = round(report["paged"]["tokens_per_s"] / report["paged_xla"]["tokens_per_s"], 2)
+  print(f"HBM {bandwidth / 1e9:,.0f} GB/s measured; paged / dense tokens/s = {report['paged_over_dense']}x; paged "
+        f"attention {report['paged']['attention']} / xla = {report['kernel_over_xla']}x")
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   Path(_OUT.value).write_text(json.dumps(report, indent=2) + "\n")
 

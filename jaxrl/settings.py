@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
 KV_LAYOUTS = ("dense", "paged")
+DECODE_ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")  # paged decode attention (kernels.paged_attention)
 TRAIN_ATTENTION = ("reference", "chunked", "cudnn", "splash")  # learner attention implementations
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
@@ -119,6 +120,8 @@ SETTINGS = (
     Choice("sampler.kv", "dense", KV_LAYOUTS, 'KV cache: "dense" (max_len per slot) or "paged" (a page pool shared '
            "by the slots)"),
     Int("sampler.page_size", 16, 1, "paged: positions per page (must divide max_len)"),
+    Choice("sampler.attention", "auto", DECODE_ATTENTION, 'paged: decode attention ("auto": the Pallas kernel on '
+           "a GPU or TPU sampler of one device, XLA otherwise)"),
     Int("sampler.num_pages", 0, 0, "paged: pages in the pool; 0: the dense cache's memory (max_slots * max_len / "
         "page_size)"),
     # Benchmarks only (jaxrl/sampler/forced.py): median > 0 forces group g's completion length, lognormal from

@@ -25,6 +25,8 @@ def test_device_script_dry_run_writes_dense_vs_paged_against_the_roofline(tmp_pa
     assert r["live"] == r["slots"] and r["tokens_per_s"] > 0
     assert 0 < r["of_roofline"] == round(r["tokens_per_s"] / r["roofline_tokens_per_s"], 3)
   assert "paged / dense tokens/s" in run.stdout
+  # The paged engine's attention on the CPU is the XLA path either way (on a GPU, "auto" is the Pallas kernel).
+  assert paged["attention"] == report["paged_xla"]["attention"] == "xla" and report["kernel_over_xla"] > 0
 
 
 def test_device_script_refuses_to_run_full_size_without_a_gpu(tmp_path):

@@ -1,5 +1,6 @@
-"""Paged decode attention: XLA reference vs the dense cache and a masked softmax; Pallas GPU kernel in interpret
-mode vs the reference (bf16 tolerance); the Pallas TPU kernel lowers for a TPU target from the CPU."""
+"""Paged decode attention: XLA reference vs the dense cache and a masked softmax, in both pool layouts; the Pallas
+GPU and TPU kernels in interpret mode vs the reference (bf16 tolerance), reading one layer of the stacked pool in
+place; the TPU kernel lowers for a TPU target from the CPU."""
 
 import jax
 import jax.numpy as jnp
@@ -47,21 +48,48 @@ def test_reference_reads_only_the_live_blocks_of_pages():
   np.testing.assert_allclose(out, expected, atol=2e-6)
 
 
-def test_pallas_gpu_kernel_in_interpret_mode_equals_the_reference():
-  q, k, v, table, positions = (jnp.asarray(x) for x in _case(3, num_rows=2, pages_per_row=4))
-  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+def _kernel_layout(x_NxPxZxKxD):
+  return np.ascontiguousarray(np.moveaxis(np.asarray(x_NxPxZxKxD), 3, 0))  # [K, N, P, Z, D]
+
+
+@pytest.mark.parametrize("num_queries, rows", [(1, 3), (2, 6), (3, 16)])
+def test_kernel_layout_reference_equals_the_xla_layout_bit_for_bit(num_queries, rows):
+  q, k, v, table, positions = _case(num_queries + rows, num_rows=rows, pages_per_row=min(5, P // rows),
+                                    num_queries=num_queries)
+  xla = jax.jit(lambda *a: paged_attention(*a, block=8))(q, k, v, 1, table, positions)
+  kernels = jax.jit(lambda *a: paged_attention(*a, block=8, layout="KNPZD"))(q, _kernel_layout(k),
+                                                                               _kernel_layout(v), 1, table, positions)
+  np.testing.assert_array_equal(np.asarray(kernels), np.asarray(xla))
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_pallas_kernel_in_interpret_mode_equals_the_reference(impl):
+  """Every layer's pool side by side ([K, N * P, Z, D]); layer 1 is read through page ids offset by P."""
+  q, k, v, table, positions = _case(3, num_rows=2, pages_per_row=4, head_dim=128 if impl == "pallas_tpu" else D)
+  q = q * q.shape[-1] ** -0.5  # attention logits of the scale a model's have (bf16 products stay accurate)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  table[1, 3] = P  # an unused entry
   ref = paged_attention(q, k, v, 1, table, positions)
-  out = paged_attention(q, k, v, 1, table, positions, impl="pallas_gpu", interpret=True)
+  out = paged_attention(q, jnp.asarray(_kernel_layout(k)), jnp.asarray(_kernel_layout(v)), 1, table, positions,
+                        impl=impl, interpret=True, layout="KNPZD")
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+  other = paged_attention(q, k, v, 0, table, positions)  # layer 0's keys give other numbers: the offset matters
+  assert not np.allclose(np.asarray(out, np.float32), np.asarray(other, np.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_kernels_need_the_kernel_layout():
+  q, k, v, table, positions = _case(0)
+  with pytest.raises(ValueError, match="kernels' layout 'KNPZD'"):
+    paged_attention(q, k, v, 0, table, positions, impl="pallas_gpu")
 
 
 def test_pallas_tpu_kernel_lowers_for_a_tpu_target():
   sd = jax.ShapeDtypeStruct
-  f = jax.jit(lambda q, k, v, t, p: paged_attention(q, k, v, 1, t, p, impl="pallas_tpu"))
+  f = jax.jit(lambda q, k, v, t, p: paged_attention(q, k, v, 1, t, p, impl="pallas_tpu", layout="KNPZD"))
   device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device)):
-    lowered = f.trace(sd((4, 1, 2, 4, 128), jnp.bfloat16), sd((2, 32, 16, 2, 128), jnp.bfloat16),
-                      sd((2, 32, 16, 2, 128), jnp.bfloat16), sd((4, 8), jnp.int32),
+    lowered = f.trace(sd((4, 1, 2, 4, 128), jnp.bfloat16), sd((2, 3, 32, 16, 128), jnp.bfloat16),
+                      sd((2, 3, 32, 16, 128), jnp.bfloat16), sd((4, 8), jnp.int32),
                       sd((4, 1), jnp.int32)).lower(lowering_platforms=("tpu",))
   assert "tpu_custom_call" in lowered.as_text()
 
@@ -77,3 +105,27 @@ def test_ragged_row_groups_equal_the_reference():
   ragged = jax.jit(lambda *a: paged_attention(*a, block=8, rows_per_group=2))(q, k, v, 1, table, positions)
   plain = jax.jit(lambda *a: paged_attention(*a, block=8, rows_per_group=6))(q, k, v, 1, table, positions)
   np.testing.assert_allclose(np.asarray(ragged), np.asarray(plain), atol=1e-6)
+
+
+def test_decode_step_with_the_tpu_kernel_lowers_for_a_tpu_target():
+  """The decoder's cached step over a pool in the kernels' layout: every layer of the scan calls the kernel on the
+  whole stacked pool (a reshape, its layer a page offset)."""
+  import dataclasses
+
+  from jaxrl.models import ModelConfig, PagedKVCache, forward_cached
+  from jaxrl.models.hf import abstract_params
+
+  cfg = dataclasses.replace(ModelConfig.tiny(), head_dim=128, dtype="bfloat16", param_dtype="bfloat16")
+  graphdef, abstract = abstract_params(cfg)
+  sd = jax.ShapeDtypeStruct
+  rows, pages, per_row = 8, 64, 8
+  pool = sd((cfg.num_kv_heads, cfg.num_layers, pages, 16, cfg.head_dim), jnp.bfloat16)
+  cache = PagedKVCache(pool, pool, sd((rows, per_row), jnp.int32), sd((rows,), jnp.int32), layout="KNPZD",
+                       attention="pallas_tpu")
+  device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device)):
+    lowered = jax.jit(forward_cached, static_argnums=0).trace(
+        graphdef, abstract, sd((rows, 1), jnp.int32), sd((rows, 1), jnp.int32), cache).lower(
+        lowering_platforms=("tpu",))
+  text = lowered.as_text()
+  assert text.count("tpu_custom_call") == 1 and "stablehlo.while" in text  # one kernel, inside the layer loop

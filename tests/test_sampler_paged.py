@@ -33,11 +33,11 @@ def engines():
   return make(), make(kv="paged", page_size=PAGE), make(kv="paged", page_size=PAGE, num_pages=14, row_buckets=(1, 2))
 
 
-def _groups(sampler, seed=1, groups=5, n=3):
+def _groups(sampler, seed=1, groups=5, n=3, sampling=SP):
   rng = np.random.default_rng(seed)
   for g in range(groups):
     prompt = rng.integers(2, CFG.vocab_size, rng.integers(3, 14)).tolist()
-    sampler.submit(prompt, group_id=g, n=n, max_tokens=int(rng.integers(5, 30)), sampling=SP)
+    sampler.submit(prompt, group_id=g, n=n, max_tokens=int(rng.integers(5, 30)), sampling=sampling)
 
 
 def _run(engine, params, seed=1, **kw):
@@ -100,13 +100,13 @@ def test_samples_never_write_the_shared_prompt_pages(model, engines):
   shared = tables[0][:3]
   assert all(t[:3] == shared for t in tables) and len({t[3] for t in tables}) == 3
   assert list(sampler._pages.num_shared_S[:3]) == [3, 3, 3]
-  before = np.asarray(sampler._state.cache.k_NxPxZxKxD)
+  before = np.asarray(sampler._state.cache.k_pages)
   prefix = paged.prefill(sampler._params, prompt)
   expected = np.asarray(prefix.cache.k_NxSxTxKxD)[:, 0, :12].reshape(CFG.num_layers, 3, PAGE, *before.shape[3:])
   np.testing.assert_array_equal(before[:, shared], expected)
   sampler.step()
   sampler.step()
-  after = np.asarray(sampler._state.cache.k_NxPxZxKxD)
+  after = np.asarray(sampler._state.cache.k_pages)
   np.testing.assert_array_equal(after[:, shared], before[:, shared])
   assert all(not np.array_equal(after[:, t[4]], before[:, t[4]]) for t in tables)  # private pages did change
 
@@ -226,3 +226,53 @@ def test_config_selects_the_paged_cache():
     config_lib.validate(config_lib.override(c, **{"sampler.page_size": 5}))
   with pytest.raises(config_lib.ConfigError, match="sampler.kv='ragged'; allowed"):
     config_lib.validate(config_lib.override(c, **{"sampler.kv": "ragged"}))
+
+
+@pytest.mark.parametrize("attention", ["pallas_gpu", "pallas_tpu"])
+def test_engine_with_a_pallas_kernel(model, attention):
+  """The paged engine decoding through a Pallas kernel (interpret mode on CPU), its pool in the kernels' layout;
+  chunks (prefill, the rebuild after an in-flight update) take the XLA path over that layout. GPU: the XLA engine's
+  samples token for token. TPU: the kernel reads keys and values in bfloat16 (its design), so samples drift from
+  a float32 engine's; each token's logprob is still its own distribution's (the full forward, bf16 tolerance)."""
+  _, params, new_params = model
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  cfg = dataclasses.replace(CFG, head_dim=128) if attention == "pallas_tpu" else CFG  # the TPU kernel's lanes
+  graphdef, abstract = abstract_params(cfg)
+  if cfg is not CFG:
+    params, new_params = (_random_params(abstract, seed) for seed in (0, 1))
+  make = lambda **kw: Engine(cfg, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
+                             page_size=PAGE, **kw)
+  engines = {"xla": make(attention="xla"), attention: make(attention=attention, interpret=True)}
+  assert (engines["xla"].layout, engines[attention].layout) == ("NPZKD", "KNPZD")
+  results = {}
+  for name in (attention,) if attention == "pallas_tpu" else ("xla", attention):
+    sampler = Sampler(engines[name], params, seed=0, eos_token_ids=())
+    # (TPU: no top-k, whose support a bf16 logit can flip at its boundary; the logprobs are compared below.)
+    _groups(sampler, groups=3, seed=4, sampling=SamplingParams(temperature=1.0) if name == "pallas_tpu" else SP)
+    first = sampler.step() + sampler.step()
+    sampler.update_params(new_params, version=1)  # live samples are rebuilt on the new weights (chunks: XLA path)
+    results[name] = {**{(r.group_id, r.sample_index): r for r in first}, **_drain(sampler)}
+    assert sampler.stats.rebuilds == 1 and sampler._pages.num_free == sampler.engine.num_pages
+  got = results[attention]
+  assert sorted(got) == [(g, i) for g in range(3) for i in range(3)]
+  assert any(set(r.versions.tolist()) == {0, 1} for r in got.values())
+  if attention == "pallas_tpu":
+    for r in got.values():
+      _check_logprobs_match_forward((graphdef, params, new_params), r, atol=2e-2)
+    return
+  for k, r in results["xla"].items():
+    np.testing.assert_array_equal(got[k].completion_tokens, r.completion_tokens)
+    np.testing.assert_array_equal(got[k].versions, r.versions)
+    np.testing.assert_allclose(got[k].logprobs, r.logprobs, atol=1e-5)
+
+
+def test_engine_attention_is_checked():
+  mesh = make_mesh({"data": 2}, jax.devices()[:2])
+  with pytest.raises(ValueError, match="one of"):
+    Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="cuda")
+  with pytest.raises(ValueError, match="kv='paged'"):
+    Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, attention="pallas_gpu")
+  with pytest.raises(ValueError, match="one device"):
+    Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="pallas_tpu")
+  auto = Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE)
+  assert auto.attention == "xla" and auto.layout == "NPZKD"  # on CPU

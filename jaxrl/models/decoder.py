@@ -31,24 +31,66 @@ class KVCache:
     return self.k_NxSxTxKxD.shape[2]
 
 
+PAGED_LAYOUTS = ("NPZKD", "KNPZD")
+
+
 @flax.struct.dataclass
 class PagedKVCache:
   """Keys and values of every layer in a pool of pages: row s's position t is entry t % Z of page
   table_SxM[s, t // Z] (Z positions per page). Rows write only positions < write_end_S; other writes (idle
-  slots, padding of a rebuild chunk) are dropped, so a row never touches a page it was not given for writing."""
+  slots, padding of a rebuild chunk) are dropped, so a row never touches a page it was not given for writing.
 
-  k_NxPxZxKxD: jax.Array
-  v_NxPxZxKxD: jax.Array
+  layout of k_pages / v_pages: "NPZKD" ([N, P, Z, K, D], the XLA path's) or "KNPZD" ([K, N, P, Z, D], the Pallas
+  decode kernels': their [K, pages, Z, D] pool with every layer's pages side by side, so a layer is a page offset,
+  never a copy). attention: the decode attention (kernels.paged_attention's impl; queries of a prefill chunk always
+  take the XLA path over the same layout), interpret: Pallas interpret mode (tests on CPU)."""
+
+  k_pages: jax.Array
+  v_pages: jax.Array
   table_SxM: jax.Array  # int32; unused entries = the pool size P
   write_end_S: jax.Array  # int32
+  layout: str = flax.struct.field(pytree_node=False, default="NPZKD")
+  attention: str = flax.struct.field(pytree_node=False, default="xla")
+  interpret: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[2 if self.layout == "KNPZD" else 1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[3 if self.layout == "KNPZD" else 2]
+
+  def write(self, layer, page_SxC, offset_SxC, k_SxCxKxD, v_SxCxKxD) -> PagedKVCache:
+    """This layer's keys/values of each row's queries at (page, offset); page ids >= P are dropped."""
+    if self.layout == "NPZKD":
+      at, put = (layer, page_SxC, offset_SxC), lambda x: x
+    else:  # the advanced indices are adjacent: the [S, C] block stays in place, after the leading K
+      at, put = (slice(None), layer, page_SxC, offset_SxC), lambda x: jnp.moveaxis(x, 2, 0)
+    return self.replace(k_pages=self.k_pages.at[at].set(put(k_SxCxKxD).astype(self.k_pages.dtype), mode="drop"),
+                        v_pages=self.v_pages.at[at].set(put(v_SxCxKxD).astype(self.v_pages.dtype), mode="drop"))
+
+  def write_pages(self, dest_W, k_NxWxZxKxD, v_NxWxZxKxD) -> PagedKVCache:
+    """Whole pages of every layer into the pages dest_W lists (ids >= P are dropped)."""
+    if self.layout == "NPZKD":
+      at, put = (slice(None), dest_W), lambda x: x
+    else:
+      at, put = (slice(None), slice(None), dest_W), lambda x: jnp.moveaxis(x, 3, 0)
+    return self.replace(k_pages=self.k_pages.at[at].set(put(k_NxWxZxKxD).astype(self.k_pages.dtype), mode="drop"),
+                        v_pages=self.v_pages.at[at].set(put(v_NxWxZxKxD).astype(self.v_pages.dtype), mode="drop"))
 
 
 def init_paged_cache(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_row: int,
-                     dtype=None) -> PagedKVCache:
-  shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+                     dtype=None, *, layout: str = "NPZKD", attention: str = "xla",
+                     interpret: bool = False) -> PagedKVCache:
+  if layout not in PAGED_LAYOUTS:
+    raise ValueError(f"paged KV cache: layout must be one of {PAGED_LAYOUTS} (got {layout!r})")
+  n, k, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  shape = (n, num_pages, page_size, k, d) if layout == "NPZKD" else (k, n, num_pages, page_size, d)
   dtype = dtype or cfg.compute_dtype
   return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                      jnp.full((batch, pages_per_row), num_pages, jnp.int32), jnp.zeros((batch,), jnp.int32))
+                      jnp.full((batch, pages_per_row), num_pages, jnp.int32), jnp.zeros((batch,), jnp.int32),
+                      layout=layout, attention=attention, interpret=interpret)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -146,27 +188,28 @@ class Attention(nnx.Module):
     return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), None
 
   def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
-    """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part."""
-    k_cache, v_cache, layer, paging = cache_kv
+    """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part.
+    cache_kv: (k, v, layer) of a dense cache, or (PagedKVCache, layer)."""
     s, c, kh, g, d = q_SxCxKxGxD.shape
-    if paging is None:
+    if len(cache_kv) == 3:
+      k_cache, v_cache, layer = cache_kv
       at = (layer, jnp.arange(s)[:, None], positions_SxC)  # positions past the cache (rebuild's last chunk) drop
+      k_cache = k_cache.at[at].set(k_SxCxKxD.astype(k_cache.dtype), mode="drop")
+      v_cache = v_cache.at[at].set(v_SxCxKxD.astype(v_cache.dtype), mode="drop")
+      out, new_cache = cached_attention(q_SxCxKxGxD, k_cache, v_cache, layer, positions_SxC), (k_cache, v_cache)
     else:
-      table_SxM, write_end_S = paging
-      num_pages, z = k_cache.shape[1:3]
+      pool, layer = cache_kv
+      table_SxM, z = pool.table_SxM, pool.page_size
       index_SxC = positions_SxC // z
       page_SxC = jnp.take_along_axis(table_SxM, jnp.minimum(index_SxC, table_SxM.shape[1] - 1), axis=1)
-      writes = (positions_SxC < write_end_S[:, None]) & (index_SxC < table_SxM.shape[1])
-      at = (layer, jnp.where(writes, page_SxC, num_pages), positions_SxC % z)
-    k_cache = k_cache.at[at].set(k_SxCxKxD.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[at].set(v_SxCxKxD.astype(v_cache.dtype), mode="drop")
-    if paging is None:
-      out = cached_attention(q_SxCxKxGxD, k_cache, v_cache, layer, positions_SxC)
-    else:
-      out = paged_attention(q_SxCxKxGxD, k_cache, v_cache, layer, paging[0], positions_SxC)
+      writes = (positions_SxC < pool.write_end_S[:, None]) & (index_SxC < table_SxM.shape[1])
+      new_cache = pool.write(layer, jnp.where(writes, page_SxC, pool.num_pages), positions_SxC % z, k_SxCxKxD,
+                             v_SxCxKxD)
+      out = paged_attention(q_SxCxKxGxD, new_cache.k_pages, new_cache.v_pages, layer, table_SxM, positions_SxC,
+                            layout=pool.layout, impl=pool.attention, interpret=pool.interpret)
     out = out.reshape(s, c, kh * g, d)
     dt = q_SxCxKxGxD.dtype
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), (k_cache, v_cache)
+    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_cache
 
 
 class MLP(nnx.Module):
@@ -243,19 +286,20 @@ class Decoder(nnx.Module):
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
       # in place and no second cache-sized buffer exists.
-      paged = isinstance(cache, PagedKVCache)
-      paging = (cache.table_SxM, cache.write_end_S) if paged else None
+      if isinstance(cache, PagedKVCache):
+        carried, done = cache, lambda pool: pool
+      else:
+        carried, done = (cache.k_NxSxTxKxD, cache.v_NxSxTxKxD), lambda kv: KVCache(*kv)
 
       def cached_body(carry, layer_state):
-        x, k_cache, v_cache = carry
+        x, kv = carry
         layer, state = layer_state
-        x, (k_cache, v_cache) = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq,
-                                                           cache_kv=(k_cache, v_cache, layer, paging))
-        return (x, k_cache, v_cache), None
+        at = (kv, layer) if isinstance(kv, PagedKVCache) else (*kv, layer)
+        x, kv = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, cache_kv=at)
+        return (x, kv), None
 
-      kv = (cache.k_NxPxZxKxD, cache.v_NxPxZxKxD) if paged else (cache.k_NxSxTxKxD, cache.v_NxSxTxKxD)
-      (x, k_cache, v_cache), _ = jax.lax.scan(cached_body, (x, *kv), (jnp.arange(cfg.num_layers), stacked))
-      cache = cache.replace(k_NxPxZxKxD=k_cache, v_NxPxZxKxD=v_cache) if paged else KVCache(k_cache, v_cache)
+      (x, carried), _ = jax.lax.scan(cached_body, (x, carried), (jnp.arange(cfg.num_layers), stacked))
+      cache = done(carried)
     x = self.final_norm(x)
     if hidden and cache is None:
       return x

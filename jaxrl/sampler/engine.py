@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxrl.kernels.paged_attention import IMPLS as PAGED_ATTENTION
 from jaxrl.models import KVCache, ModelConfig, PagedKVCache, forward_cached, init_cache, init_paged_cache
 from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
@@ -49,7 +50,7 @@ class SlotSettings:
 
 @flax.struct.dataclass
 class DecodeState:
-  cache: KVCache | PagedKVCache  # [N, S, T, K, D] | [N, P, Z, K, D] pages + [S, M] tables
+  cache: KVCache | PagedKVCache  # [N, S, T, K, D] | a pool of pages ([N, P, Z, K, D] or [K, N, P, Z, D]) + tables
   tokens_SxT: jax.Array  # int32, prompt then completion
   pos_S: jax.Array  # int32, position of the last token (its logits are computed next)
   active_S: jax.Array  # bool
@@ -171,20 +172,40 @@ def _release(state: DecodeState, slot) -> DecodeState:
   return state.replace(active_S=state.active_S.at[slot].set(False))
 
 
+def _decode_attention(attention: str, kv: str, mesh) -> str:
+  """The paged decode attention an Engine runs (see Engine's attention)."""
+  if attention not in ("auto", *PAGED_ATTENTION):
+    raise ValueError(f"Engine: attention must be 'auto' or one of {PAGED_ATTENTION} (got {attention!r})")
+  platform, devices = mesh.devices.flat[0].platform, mesh.devices.size
+  if attention == "auto":
+    kernel = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
+    return kernel if kernel is not None and kv == "paged" and devices == 1 else "xla"
+  if attention != "xla" and kv != "paged":
+    raise ValueError(f"Engine: attention={attention!r} is a paged-cache kernel (kv='paged'; got kv={kv!r})")
+  if attention != "xla" and devices != 1:
+    raise ValueError(f"Engine: attention={attention!r} runs on a sampler mesh of one device (got {devices}): its "
+                     "custom call cannot be partitioned; use attention='xla' or one device per sampler replica")
+  return attention
+
+
 class Engine:
   """Prefill / insert / generate over `max_slots` decode slots of `max_len` tokens on the sampler mesh."""
 
   def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
                min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, dtype: str | None = None,
                kv: str = "dense", page_size: int = 16, num_pages: int | None = None, rebuild_rows: int = 8,
-               row_buckets=None, rules=SAMPLER_RULES):
+               row_buckets=None, attention: str = "auto", interpret: bool = False, rules=SAMPLER_RULES):
     """dtype: of the sampler's weights, activations and KV cache: "float32" | "bfloat16" | "auto" (bfloat16 on
     TPU/GPU, float32 on CPU, where XLA's float32 matmuls are exact and bfloat16 ones are not faster everywhere);
     None: cfg.dtype. kv: "dense" (max_len positions per slot) or "paged" (a pool of num_pages pages of page_size
     positions; None: as many as the dense cache holds, max_slots * max_len / page_size). A paged rebuild runs
     calls of rebuild_rows chunks of rebuild_chunk positions (a call's cost is fixed: small calls waste less).
     row_buckets (paged): the batch sizes a generate call may run at, over its live slots only (None: 8, 16, 32,
-    ... below max_slots; max_slots is always one); each is compiled once, all at the first generate call."""
+    ... below max_slots; max_slots is always one); each is compiled once, all at the first generate call.
+    attention (paged): the decode attention, "xla" | "pallas_gpu" | "pallas_tpu" (kernels.paged_attention) or
+    "auto": the backend's Pallas kernel on a GPU or TPU sampler of one device, "xla" otherwise (on CPU, and on a
+    sampler mesh of several devices, which a kernel's custom call cannot be partitioned over); a kernel keeps the
+    pool in its [K, N, P, Z, D] layout. interpret: run the kernel in Pallas interpret mode (tests on CPU)."""
     num_pages = max_slots * max_len // page_size if num_pages is None and page_size else num_pages
     for name, value in (("max_slots", max_slots), ("max_len", max_len), ("steps_per_call", steps_per_call),
                         ("min_bucket", min_bucket), ("max_stop_ids", max_stop_ids), ("rebuild_chunk", rebuild_chunk),
@@ -200,6 +221,8 @@ class Engine:
     if kv == "paged" and num_pages < max_len // page_size:
       raise ValueError(f"Engine: num_pages={num_pages} cannot hold one sample of max_len={max_len} "
                        f"({max_len // page_size} pages of {page_size})")
+    self.attention = _decode_attention(attention, kv, mesh)
+    self.interpret = bool(interpret)
     self.row_buckets = paged.row_buckets(row_buckets, max_slots, kv)
     self.kv, self.page_size, self.num_pages = kv, page_size, num_pages
     self.pages_per_slot = max_len // page_size
@@ -267,9 +290,21 @@ class Engine:
     mat = self._named("batch", None, rows=rows)
     cache = self._kv_sharding()
     if self.kv == "paged":  # the pool is not split by slot (any slot may own any page); heads still are
-      pages = self._named("layers", None, None, "kv_heads", "head_dim")
-      cache = PagedKVCache(pages, pages, mat, vec)
+      if self.layout == "NPZKD":
+        pages = self._named("layers", None, None, "kv_heads", "head_dim")
+      else:
+        pages = self._named("kv_heads", "layers", None, None, "head_dim")
+      cache = PagedKVCache(pages, pages, mat, vec, **self._paging)
     return DecodeState(cache, mat, vec, vec, vec, SlotSettings(mat, vec, vec, vec, vec, vec, mat))
+
+  @property
+  def layout(self) -> str:
+    """Of the paged pool: the Pallas kernels' [K, N, P, Z, D] when one runs, [N, P, Z, K, D] for XLA."""
+    return "NPZKD" if self.attention == "xla" else "KNPZD"
+
+  @property
+  def _paging(self) -> dict:
+    return dict(layout=self.layout, attention=self.attention, interpret=self.interpret)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -292,7 +327,7 @@ class Engine:
 
     def zeros():
       if self.kv == "paged":
-        cache = init_paged_cache(self.cfg, s, self.num_pages, self.page_size, self.pages_per_slot)
+        cache = init_paged_cache(self.cfg, s, self.num_pages, self.page_size, self.pages_per_slot, **self._paging)
       else:
         cache = init_cache(self.cfg, s, t)
       settings = SlotSettings(jnp.zeros((s, *key_shape), jnp.uint32), jnp.ones((s,), jnp.float32),

@@ -18,7 +18,7 @@ from jaxrl.models import PagedKVCache, forward_cached
 def write_prefix_pages(cache: PagedKVCache, prefix_cache, row_M, first, length) -> PagedKVCache:
   """Copies a prefilled prompt's pages [first, pages holding `length` positions) to the pages row_M lists."""
   n, _, bucket, k, d = prefix_cache.k_NxSxTxKxD.shape
-  num_pages, z = cache.k_NxPxZxKxD.shape[1:3]
+  num_pages, z = cache.num_pages, cache.page_size
   w = -(-bucket // z)
   index_W = jnp.arange(w)
   dest_W = jnp.where((index_W >= first) & (index_W * z < length), row_M[:w], num_pages)
@@ -26,15 +26,13 @@ def write_prefix_pages(cache: PagedKVCache, prefix_cache, row_M, first, length) 
   def pages(x_Nx1xTxKxD):
     return jnp.pad(x_Nx1xTxKxD[:, 0], ((0, 0), (0, w * z - bucket), (0, 0), (0, 0))).reshape(n, w, z, k, d)
 
-  return cache.replace(
-      k_NxPxZxKxD=cache.k_NxPxZxKxD.at[:, dest_W].set(pages(prefix_cache.k_NxSxTxKxD), mode="drop"),
-      v_NxPxZxKxD=cache.v_NxPxZxKxD.at[:, dest_W].set(pages(prefix_cache.v_NxSxTxKxD), mode="drop"))
+  return cache.write_pages(dest_W, pages(prefix_cache.k_NxSxTxKxD), pages(prefix_cache.v_NxSxTxKxD))
 
 
 def store_prefix(prefix, state, pages_M):
   """Writes a group's shared prompt pages once (pages_M: their ids, then the pool size)."""
-  shared = jnp.sum(pages_M < state.cache.k_NxPxZxKxD.shape[1])
-  z = state.cache.k_NxPxZxKxD.shape[2]
+  shared = jnp.sum(pages_M < state.cache.num_pages)
+  z = state.cache.page_size
   return state.replace(cache=write_prefix_pages(state.cache, prefix.cache, pages_M, 0, shared * z))
 
 
@@ -53,7 +51,7 @@ def rebuild_rows(graphdef, chunk, params, state, slot_R, start_R, end_R):
   tokens_RxC = state.tokens_SxT[slot_R[:, None], jnp.minimum(pos_RxC, max_len - 1)]
   view = state.cache.replace(table_SxM=state.cache.table_SxM[slot_R], write_end_S=end_R)
   _, view = forward_cached(graphdef, params, tokens_RxC, pos_RxC, view)
-  return state.replace(cache=state.cache.replace(k_NxPxZxKxD=view.k_NxPxZxKxD, v_NxPxZxKxD=view.v_NxPxZxKxD))
+  return state.replace(cache=state.cache.replace(k_pages=view.k_pages, v_pages=view.v_pages))
 
 
 def spans_to_rows(spans, chunk: int, rows: int):
@@ -100,7 +98,7 @@ def put_rows(state, sub, result, rows_R):
   num_slots = state.pos_S.shape[0]
   put = lambda full, part: full.at[rows_R].set(part, mode="drop")
   state = state.replace(
-      cache=state.cache.replace(k_NxPxZxKxD=sub.cache.k_NxPxZxKxD, v_NxPxZxKxD=sub.cache.v_NxPxZxKxD),
+      cache=state.cache.replace(k_pages=sub.cache.k_pages, v_pages=sub.cache.v_pages),
       tokens_SxT=put(state.tokens_SxT, sub.tokens_SxT), pos_S=put(state.pos_S, sub.pos_S),
       active_S=put(state.active_S, sub.active_S), num_generated_S=put(state.num_generated_S, sub.num_generated_S))
   full = lambda part: put(jnp.zeros((num_slots, *part.shape[1:]), part.dtype), part)
