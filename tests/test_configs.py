@@ -11,7 +11,7 @@ import pytest
 from jaxrl import config as config_lib
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_CONFIGS = ["tiny", "default"]
+TRAIN_CONFIGS = ["tiny", "default", "calculator", "guess"]
 
 
 def _load(name):
