@@ -17,7 +17,8 @@ def get_config(arg: str | None = None):
   c.num_steps = 16
   c.model.source = "smollm2"
   c.task.name = "guess"
-  c.task.kwargs.max_high = 16
+  c.task.kwargs.max_high = 32  # 500 problems (secret, high)
+  c.task.kwargs.eval_fraction = 0.25  # of them held out: 125, enough for the eval's 96
   c.task.max_prompt_tokens = 96
   c.mesh.num_devices = 2
   c.mesh.sampler_devices = 1
@@ -35,6 +36,6 @@ def get_config(arg: str | None = None):
   c.rl.max_staleness = 1
   c.optimizer.learning_rate = 1e-5
   c.checkpoint.every_steps = 4
-  c.eval.num_examples = 128
+  c.eval.num_examples = 96
   c.eval.max_new_tokens = 16
   return c

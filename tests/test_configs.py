@@ -116,3 +116,13 @@ def test_every_cli_module_imports_next_to_the_others():
   out = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip() == f"imported {len(modules)}"
+
+
+@pytest.mark.parametrize("name", ["default", "calculator", "guess"])
+def test_config_has_the_held_out_examples_its_eval_asks_for(name):
+  """A task too small for eval.num_examples fails at the first eval, after the model is built: caught here."""
+  from jaxrl.envs import make_task
+
+  c = _load(name).get_config()
+  task = make_task(c.task.name, c.seed, **c.task.kwargs.to_dict())
+  assert len(task.eval_examples(c.eval.num_examples)) == c.eval.num_examples
