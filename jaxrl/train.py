@@ -109,6 +109,16 @@ def build(c, workdir: str | Path) -> Run:
              metrics, task, resumed_from, trace)
 
 
+def _close(run, *, score: bool) -> None:
+  """Closes the run's checkpointer, metrics writers and trace (and its reward workers if `score`)."""
+  run.checkpointer.close()
+  run.metrics.close()
+  if run.trace is not None:
+    run.trace.close()
+  if score:
+    run.controller.sampler_loop.score.close()
+
+
 def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTERM,)) -> dict[str, Any]:
   """Runs a config to c.num_steps (resuming from workdir's checkpoint) and returns a summary.
 
@@ -118,8 +128,12 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   run = build(c, workdir)
   ctl = run.controller
   evals = {}
-  if c.eval.num_examples and run.resumed_from is None:
-    evals["eval_before"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
+  try:
+    if c.eval.num_examples and run.resumed_from is None:
+      evals["eval_before"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
+  except BaseException:  # (e.g. a task with fewer held-out examples than asked) nothing ran: close what was opened
+    _close(run, score=True)
+    raise
   t0 = time.perf_counter()
   finished = False
   try:
@@ -129,12 +143,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
     finished = ctl.stop_reason is None
   finally:
     ctl.finish()
-    run.checkpointer.close()
-    run.metrics.close()
-    if run.trace is not None:
-      run.trace.close()
-    if not (finished and c.eval.num_examples):  # a failed run closes its reward workers too
-      ctl.sampler_loop.score.close()
+    _close(run, score=not (finished and c.eval.num_examples))  # a failed run closes its reward workers too
   train_seconds = time.perf_counter() - t0
   if finished and c.eval.num_examples:
     evals["eval_after"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)

@@ -120,9 +120,22 @@ def test_every_cli_module_imports_next_to_the_others():
 
 @pytest.mark.parametrize("name", ["default", "calculator", "guess"])
 def test_config_has_the_held_out_examples_its_eval_asks_for(name):
-  """A task too small for eval.num_examples fails at the first eval, after the model is built: caught here."""
+  """A task too small for eval.num_examples is a ConfigError at build (build_task), before any params load."""
   from jaxrl.envs import make_task
 
   c = _load(name).get_config()
   task = make_task(c.task.name, c.seed, **c.task.kwargs.to_dict())
   assert len(task.eval_examples(c.eval.num_examples)) == c.eval.num_examples
+
+
+def test_a_task_too_small_for_the_eval_is_a_config_error_at_build(smollm2_dir):
+  from transformers import AutoTokenizer
+
+  from jaxrl.controller import build as build_lib
+  from jaxrl.models import ModelConfig
+
+  c = _load("guess").get_config()
+  c.task.kwargs.max_high = 8  # 8 problems (secret in 1..8), a quarter held out: 2 for an eval of 96
+  message = r"task 'guess': guess: only \d+ distinct held-out problems found, 96 asked"
+  with pytest.raises(config_lib.ConfigError, match=message):
+    build_lib.build_task(c, AutoTokenizer.from_pretrained(smollm2_dir), ModelConfig.tiny())

@@ -96,6 +96,8 @@ def build_task(c, tokenizer, model_cfg):
   before any params are loaded or compiled)."""
   try:
     task, prompts = make_prompt_source(c, tokenizer, model_cfg)
+    if c.eval.num_examples:  # a task too small for the eval would fail only at the first eval, the model built
+      task.eval_examples(c.eval.num_examples)
     return task, prompts, make_scorer(c, task, tokenizer)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise config_lib.ConfigError(f"task {c.task.name!r}: {e}") from e
