@@ -29,16 +29,18 @@ def merge_ledgers(learner: dict, samplers: Sequence[dict]) -> dict:
 
 
 def merge_episode_stats(parts: Sequence[dict]) -> dict:
-  """The job's episode counts (Episodes.stats) from every sampler process's own: counts and seconds add up."""
-  out: dict[str, Any] = {"episodes": 0, "ends": {}, "env_steps": 0, "env_failures": {}, "env_seconds": 0.0}
+  """The job's episode counts (Episodes.stats) from every sampler process's own: numbers add up, and so do the
+  counts of the dicts (ends, failures by reason)."""
+  out: dict[str, Any] = {}
   for part in parts:
-    for key in ("episodes", "env_steps", "env_seconds"):
-      out[key] += part[key]
-    for key in ("ends", "env_failures"):
-      for name, n in part[key].items():
-        out[key][name] = out[key].get(name, 0) + n
-  out["env_seconds"] = round(out["env_seconds"], 3)
-  return out
+    for key, value in part.items():
+      if isinstance(value, dict):
+        merged = out.setdefault(key, {})
+        for name, n in value.items():
+          merged[name] = merged.get(name, 0) + n
+      else:
+        out[key] = out.get(key, 0) + value
+  return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def run_summary(mode: str, *, version: int, ledger: dict, staleness: Sequence[int], samples_in_flight: int,

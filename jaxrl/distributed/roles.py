@@ -97,7 +97,7 @@ class SamplerProcess:
   def summary(self) -> dict[str, Any]:
     coord, loop = self.coord, self.loop
     newest = self.received.take_newer(-1)
-    episodes = getattr(self.score, "episodes", None)  # a multi-turn env task's counts
+    episodes = self.score.episodes  # a multi-turn env task's (Scorer), else None
     return {"process": coord.topology.process_id, "role": coord.topology.name(coord.topology.process_id),
             "ledger": coord.ledger.to_json(), "samples_in_flight": loop.samples_in_flight() if loop else 0,
             "busy": {"sampler": loop.busy if loop else 0.0}, "stopped_by": coord.store.try_get("stopped_by"),

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxrl.kernels.cached_attention import online_softmax
 
 IMPLS = ("xla", "pallas_gpu", "pallas_tpu")
+LAYOUTS = ("NPZKD", "KNPZD")  # of the pool: [N, P, Z, K, D] (XLA's), [K, N, P, Z, D] (the kernels')
 
 
 def _pages(x, layer, pages_SxW, layout):
@@ -124,8 +125,8 @@ def paged_attention(q_SxCxKxGxD, k_pages, v_pages, layer, table_SxM, positions_S
   pallas_gpu / pallas_tpu: need layout "KNPZD"; rows of one query run the kernel, longer rows the XLA path."""
   if impl not in IMPLS:
     raise ValueError(f"paged_attention: impl must be one of {IMPLS} (got {impl!r})")
-  if layout not in ("NPZKD", "KNPZD"):
-    raise ValueError(f"paged_attention: layout must be 'NPZKD' or 'KNPZD' (got {layout!r})")
+  if layout not in LAYOUTS:
+    raise ValueError(f"paged_attention: layout must be one of {LAYOUTS} (got {layout!r})")
   if impl != "xla" and layout != "KNPZD":
     raise ValueError(f"paged_attention(impl={impl!r}) reads the pool in the kernels' layout 'KNPZD' "
                      f"([K, N, P, Z, D]; got {layout!r})")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl.kernels import cached_attention, paged_attention
+from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
 from jaxrl.models.config import ModelConfig
 
@@ -29,9 +30,6 @@ class KVCache:
   @property
   def max_len(self) -> int:
     return self.k_NxSxTxKxD.shape[2]
-
-
-PAGED_LAYOUTS = ("NPZKD", "KNPZD")
 
 
 @flax.struct.dataclass
@@ -63,21 +61,21 @@ class PagedKVCache:
 
   def write(self, layer, page_SxC, offset_SxC, k_SxCxKxD, v_SxCxKxD) -> PagedKVCache:
     """This layer's keys/values of each row's queries at (page, offset); page ids >= P are dropped."""
-    if self.layout == "NPZKD":
-      at, put = (layer, page_SxC, offset_SxC), lambda x: x
-    else:  # the advanced indices are adjacent: the [S, C] block stays in place, after the leading K
-      at, put = (slice(None), layer, page_SxC, offset_SxC), lambda x: jnp.moveaxis(x, 2, 0)
-    return self.replace(k_pages=self.k_pages.at[at].set(put(k_SxCxKxD).astype(self.k_pages.dtype), mode="drop"),
-                        v_pages=self.v_pages.at[at].set(put(v_SxCxKxD).astype(self.v_pages.dtype), mode="drop"))
+    # KNPZD: the advanced indices are adjacent, so the [S, C] block stays in place after the leading K.
+    return self._set((layer, page_SxC, offset_SxC), 2, k_SxCxKxD, v_SxCxKxD)
 
   def write_pages(self, dest_W, k_NxWxZxKxD, v_NxWxZxKxD) -> PagedKVCache:
     """Whole pages of every layer into the pages dest_W lists (ids >= P are dropped)."""
-    if self.layout == "NPZKD":
-      at, put = (slice(None), dest_W), lambda x: x
+    return self._set((slice(None), dest_W), 3, k_NxWxZxKxD, v_NxWxZxKxD)
+
+  def _set(self, at, heads_axis, k, v) -> PagedKVCache:
+    """k, v (laid out as in NPZKD, their K at heads_axis) into the pool at index `at` of the NPZKD layout."""
+    if self.layout == "KNPZD":
+      at, put = (slice(None), *at), lambda x: jnp.moveaxis(x, heads_axis, 0)
     else:
-      at, put = (slice(None), slice(None), dest_W), lambda x: jnp.moveaxis(x, 3, 0)
-    return self.replace(k_pages=self.k_pages.at[at].set(put(k_NxWxZxKxD).astype(self.k_pages.dtype), mode="drop"),
-                        v_pages=self.v_pages.at[at].set(put(v_NxWxZxKxD).astype(self.v_pages.dtype), mode="drop"))
+      put = lambda x: x
+    return self.replace(k_pages=self.k_pages.at[at].set(put(k).astype(self.k_pages.dtype), mode="drop"),
+                        v_pages=self.v_pages.at[at].set(put(v).astype(self.v_pages.dtype), mode="drop"))
 
 
 def init_paged_cache(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_row: int,
@@ -191,7 +189,7 @@ class Attention(nnx.Module):
     """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part.
     cache_kv: (k, v, layer) of a dense cache, or (PagedKVCache, layer)."""
     s, c, kh, g, d = q_SxCxKxGxD.shape
-    if len(cache_kv) == 3:
+    if not isinstance(cache_kv[0], PagedKVCache):
       k_cache, v_cache, layer = cache_kv
       at = (layer, jnp.arange(s)[:, None], positions_SxC)  # positions past the cache (rebuild's last chunk) drop
       k_cache = k_cache.at[at].set(k_SxCxKxD.astype(k_cache.dtype), mode="drop")
