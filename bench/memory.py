@@ -4,7 +4,8 @@ array checksums hold, side by side in one process (issue 14).
     JAX_NUM_CPU_DEVICES=2 .venv/bin/python -m bench.memory
 
 The train step is configs/default.py's (SmolLM2-135M-Instruct, 16 x 80 tokens, 2 mini-batches), lowered from
-abstract shapes (no weights are loaded) with model.remat and rl.logprob_chunk varied; `memory_analysis()` gives
+abstract shapes (no weights are loaded) with model.remat, rl.logprob_chunk, rl.atomic_step and the optimizer (optax's
+AdamW chain or make_optimizer's in-place `apply`) varied; `memory_analysis()` gives
 its arguments (the donated TrainState) and temporaries. The checksums compare the blocked pass
 (jaxrl.integrity) with the whole-array formula it replaced, on the same state shapes (temporaries compiled, time
 measured on the params alone). Peak RSS of the whole job is measured separately with /usr/bin/time -v (the command
@@ -32,8 +33,9 @@ from jaxrl.rollout import Batch
 GIB = 2**30
 
 
-def step_memory(remat: bool, logprob_chunk: int) -> dict:
-  """Buffers of the main job's compiled train step with these settings."""
+def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: bool = True) -> dict:
+  """Buffers of the main job's compiled train step with these settings (fused=False: optax's AdamW chain instead of
+  make_optimizer's in-place `apply`)."""
   c = get_config()
   c.model.remat, c.rl.logprob_chunk = remat, logprob_chunk
   cfg = build_lib.model_source(c)[0]
@@ -43,9 +45,11 @@ def step_memory(remat: bool, logprob_chunk: int) -> dict:
   state = build_lib.abstract_train_state(c, abstract, meshes.learner)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   rows = sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES)
-  step = make_train_step(graphdef, build_lib.run_optimizer(c), LossConfig(**c.loss.to_dict(), sampling=spec.sampling),
+  optimizer = build_lib.run_optimizer(c)
+  loss = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
+  step = make_train_step(graphdef, optimizer if fused else optimizer.chain, loss,
                          batch_size=spec.batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
-                         state_shardings=state_sh, batch_sharding=rows, logprob_chunk=logprob_chunk)
+                         state_shardings=state_sh, batch_sharding=rows, logprob_chunk=logprob_chunk, atomic=atomic)
   bl = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size, c.rl.seq_len), dtype)
   b = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size,), dtype)
   i32, f32 = jnp.int32, jnp.float32
@@ -53,7 +57,8 @@ def step_memory(remat: bool, logprob_chunk: int) -> dict:
   t = time.perf_counter()
   compiled = step.lower(state, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
   m = compiled.memory_analysis()
-  return dict(remat=remat, logprob_chunk=logprob_chunk, arguments_gib=m.argument_size_in_bytes / GIB,
+  return dict(remat=remat, logprob_chunk=logprob_chunk, atomic=atomic, fused_optimizer=fused,
+              arguments_gib=m.argument_size_in_bytes / GIB,
               temporaries_gib=m.temp_size_in_bytes / GIB, compile_s=time.perf_counter() - t)
 
 
@@ -90,10 +95,13 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--out", default="bench/results/memory.json")
   args = parser.parse_args()
-  steps = [step_memory(remat, chunk) for remat, chunk in ((False, 0), (True, 0), (True, 16))]
+  settings = [(False, 0, True, False), (True, 0, True, False), (True, 16, True, False), (True, 0, True, True),
+              (True, 0, False, False), (True, 0, False, True)]  # (remat, logprob_chunk, atomic, fused optimizer)
+  steps = [step_memory(*setting) for setting in settings]
   for s in steps:
-    print(f"train step remat={s['remat']!s:5} logprob_chunk={s['logprob_chunk']:2}: arguments "
-          f"{s['arguments_gib']:.2f} GiB, temporaries {s['temporaries_gib']:.2f} GiB (compile {s['compile_s']:.0f} s)")
+    print(f"train step remat={s['remat']!s:5} logprob_chunk={s['logprob_chunk']:2} atomic={s['atomic']!s:5} "
+          f"optimizer={'fused' if s['fused_optimizer'] else 'optax'}: arguments {s['arguments_gib']:.2f} GiB, "
+          f"temporaries {s['temporaries_gib']:.2f} GiB (compile {s['compile_s']:.0f} s)")
   sums = checksum_memory(args.rounds)
   print(f"checksums of a {sums['state_gb']:.2f} GB state: temporaries blocked {sums['blocked_temporaries_gib']:.3f} "
         f"GiB, whole-array {sums['whole_array_temporaries_gib']:.2f} GiB; on the params: blocked "

@@ -31,6 +31,9 @@ def get_config(arg: str | None = None):
   # Recompute each block in the backward pass: the saved activations were ~1 GiB of the train step's temporaries
   # (peak RSS -1.9 GB, docs/BENCHMARKS.md "The main job's memory") for one more forward per mini-batch.
   c.model.remat = True
+  # A non-finite update skips only itself, not its whole step: an atomic step keeps the pre-step TrainState (params
+  # and Adam moments) while it runs, 1.5 GiB more train-step temporaries here (docs/BENCHMARKS.md, "memory")
+  c.rl.atomic_step = False
   c.rl.group_size = 8
   c.rl.groups_per_step = 2
   c.rl.max_staleness = 1

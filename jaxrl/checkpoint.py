@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrl import integrity
+from jaxrl import hostmem, integrity
 from jaxrl.integrity import IntegrityError
 
 __all__ = ["Checkpointer", "IntegrityError", "SaveError"]
@@ -149,6 +149,7 @@ class Checkpointer:
   def _commit_step(self, step: int, sums: dict, record_sha256: str) -> None:
     try:
       self._manager.wait_until_finished()
+      hostmem.trim()  # the save's host copies: freed, but kept by the writer threads' heaps
       arrays = integrity.to_hex(sums)
       if self.is_primary:
         integrity.write_marker(self.directory / str(step), arrays, record_sha256)

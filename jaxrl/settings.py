@@ -154,6 +154,11 @@ SETTINGS = (
     # the first are clipped against the pre-step policy (decoupled PPO): 2 makes the trust region act.
     Int("rl.num_minibatches", 2, 1, "optimizer updates per epoch of a learner step (see above)"),
     Int("rl.num_epochs", 1, 1, "PPO epochs: passes over the batch per learner step"),
+    # True: a non-finite update skips its whole step (a version is all its updates or none), which keeps the
+    # pre-step TrainState while the step runs: one more state of memory (params + Adam moments) with 2+ updates per
+    # step. False: a non-finite update skips only itself (optax.apply_if_finite's rule) and no copy is kept; its
+    # step applies if any update did, counted in summary.json as partial_steps
+    Bool("rl.atomic_step", True, "a non-finite update skips its whole step (+1 TrainState of memory)"),
     Int("rl.queue_groups", 8, 1, "rollout queue capacity, in groups (back-pressure beyond)"),
     Int("rl.max_failures_in_a_row", 100, 1, "skipped prompts + dropped groups + skipped updates in a row (no applied "
         "update between) before the run stops with an error: broken data or rewards fail loudly, not for ever"),

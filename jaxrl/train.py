@@ -15,7 +15,6 @@ import os
 # and none once jax is initialised; an explicit setting wins).
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
-import ctypes
 import dataclasses
 import json
 import signal
@@ -28,7 +27,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import sharding
+from jaxrl import hostmem, sharding
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
@@ -134,6 +133,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   except BaseException:  # (e.g. a task with fewer held-out examples than asked) nothing ran: close what was opened
     _close(run, score=True)
     raise
+  hostmem.trim()  # what loading, compiling and the first evaluation freed, before the steps add theirs
   t0 = time.perf_counter()
   finished = False
   try:
@@ -159,26 +159,8 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   return summary
 
 
-MMAP_THRESHOLD = 4 << 20  # bytes; glibc's M_MMAP_THRESHOLD
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-def return_freed_memory() -> bool:
-  """Makes glibc map blocks of MMAP_THRESHOLD or more one by one and unmap them when freed (True if it took).
-
-  By default glibc raises its mmap threshold (up to 32 MB) each time a mapped block is freed, after which such
-  blocks come from per-thread heaps that keep them: Orbax's host copies of a save, XLA's buffers. RSS then stays
-  near the sum of each thread's peak (a train step after a save peaked 1.5 GB higher than before it in the main
-  job). Process-wide, so set by the CLI, not by the library."""
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-  except OSError:  # not glibc (macOS): nothing to set
-    return False
-  return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-
-
 def main(argv=None):
-  return_freed_memory()
+  hostmem.return_freed_memory()
   from absl import flags
   from ml_collections import config_flags
 

@@ -305,3 +305,51 @@ def test_a_fault_in_one_minibatch_skips_the_whole_step_and_padding_is_a_no_op():
   state, m = step(state, batch_of(rollouts(params0()["w"], n=1)), jax.random.key(1))  # 1 real row of 8
   assert (int(state.version), int(state.skipped)) == (1, 1)
   assert m["updates_applied"] == 1 and m["updates_skipped"] == 1 and m["skip/empty"] == 0
+
+
+def test_without_atomic_steps_a_faulty_minibatch_skips_only_its_own_update():
+  """atomic=False (no pre-step copy of the state): NaN in row 0 skips the update of row 0's mini-batch alone; the
+  other mini-batch's update applies exactly as if the faulty mini-batch had had no tokens, and the version goes up."""
+  step, state, batch = run(DECOUPLED["recompute"], opt="adam", num_minibatches=2, atomic=False)
+  key = jax.random.key(1)
+  # make_train_step's split: permuted row q goes to mini-batch q % 2 (num_minibatches 2, one micro-batch).
+  order = np.asarray(jax.random.permutation(key, B))
+  faulty = order[(np.arange(B) % 2) == (int(np.flatnonzero(order == 0)[0]) % 2)]
+  behavior = batch.behavior_logprobs_BxL.copy()
+  behavior[0, batch.loss_mask_BxL[0] > 0] = np.nan
+  state_nan, m = step(state, batch.replace(behavior_logprobs_BxL=behavior), key)
+  assert (int(state_nan.version), int(state_nan.skipped)) == (1, 0)
+  assert m["updates_applied"] == 1 and m["updates_nonfinite"] == 1 and m["skip/nonfinite"] == 0
+  loss_mask = batch.loss_mask_BxL.copy()
+  loss_mask[faulty] = 0
+  _, fresh, _ = run(DECOUPLED["recompute"], opt="adam", num_minibatches=2, atomic=False)
+  state_ref, m_ref = step(fresh, batch.replace(loss_mask_BxL=loss_mask), key)
+  assert m_ref["updates_applied"] == 1 and m_ref["updates_nonfinite"] == 0
+  np.testing.assert_array_equal(state_nan.params["w"], state_ref.params["w"])
+  for a, b in zip(jax.tree.leaves(state_nan.opt_state), jax.tree.leaves(state_ref.opt_state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # Every update non-finite: the step is skipped, with its reason, as an atomic step would be.
+  behavior[:, :] = np.nan
+  _, fresh, _ = run(DECOUPLED["recompute"], opt="adam", num_minibatches=2, atomic=False)
+  before = np.asarray(fresh.params["w"])
+  state_all, m = step(fresh, batch.replace(behavior_logprobs_BxL=behavior), key)
+  assert (int(state_all.version), int(state_all.skipped)) == (0, 1)
+  assert m["updates_applied"] == 0 and m["updates_nonfinite"] == 2 and m["skip/nonfinite"] == 1
+  np.testing.assert_array_equal(state_all.params["w"], before)
+
+
+def test_atomic_steps_keep_the_pre_step_state_and_cost_its_memory():
+  """The pre-step copy is what atomic steps cost: with 2 updates the compiled step holds one more TrainState of
+  temporaries than with atomic=False; with one update neither keeps a copy."""
+  params = {"w": jnp.zeros((512, 512))}  # 1 MiB: the state's params + two Adam moments are 3 MiB
+  state = init_train_state(params, optax.adam(1e-2))
+  batch = batch_of(rollouts(np.zeros((V, V))))
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+
+  def temporaries(atomic, m):
+    step = make_train_step(lambda p, t, *_: p["w"][t, :V], optax.adam(1e-2), LossConfig(), batch_size=B, seq_len=L,
+                           num_minibatches=m, atomic=atomic)
+    return step.lower(state, batch, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
+
+  assert temporaries(True, 2) - temporaries(False, 2) >= 0.9 * state_bytes
+  assert abs(temporaries(True, 1) - temporaries(False, 1)) < 0.01 * state_bytes  # a few scalars differ

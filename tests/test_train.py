@@ -1,4 +1,4 @@
-"""jaxrl.train's process settings: freed large blocks go back to the system (the main job's RSS, issue 14)."""
+"""jaxrl.hostmem (set by jaxrl-train): freed large blocks go back to the system (the main job's RSS, issue 14)."""
 
 import subprocess
 import sys
@@ -15,7 +15,7 @@ import sys, threading
 import numpy as np
 
 if sys.argv[1] == "set":
-  from jaxrl.train import return_freed_memory
+  from jaxrl.hostmem import return_freed_memory
 
   assert return_freed_memory()
 

@@ -125,6 +125,7 @@ class LearnerLoop:
           self.ledger.drop(g, "update_skipped")
       if applied:
         self.ledger.trained(samples)
+        self.ledger.partial_steps += bool(jax.device_get(metrics["updates_nonfinite"]) > 0)
         self.coord.progress.applied()
       else:
         self.ledger.skipped_updates += 1
@@ -171,7 +172,8 @@ class LearnerLoop:
     led = self.ledger
     metrics.update(step_time_s=step_time, version=version, samples_generated=led.samples_generated,
                    samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
-                   updates_skipped_total=led.skipped_updates, zero_advantage_groups=led.zero_advantage_groups,
+                   updates_skipped_total=led.skipped_updates, partial_steps_total=led.partial_steps,
+                   zero_advantage_groups=led.zero_advantage_groups,
                    **{f"length/{k}": v for k, v in led.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)

@@ -150,6 +150,8 @@ class Ledger:
   reward_failures: int = 0
   skipped_prompts: int = 0
   skipped_updates: int = 0  # non-finite updates the learner skipped; their samples are dropped as "update_skipped"
+  # applied steps of which a non-finite update was skipped alone (rl.atomic_step=False): their samples are trained
+  partial_steps: int = 0
   zero_advantage_groups: int = 0  # trained or skipped groups whose rewards were all equal (no learning signal)
   tokens_trained: int = 0  # completion tokens of the trained samples
   dropped_tokens: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))

@@ -1,14 +1,78 @@
-"""The learner's optimizer: AdamW on a warmup + cosine (or constant) schedule, after global-norm clipping."""
+"""The learner's optimizer: AdamW on a warmup + cosine (or constant) schedule, after global-norm clipping.
+
+`make_optimizer` returns an `AdamW`: optax's chain of that maths (init / update, and the optimizer state's layout,
+which checkpoints hold) plus `apply`, the same update written so that XLA updates params and both moments in place.
+Through optax's chain XLA:CPU recomputes each new moment inside the parameter update from the old one, so it copies
+both moments first, and it materialises the clipped gradients: 0.83 GiB of temporaries for SmolLM2-135M's 1.5 GiB
+TrainState; `apply` needs none (docs/BENCHMARKS.md, "The main job's memory").
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+  """An optax GradientTransformation (init, update) with `apply(grads, state, params, ok)`: the update applied in
+  place, or skipped (params and state unchanged) where `ok` is False."""
+
+  chain: optax.GradientTransformation
+  schedule: optax.Schedule
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  max_grad_norm: float | None
+
+  def init(self, params):
+    return self.chain.init(params)
+
+  def update(self, grads, state, params=None):
+    return self.chain.update(grads, state, params)
+
+  def apply(self, grads, state, params, ok: jax.Array) -> tuple[Any, Any]:
+    """(params, state) after one update from `grads`, where `ok`; else both as they were. The values of `update`
+    then optax.apply_updates: the same operations in the same order, except that a clipped gradient is multiplied
+    by max_norm / norm (optax: divided by norm, then multiplied by max_norm; a rounding apart) so that the clip
+    fuses into each moment's update instead of being a gradient-sized temporary (tests/test_learner_optim.py)."""
+    clip_state, (adam, masked, sched) = state if self.max_grad_norm is not None else (None, state)
+    if self.max_grad_norm is not None:
+      g_norm = optax.tree.norm(grads)
+      trigger = jnp.squeeze(g_norm < self.max_grad_norm)
+      scale = jnp.where(trigger, 1.0, self.max_grad_norm / g_norm)
+      grads = jax.tree.map(lambda t: t * scale.astype(t.dtype), grads)
+    count = optax.safe_increment(adam.count)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    mu = jax.tree.map(lambda g, t: keep((1 - self.b1) * (g**1) + self.b1 * t, t), grads, adam.mu)
+    nu = jax.tree.map(lambda g, t: keep((1 - self.b2) * (g**2) + self.b2 * t, t), grads, adam.nu)
+    # The parameter update reads the moments written above, not their inputs: without the barrier XLA recomputes
+    # them inside it from the old moments, which then have to be copied before they are overwritten.
+    mu, nu = jax.lax.optimization_barrier((mu, nu))
+    bc1, bc2 = 1 - self.b1**count, 1 - self.b2**count
+    step_size = -self.schedule(sched.count)
+    decays = jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    def new_param(p, m, v, decay):
+      u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + 0.0) + self.eps)
+      if decay and self.weight_decay != 0.0:
+        u = u + self.weight_decay * p
+      return keep(jnp.asarray(p + jnp.array(step_size, u.dtype) * u).astype(p.dtype), p)
+
+    params = jax.tree.map(new_param, params, mu, nu, decays)
+    state = (optax.ScaleByAdamState(count=keep(count, adam.count), mu=mu, nu=nu), masked,
+             optax.ScaleByScheduleState(count=keep(optax.safe_increment(sched.count), sched.count)))
+    return params, state if self.max_grad_norm is None else (clip_state, state)
 
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0, end_lr_ratio: float = 0.0,
                    weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-                   max_grad_norm: float | None = 1.0) -> optax.GradientTransformation:
+                   max_grad_norm: float | None = 1.0) -> AdamW:
   """AdamW; linear warmup over warmup_steps, then cosine decay to end_lr_ratio * lr over decay_steps (0: flat).
 
   Weight decay skips vectors (norm scales, biases). Steps count applied updates: a skipped update is never
@@ -26,4 +90,5 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: 
               if warmup_steps else after)
   adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                       mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
-  return adamw if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+  chain = adamw if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+  return AdamW(chain, schedule, b1, b2, eps, weight_decay, max_grad_norm)

@@ -6,9 +6,11 @@ mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned
 one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds it.
 A step applies in full or is skipped (params and optimizer state as before it, version not bumped, skip counted)
 when any of its updates has a non-finite loss or gradient, a valid sample's reward is non-finite, or it has no
-completion tokens at all (a mini-batch of padding rows only is a no-op). A batch may be packed (several samples
-per row, jaxrl.learner.packing; its row count one of row_buckets): every per-sample sum then runs over a segment,
-and mini-batches are drawn over rows.
+completion tokens at all (a mini-batch of padding rows only is a no-op). That needs the pre-step TrainState kept
+while the step runs (one more state of memory with 2+ updates per step); with atomic=False each update is skipped
+on its own instead (optax.apply_if_finite's rule), no copy is kept, and the step applies if any update did.
+A batch may be packed (several samples per row, jaxrl.learner.packing; its row count one of row_buckets): every
+per-sample sum then runs over a segment, and mini-batches are drawn over rows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxrl.learner.advantages import compute_advantages
 from jaxrl.learner.config import LossConfig
 from jaxrl.learner.logprobs import chunked_token_logprobs, token_logprobs
 from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, policy_objective
+from jaxrl.learner.optim import AdamW
 from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.rollout import Batch
@@ -94,7 +97,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
                     num_epochs: int = 1, compute_dtype=None, state_shardings: TrainState | None = None,
                     batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
-                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0):
+                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0, atomic: bool = True):
   """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
@@ -108,6 +111,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
   logprob_chunk: if > 0 (model an nnx GraphDef of a Decoder), log-probs and entropies are computed that many
   positions at a time from the hidden states, never holding float32 [B, L, V] logits.
+  atomic: a non-finite update skips its whole step (the pre-step state is kept until the step ends: +1 TrainState
+  of memory when num_minibatches * num_epochs > 1); False: it skips only itself.
   """
   cfg = loss_config
   logits_fn = as_logits_fn(model)
@@ -245,10 +250,14 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       ok = finite & rewards_ok & has_tokens
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
-      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-      state = state.replace(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state))
+      if isinstance(optimizer, AdamW):  # in place (no copies of the moments)
+        params, opt_state = optimizer.apply(grads, state.opt_state, state.params, ok)
+      else:
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        params = keep(optax.apply_updates(state.params, updates), state.params)
+        opt_state = keep(opt_state, state.opt_state)
+      state = state.replace(params=params, opt_state=opt_state)
       reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
                  "skip/nonfinite": rewards_ok & has_tokens & ~finite}
       return (state, n_applied + ok.astype(jnp.int32)), {"loss": loss, "grad_norm": grad_norm, "applied": ok,
@@ -256,14 +265,19 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
 
     start = state
     (state, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), parts)
-    # A step applies in full or not at all: a version is the result of all its updates (and a batch is trained on
-    # whole or its groups are dropped, counted). A mini-batch of padding rows only is a no-op, not a fault. The
-    # pre-step state is kept for this only when there are 2+ updates.
+    # An atomic step applies in full or not at all: a version is the result of all its updates (and a batch is
+    # trained on whole or its groups are dropped, counted). A mini-batch of padding rows only is a no-op, not a fault.
+    # The pre-step state is kept for this only when there are 2+ updates.
     any_of = lambda name: jnp.any(per_update[name])
     reasons = {"skip/reward": any_of("skip/reward"), "skip/nonfinite": any_of("skip/nonfinite"),
                "skip/empty": jnp.all(per_update["skip/empty"])}
-    step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
-    if updates_per_step > 1:
+    if atomic:
+      step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
+    else:  # each update kept or skipped alone: the step applies if any did, and says why not when none did
+      step_ok = any_of("applied")
+      reasons = {"skip/reward": ~step_ok & reasons["skip/reward"], "skip/empty": ~step_ok & reasons["skip/empty"],
+                 "skip/nonfinite": ~step_ok & ~reasons["skip/reward"] & ~reasons["skip/empty"]}
+    if atomic and updates_per_step > 1:
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(step_ok, a, b), new, old)
       state = state.replace(params=keep(state.params, start.params), opt_state=keep(state.opt_state, start.opt_state))
     state = state.replace(step=start.step + 1, version=v0 + step_ok.astype(jnp.int32),
@@ -271,6 +285,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     per_update["applied"] = per_update["applied"] & step_ok
     metrics = _summarise(per_update, batch, v0, valid_B, staleness_bins)
     metrics.update({name: flag.astype(jnp.float32) for name, flag in reasons.items()})  # why the step was skipped
+    metrics["updates_nonfinite"] = jnp.sum(per_update["skip/nonfinite"].astype(jnp.float32))
     if cfg.is_cap is not None or cfg.is_ess_min is not None:
       metrics["is_cap"] = jnp.min(per_update["is_cap_min"])  # the smallest truncation applied this step
     metrics["kl_reward_mean"] = jnp.sum(jnp.where(valid_B, kl_reward_B, 0.0)) / jnp.maximum(valid_B.sum(), 1)
@@ -287,6 +302,13 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
 def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> dict[str, jax.Array]:
   """Step metrics from the per-update stats (stacked over mini-batches) and the batch."""
   total = lambda name: jnp.sum(per_update[name].astype(jnp.float32))
+  applied = per_update["applied"]
+
+  def mean(name):  # over the updates applied (a non-atomic step may skip some); over all when none was
+    v = per_update[name]
+    return jnp.where(jnp.any(applied), jnp.sum(jnp.where(applied, v, 0.0)) / jnp.maximum(jnp.sum(applied), 1),
+                     jnp.mean(v))
+
   tokens = total("tokens")
   per_token = lambda name: total(name) / jnp.maximum(tokens, 1.0)
   ratio_mean = per_token("ratio_sum")
@@ -298,11 +320,11 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
   num_trained = jnp.maximum(trained_BxL.sum(), 1)
   rewards = jnp.where(valid_B, batch.rewards_B, 0.0)
   return {
-      "loss": jnp.mean(per_update["loss"]),
-      "loss/policy": jnp.mean(per_update["loss/policy"]),
-      "loss/kl": jnp.mean(per_update["loss/kl"]),
-      "loss/entropy": jnp.mean(per_update["loss/entropy"]),
-      "grad_norm": jnp.mean(per_update["grad_norm"]),
+      "loss": mean("loss"),
+      "loss/policy": mean("loss/policy"),
+      "loss/kl": mean("loss/kl"),
+      "loss/entropy": mean("loss/entropy"),
+      "grad_norm": mean("grad_norm"),
       "updates_applied": total("applied"),
       "updates_skipped": jnp.sum(1.0 - per_update["applied"].astype(jnp.float32)),
       "clip_frac_low": per_token("clip_low"),

@@ -136,3 +136,30 @@ def test_every_update_skipped_stops_the_run_instead_of_looping(tmp_path, monkeyp
   inject(monkeypatch, corrupt_every_batch)
   with pytest.raises(RuntimeError, match=r"no progress: 3 failures in a row .*'update_skipped': 3"):
     train_lib.train(tiny_config("sync", rl__max_failures_in_a_row=3), tmp_path)
+
+
+def test_without_atomic_steps_a_fault_skips_only_its_minibatchs_update(tmp_path, monkeypatch):
+  """rl.atomic_step=False: a NaN or inf in row 0 skips that row's mini-batch alone, the step applies and its
+  samples are trained (counted as a partial step); a non-finite reward still skips the whole step."""
+  calls = []
+  monkeypatch.setattr(step_lib, "as_logits_fn", _marking_logits_fn)
+  built = inject(monkeypatch, lambda run: _inject_faults(run, calls))
+  summary = train_lib.train(tiny_config("pipeline", rl__atomic_step=False), tmp_path)
+  led = summary["ledger"]
+  assert len(calls) == NUM_STEPS + 1
+  for call in calls:
+    fault, m = call["fault"], call["metrics"]
+    if fault == "inf_reward":
+      assert m["updates_applied"] == 0 and m["skip/reward"] == 1, fault
+    elif fault in SKIPPED:
+      assert m["updates_applied"] == UPDATES - 1 and m["updates_nonfinite"] == 1 and m["skip/nonfinite"] == 0, fault
+      assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]), fault  # the applied update's
+    else:
+      assert m["updates_applied"] == UPDATES and m["updates_nonfinite"] == 0, fault
+  assert (led["partial_steps"], led["skipped_updates"]) == (2, 1)
+  assert led["dropped"].get("update_skipped") == 16 and led["samples_trained"] == NUM_STEPS * 16
+  assert params_finite(built["run"].controller.learner_loop.state.params)
+  records = read_jsonl(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
+  assert records[-1]["partial_steps_total"] == 2 and all(np.isfinite(r["loss"]) for r in records)
+  check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=4)
