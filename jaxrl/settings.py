@@ -175,6 +175,9 @@ SETTINGS = (
 
     Int("checkpoint.every_steps", 5, 1, "save every N learner steps (and at the end)"),
     Int("checkpoint.max_to_keep", 2, 1, "older checkpoints are deleted"),
+    # zstd: ~20% less disk for weights, but a save holds the compressed state in host memory until written (+1.3 GB
+    # peak RSS for the main job) and takes about twice as long
+    Bool("checkpoint.compress", False, "zstd-compress the saved arrays"),
 
     Int("eval.num_examples", 0, 0, "held-out examples scored greedily before and after training (0: none)"),
     Int("eval.max_new_tokens", 16, 1, "completion budget of each greedy eval answer"),

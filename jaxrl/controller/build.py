@@ -220,7 +220,7 @@ class CompiledSteps:
 def open_checkpointer(c, workdir: Path, **kw) -> Checkpointer:
   """workdir/checkpoints; kw: the saving processes of a multi-process job."""
   return Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
-                      every_steps=c.checkpoint.every_steps, **kw)
+                      every_steps=c.checkpoint.every_steps, compress=c.checkpoint.compress, **kw)
 
 
 def open_metrics(c, workdir: Path, resumed_from: int | None) -> MetricsWriter:
