@@ -327,6 +327,14 @@ def test_calculator_and_guess_turns():
   assert env.step(f"I guess {secret - 1}", []).observation == "Higher."
   assert env.step("no idea", []).observation.startswith("Reply with a number")
   assert env.step(str(secret), []) == Turn(done=True, reward=1.0)
+  shaped = make_task("guess", seed=0, partial_credit=0.5).prompt(0)
+  env.reset(shaped)
+  high = shaped.meta["high"]
+  assert env.step(str(secret + 2), []) == Turn(observation="Lower.", reward=0.5 * (1 - 2 / high))
+  assert env.step("no idea", []).reward is None  # no guess: nothing to be close with
+  assert env.step(str(secret), []) == Turn(done=True, reward=1.0)
+  with pytest.raises(ValueError, match="partial_credit"):
+    make_task("guess", partial_credit=1.0)
 
 
 def test_tool_turns_render_with_the_chat_template(smollm2_dir):

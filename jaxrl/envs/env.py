@@ -44,7 +44,7 @@ class Turn:
 
   observation: str | Sequence[int] = ""  # text (rendered as a tool turn) or token ids, appended to the episode
   done: bool = False  # the episode ends here (no observation is appended)
-  reward: float | None = None  # the episode's reward when it ends (None: 0)
+  reward: float | None = None  # the episode's reward if it ends with this turn: done, or its last turn (None: 0)
 
 
 class Env(abc.ABC):
