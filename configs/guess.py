@@ -4,8 +4,9 @@
 
 The env holds a number in [1, high] (high drawn in [8, task.kwargs.max_high] per problem); each model turn is a
 guess, answered "Higher." or "Lower." as a tool turn of the chat template, until the guess is right (reward 1) or
-the env's 5 turns run out (reward: the last guess's closeness, at most 0.5) (jaxrl/envs/guess.py). Held-out success is measured greedily before and after
-(summary.json). Sized like configs/calculator.py for a 2-core CPU: one virtual CPU device per role.
+the env's 5 turns run out (reward: the last guess's closeness, at most 0.5) (jaxrl/envs/guess.py). Held-out
+success (finds only) is measured greedily before and after (summary.json). Sized like configs/calculator.py for a
+2-core CPU: one virtual CPU device per role.
 """
 
 from jaxrl import config as config_lib
