@@ -116,6 +116,7 @@ class LearnerLoop:
       self.checkpointer.wait()
     state, metrics = self.train_step(self.state, batch, jax.random.fold_in(self._base_key, train_step))
     applied = int(jax.device_get(state.version)) > step
+    metrics = dict(jax.device_get(metrics))
     # The new state and the fate of its groups change together: a checkpoint never sees one without the other.
     with self.coord.lock:
       self.state = state
@@ -125,7 +126,7 @@ class LearnerLoop:
           self.ledger.drop(g, "update_skipped")
       if applied:
         self.ledger.trained(samples)
-        self.ledger.partial_steps += bool(jax.device_get(metrics["updates_nonfinite"]) > 0)
+        self.ledger.partial_steps += bool(metrics["updates_nonfinite"] > 0)
         self.coord.progress.applied()
       else:
         self.ledger.skipped_updates += 1
@@ -138,7 +139,6 @@ class LearnerLoop:
     if applied:
       self.trained_staleness += [step - r.min_version for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
-    metrics = dict(jax.device_get(metrics))
     metrics["applied"] = applied
     rewards = np.array([r.reward for r in samples])
     staleness = [step - r.min_version for r in samples]

@@ -17,6 +17,11 @@ import jax.numpy as jnp
 import optax
 
 
+def _decayed(params):
+  """Which leaves weight decay applies to: matrices, not vectors (norm scales, biases)."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamW:
   """An optax GradientTransformation (init, update) with `apply(grads, state, params, ok)`: the update applied in
@@ -56,7 +61,7 @@ class AdamW:
     mu, nu = jax.lax.optimization_barrier((mu, nu))
     bc1, bc2 = 1 - self.b1**count, 1 - self.b2**count
     step_size = -self.schedule(sched.count)
-    decays = jax.tree.map(lambda p: p.ndim >= 2, params)
+    decays = _decayed(params)
 
     def new_param(p, m, v, decay):
       u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + 0.0) + self.eps)
@@ -89,6 +94,6 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: 
   schedule = (optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), after], [warmup_steps])
               if warmup_steps else after)
   adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+                      mask=_decayed)
   chain = adamw if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
   return AdamW(chain, schedule, b1, b2, eps, weight_decay, max_grad_norm)
