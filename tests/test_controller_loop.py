@@ -116,3 +116,33 @@ def test_every_packed_row_bucket_is_compiled_before_the_first_step(tmp_path):
   rows = [r["train_tokens"] // c.rl.seq_len for r in read_jsonl(tmp_path / "metrics.jsonl")]
   assert len(rows) == c.num_steps and set(rows) <= set(buckets)
   assert steps.fallbacks == 0 and steps.jitted._cache_size() == 0  # every step ran a program compiled at build
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "sync"])
+def test_the_learner_asks_for_the_next_share_before_it_trains_and_never_past_the_last_step(mode, tmp_path):
+  """Step s + 1's share is asked for once step s's is taken, so the sampler side assembles and sends it while step s
+  trains (issue 17: the learner waited 6-30 ms a step for a share asked after training); the last step asks for
+  nothing more, so no group is generated for a step that never comes. Sync (k = 0) trains what it did before."""
+  c = override(tiny.get_config(mode), num_steps=4, mesh__num_devices=2, mesh__sampler_devices=1,
+               log__tensorboard=False, log__progress=False, checkpoint__every_steps=4)
+  run = build(c, tmp_path)
+  ctl = run.controller
+  events = []
+  real_ask, real_step = ctl.coord.ask, ctl.learner_loop.train_step
+
+  def ask():
+    events.append("ask")
+    real_ask()
+
+  def step(*args):
+    events.append("step")
+    return real_step(*args)
+
+  ctl.coord.ask, ctl.learner_loop.train_step = ask, step
+  _run_to_the_end(run)
+  assert events == ["ask"] + ["ask", "step"] * 3 + ["step"]
+  led = ctl.ledger
+  assert ctl.version == 4 and not led.dropped
+  assert led.samples_trained == 4 * c.rl.groups_per_step * c.rl.group_size
+  if mode == "sync":
+    assert max(ctl.learner_loop.trained_staleness) == 0

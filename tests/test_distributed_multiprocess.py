@@ -55,11 +55,19 @@ def _assert_weights_arrived_bitwise(weights: Path, versions, learners, samplers)
 
 def _signal_after_steps(proc: subprocess.Popen, workdir: Path, log: Path, steps: int, timeout_s: float,
                         process: int, sig: signal.Signals) -> tuple[int, float]:
-  """Waits until the job has logged `steps` steps, sends `sig` to one of its processes, and waits for the launcher:
-  (its exit status, seconds from the signal to the job's end). The job is killed if anything goes wrong."""
+  """Waits until this job has logged step `steps` (a record written after it started: a resumed workdir holds the
+  records of the runs before it, which the resumed run truncates to its checkpoint), sends `sig` to one of its
+  processes, and waits for the launcher: (its exit status, seconds from the signal to the job's end). The job is
+  killed if anything goes wrong."""
+  started = time.time()
+
+  def reached() -> bool:
+    records = read_jsonl(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
+    return any(r["step"] >= steps and r["time"] >= started for r in records)
+
   try:
     deadline = time.monotonic() + timeout_s
-    while not (workdir / "metrics.jsonl").exists() or len(read_jsonl(workdir / "metrics.jsonl")) < steps:
+    while not reached():
       assert proc.poll() is None, f"the job ended early:\n{log.read_text()[-5000:]}"
       assert time.monotonic() < deadline, f"fewer than {steps} steps in {timeout_s} s:\n{log.read_text()[-5000:]}"
       time.sleep(0.2)
