@@ -38,6 +38,8 @@ def get_config(arg: str | None = None):
   c.rl.seq_len = 128
   c.rl.pack = True  # the train step costs the real tokens: comparable with the sampler's share (see BENCHMARKS.md)
   c.rl.num_minibatches = 1
+  # Chunks of <= 6 rows: a packed batch of 8+ rows in one chunk ran 1.6x slower per row on one core (out of cache)
+  c.rl.microbatch_rows = 6
   # The pipeline's settings (sync ignores both): with k = 1 a sampler that has its next share's groups admitted
   # has no room for more, so its slots empty while the share's long samples finish (the sync step's tail again), and
   # recomputing the KV cache of every in-flight sample at each update grows with k; k = 2 with keep_kv (continue

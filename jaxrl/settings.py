@@ -142,6 +142,10 @@ SETTINGS = (
     # start on CPU, where a real model's bucket takes 10-60 s to compile, and not every bucket is met)
     Bool("rl.compile_ahead", True, "compile the train step for every packed row bucket before the first step"),
     Int("rl.logprob_chunk", 0, 0, "> 0: log-probs computed this many positions at a time (no [B, L, V] logits)"),
+    # Gradient accumulation by size: each update's rows are run in the fewest chunks of at most this many rows per
+    # learner device (per row bucket; the same update up to summation order). Bounds activation memory; on
+    # XLA:CPU chunks of <= 6 rows of 128 tokens stay in the core's cache (1.6x faster there). 0: one chunk
+    Int("rl.microbatch_rows", 0, 0, "rows per gradient-accumulation chunk per device at most (0: whole update)"),
     # k: a group admitted at sampler version v is trained by step v + k, late or not (nothing is dropped for
     # staleness): every trained token has staleness <= k, in learner steps (pipeline mode; sync is k = 0). "auto":
     # admission moves k within [auto_staleness.k_min, auto_staleness.k_max] from the measured drift

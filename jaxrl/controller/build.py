@@ -141,7 +141,8 @@ def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunS
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
                                num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,
                                state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
-                               logprob_chunk=c.rl.logprob_chunk, atomic=c.rl.atomic_step)
+                               logprob_chunk=c.rl.logprob_chunk, atomic=c.rl.atomic_step,
+                               microbatch_rows=c.rl.microbatch_rows)
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh,
                            ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
   return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)

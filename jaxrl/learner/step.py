@@ -2,8 +2,10 @@
 
 One call is one learner step and makes one policy version, whatever the mini-batching: it runs
 `num_epochs * num_minibatches` optimizer updates (PPO-style: each epoch a fresh permutation of the rows split into
-mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned in order. The version goes up by
-one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds it.
+mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned in order (or, with
+`microbatch_rows`, as many as keep each chunk at most that many rows per device: per batch shape). The version goes
+up by one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds
+it.
 A step applies in full or is skipped (params and optimizer state as before it, version not bumped, skip counted)
 when any of its updates has a non-finite loss or gradient, a valid sample's reward is non-finite, or it has no
 completion tokens at all (a mini-batch of padding rows only is a no-op). That needs the pre-step TrainState kept
@@ -97,7 +99,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
                     num_epochs: int = 1, compute_dtype=None, state_shardings: TrainState | None = None,
                     batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
-                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0, atomic: bool = True):
+                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0, atomic: bool = True,
+                    microbatch_rows: int = 0):
   """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
@@ -106,6 +109,12 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   num_minibatches: optimizer updates per epoch, over disjoint row subsets drawn by a permutation from `rng`.
   num_epochs: passes over the batch per step (PPO epochs), each with its own permutation.
   num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
+  microbatch_rows: if > 0, each batch shape (row bucket) takes the fewest chunks, at least num_microbatches, that
+  split its update's rows per device evenly into chunks of at most this many rows (fewer when no divisor fits: 1
+  row). The same update up to float summation order: it bounds the activations one chunk holds, and on XLA:CPU a
+  chunk past ~6 rows of 128 tokens left the core's cache (the headline's 4-layer train step: 8 rows 59.5 ms in one
+  chunk, 37.2 ms in two; docs/BENCHMARKS.md). Which rows form a mini-batch (num_minibatches > 1) follows the
+  chunking, as with num_microbatches.
   compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
   state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
   step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
@@ -119,6 +128,8 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   m, k, e = num_minibatches, num_microbatches, num_epochs
   if m < 1 or k < 1 or e < 1:
     raise ValueError(f"num_minibatches, num_microbatches and num_epochs must be >= 1 (got {m}, {k}, {e})")
+  if microbatch_rows < 0:
+    raise ValueError(f"microbatch_rows must be >= 0 (0: num_microbatches chunks), got {microbatch_rows}")
   if batch_size < 1 or seq_len < 2:
     raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {batch_size}, {seq_len})")
   if batch_size % (m * k):
@@ -137,6 +148,14 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
                        f"{shards} devices of the batch axes; change batch_size, row_buckets, num_minibatches or "
                        f"num_microbatches")
   updates_per_step = m * e
+
+  def chunks(b: int) -> int:
+    """Gradient-accumulation chunks per update for a batch of b rows (see microbatch_rows)."""
+    if not microbatch_rows:
+      return k
+    per_device = b // (m * shards)
+    return next(d for d in range(k, per_device + 1) if per_device % d == 0 and per_device // d <= microbatch_rows)
+
   prox_pass = cfg.proximal == "recompute" and updates_per_step > 1
   ref_pass = cfg.kl_coef > 0
 
@@ -147,14 +166,14 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     spec[axis] = lead
     return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(*spec)))
 
-  def split(x):
+  def split(x, k):
     """[E*B, ...] -> [E*M, K, rows, ...]; row i*M*K + j*K + c of an epoch goes to its mini-batch j, micro-batch c
     (shard-local)."""
     rows = x.shape[0] // (e * m * k)
     x = x.reshape(e, rows, m, k, *x.shape[1:])
     return constrain(jnp.moveaxis(x, 1, 3).reshape(e * m, k, rows, *x.shape[4:]), 2)
 
-  def chunked(fn, x):
+  def chunked(fn, x, k):
     """fn over the batch in the K*M shard-local chunks of `split`, one at a time (bounded memory); [B, L] out."""
     b = jax.tree.leaves(x)[0].shape[0]
     parts = jax.tree.map(lambda a: constrain(jnp.moveaxis(a.reshape(b // (m * k), m * k, *a.shape[1:]), 0, 1), 1),
@@ -188,6 +207,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   def train_step(state: TrainState, batch: Batch, rng: jax.Array):
     check_batch(batch, batch_size, seq_len, row_buckets)
     b = batch.tokens_BxL.shape[0]
+    k = chunks(b)
     rows = b // (m * k)
     if ref_pass and state.ref_params is None:
       raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
@@ -202,9 +222,9 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     }
     # Forward passes at fixed params, before any update: prox (decoupled PPO's pre-update policy) and ref.
     if prox_pass:
-      per_row["prox"] = chunked(lambda x: logprobs(state.params, x)[0], per_row)
+      per_row["prox"] = chunked(lambda x: logprobs(state.params, x)[0], per_row, k)
     if ref_pass:
-      per_row["ref"] = jax.lax.stop_gradient(chunked(lambda x: logprobs(state.ref_params, x)[0], per_row))
+      per_row["ref"] = jax.lax.stop_gradient(chunked(lambda x: logprobs(state.ref_params, x)[0], per_row, k))
     rewards_B = batch.rewards_B  # [B], or [B, G] for packed rows (column g: segment g + 1)
     kl_reward_B = jnp.zeros_like(rewards_B)
     if ref_pass and cfg.kl_estimator == "k1_reward":
@@ -224,7 +244,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
       keys = rng[None] if e == 1 else jax.random.split(rng, e)
       order = jax.vmap(lambda key: jax.random.permutation(key, b))(keys).reshape(-1)
       per_row = jax.tree.map(lambda x: x[order], per_row)
-    parts = jax.tree.map(split, per_row)
+    parts = jax.tree.map(lambda x: split(x, k), per_row)
 
     def update(carry, mini):
       state, n_applied = carry
