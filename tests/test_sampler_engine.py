@@ -323,3 +323,39 @@ def test_bad_configuration_is_rejected(model, engine):
     Engine(CFG, engine.mesh, max_slots=2, max_len=8, dtype="float16")
   with pytest.raises(ValueError, match="does not fit"):
     engine.prefill(sampler._params, np.arange(MAX_LEN))
+
+
+def test_a_groups_samples_go_in_with_one_program_as_each_would_alone(model, engine):
+  """insert_group (the dense sampler's admissions) leaves the decode state bit for bit as one insert per slot."""
+  _, params, _ = model
+  placed = engine.place(params, 0)
+  prefix = engine.prefill(placed, np.array([4, 9, 2], np.int32))
+  settings = [engine.slot_settings(jax.random.key(i), SamplingParams(temperature=0.5 + i, top_k=i), 5 + i, (7,))
+              for i in range(3)]
+  slots = [3, 0, 2]
+  one_by_one = engine.init_decode_state()
+  for slot, s in zip(slots, settings, strict=True):
+    one_by_one = engine.insert(prefix, one_by_one, slot, s)
+  grouped = engine.insert_group(prefix, engine.init_decode_state(), slots, settings)
+  for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(grouped), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.asarray(grouped.active_S).tolist() == [True, False, True, True]
+  for bad, match in (([1, 1, 2], "distinct"), ([0, 4, 1], "distinct and in"), ([0, 1], "2 slots with 3 settings")):
+    with pytest.raises(ValueError, match=match):
+      engine.insert_group(prefix, engine.init_decode_state(), bad, settings)
+  paged = Engine(CFG, engine.mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
+                 page_size=8)
+  with pytest.raises(ValueError, match="page table"):
+    paged.insert_group(prefix, paged.init_decode_state(), slots, settings)
+
+
+@pytest.mark.parametrize("group_id", [0, 7, 2**31 + 5])
+def test_sample_keys_are_fold_ins_of_the_group_key(group_id):
+  """A group's sample keys, made in one program, are fold_in(fold_in(sampler key, group id), sample index)."""
+  from jaxrl.sampler.sampler import _sample_key_data
+
+  key = jax.random.key(11)
+  got = np.asarray(_sample_key_data(key, np.uint32(group_id), 3))
+  group = jax.random.fold_in(key, group_id)
+  want = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(group, i))) for i in range(3)])
+  np.testing.assert_array_equal(got, want)

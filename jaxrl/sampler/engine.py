@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -106,6 +107,17 @@ def _insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings, nu
       num_generated_S=put(state.num_generated_S, num_generated),
       settings=jax.tree.map(put, state.settings, settings),
   )
+
+
+def _insert_dense(prefix: Prefix, state: DecodeState, slots_W, settings_W: SlotSettings, count) -> DecodeState:
+  """A dense cache: the same prefix into slots_W[:count] (a group's samples), one program for the whole group."""
+  unused_row = jnp.zeros((1,), jnp.int32)
+
+  def one(i, state):
+    settings = jax.tree.map(lambda x: x[i], settings_W)
+    return _insert(prefix, state, slots_W[i], settings, 0, unused_row, 0)
+
+  return jax.lax.fori_loop(0, count, one, state)
 
 
 def _generate(graphdef, steps, params, version, state: DecodeState, forward=forward_cached, draw=sample):
@@ -254,6 +266,7 @@ class Engine:
     # engine's programs only (not those of other engines over the same module-level function).
     own = functools.partial
     self._insert = jax.jit(own(_insert), donate_argnums=1, out_shardings=self._state_shardings)
+    self._insert_dense = jax.jit(own(_insert_dense), donate_argnums=1, out_shardings=self._state_shardings)
     self._generate = jax.jit(functools.partial(_generate, g, steps_per_call), donate_argnums=2,
                              out_shardings=(self._state_shardings, result_shardings))
     # One program per row bucket, compiled ahead of time (all at the first call, so none compiles mid-run).
@@ -355,13 +368,15 @@ class Engine:
     return prefix.replace(version=params.version)
 
   def slot_settings(self, key, sampling, max_new: int, stop_ids=()) -> SlotSettings:
-    """One request's settings as host scalars; stop_ids must already be checked against the vocabulary."""
+    """One request's settings as host scalars; stop_ids must already be checked against the vocabulary. key: a
+    typed jax key or its raw uint32 data (jax.random.key_data; a host array costs no device round trip)."""
     if len(stop_ids) > self.max_stop_ids:
       raise ValueError(f"{len(stop_ids)} stop token ids given, the engine holds at most {self.max_stop_ids}")
     stops = np.full((self.max_stop_ids,), -1, np.int32)
     stops[: len(stop_ids)] = stop_ids
     temperature = 1.0 if sampling.greedy else sampling.temperature
-    return SlotSettings(np.asarray(jax.random.key_data(key), np.uint32), np.float32(temperature),
+    data = key if isinstance(key, np.ndarray) else jax.random.key_data(key)
+    return SlotSettings(np.asarray(data, np.uint32), np.float32(temperature),
                         np.int32(sampling.top_k), np.float32(sampling.top_p), np.bool_(sampling.greedy),
                         np.int32(max_new), stops)
 
@@ -378,6 +393,23 @@ class Engine:
     # The version is static metadata of Prefix: drop it so that a new policy version does not recompile insert.
     return self._insert(prefix.replace(version=0), decode_state, np.int32(slot), settings, np.int32(num_generated),
                         row, np.int32(first_private))
+
+  def insert_group(self, prefix: Prefix, decode_state: DecodeState, slots, settings: Sequence[SlotSettings]
+                   ) -> DecodeState:
+    """Dense: puts one prefix into several slots (a group's new samples), each with its settings, in one program
+    (per sample, insert's dispatch and its settings' transfer cost ~0.1-0.3 ms of a sampler core's time; one
+    program for the group: bench/results/sampler_host.json)."""
+    if self.kv == "paged":
+      raise ValueError("Engine(kv='paged').insert_group: a paged slot needs its page table (use insert)")
+    if not 1 <= len(slots) <= self.max_slots or len(slots) != len(settings):
+      raise ValueError(f"insert_group: {len(slots)} slots with {len(settings)} settings (1 to {self.max_slots})")
+    if len(set(slots)) != len(slots) or not all(0 <= s < self.max_slots for s in slots):
+      raise ValueError(f"insert_group: slots {list(slots)} must be distinct and in [0, {self.max_slots})")
+    width = self.max_slots  # one shape: no compilation for a new group size or a partial placement mid-run
+    slots_W = np.zeros(width, np.int32)
+    slots_W[: len(slots)] = slots
+    stacked = jax.tree.map(lambda *xs: np.stack([*xs, *[xs[0]] * (width - len(xs))]), *settings)
+    return self._insert_dense(prefix.replace(version=0), decode_state, slots_W, stacked, np.int32(len(slots)))
 
   def store_prefix(self, prefix: Prefix, decode_state: DecodeState, pages) -> DecodeState:
     """Paged: writes a group's shared prompt pages (ids in position order) once, before its samples' inserts."""
@@ -462,5 +494,5 @@ class Engine:
   def compile_count(self) -> int:
     """Compiled executables across the engine's jitted functions (each shape compiles once)."""
     return len(self._live_programs) + sum(
-        f._cache_size() for f in (self._prefill, self._insert, self._generate, self._rebuild, self._release,
-                                  self._store_prefix, self._set_tables, self._rebuild_rows))
+        f._cache_size() for f in (self._prefill, self._insert, self._insert_dense, self._generate, self._rebuild,
+                                  self._release, self._store_prefix, self._set_tables, self._rebuild_rows))

@@ -30,11 +30,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.rollout import Rollout
@@ -54,12 +56,19 @@ _STOP_WINDOW = 8
 class _Group:
   request: Request
   prompt: np.ndarray
-  key: jax.Array
+  keys: np.ndarray  # [n, 2] uint32: sample i's key data, fold_in(fold_in(sampler key, group id), i)
   max_new: tuple[int, ...]  # per sample
   stop_ids: tuple[int, ...]
   placed: int = 0
   prefix: Prefix | None = None
   shared: SharedPrompt | None = None  # paged: the prompt pages of `prefix` its samples share
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _sample_key_data(key, group_id, n: int):
+  """The raw key data of a group's n samples, in one program (not 2n eager dispatches and n device reads)."""
+  group_key = jax.random.fold_in(key, group_id)
+  return jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(group_key, i)))(jnp.arange(n, dtype=jnp.uint32))
 
 
 @dataclasses.dataclass
@@ -148,6 +157,7 @@ class Sampler:
     self._waiting: collections.deque[_Group] = collections.deque()
     self._preempted: collections.deque[_Sample] = collections.deque()
     self._admissions = 0
+    self._placed: list[tuple[Prefix, int, Any]] = []  # dense: (prefix, slot, settings) placed, not yet inserted
     self._pages = (PageAllocator(engine.num_pages, engine.page_size, engine.max_slots, engine.pages_per_slot)
                    if engine.kv == "paged" else None)
     self._key = jax.random.key(seed)
@@ -173,8 +183,8 @@ class Sampler:
 
   def submit_request(self, r: Request) -> None:
     r, prompt, max_new, stop_ids = check_request(r, self.engine, self.eos_token_ids, self.detokenize)
-    key = jax.random.fold_in(self._key, int(r.group_id))
-    self._waiting.append(_Group(r, prompt, key, max_new, stop_ids))
+    keys = np.asarray(_sample_key_data(self._key, np.uint32(r.group_id), r.n))
+    self._waiting.append(_Group(r, prompt, keys, max_new, stop_ids))
 
   def update_params(self, params, version: int) -> None:
     """New params for the next step; in-flight samples continue on them ("recompute") or finish first."""
@@ -278,6 +288,18 @@ class Sampler:
           break
       except OutOfPages:  # stop admitting until samples end and free pages
         break
+    self._insert_placed()
+
+  def _insert_placed(self) -> None:
+    """Dense: inserts the samples _place placed, one program per group (per sample, an insert's dispatch and its
+    settings' transfer took ~0.3 ms of a one-core sampler's time: 9 ms of a 60 ms headline step)."""
+    placed, self._placed = self._placed, []
+    while placed:
+      prefix = placed[0][0]
+      group = [p for p in placed if p[0] is prefix]
+      placed = [p for p in placed if p[0] is not prefix]
+      self._state = self.engine.insert_group(prefix, self._state, [slot for _, slot, _ in group],
+                                             [settings for _, _, settings in group])
 
   def _place(self, slot: int, g: _Group) -> None:
     if g.prefix is None or g.prefix.version != self.version:  # the prefill is shared by the group's samples
@@ -291,9 +313,12 @@ class Sampler:
       if g.shared is not None:
         self._state = self.engine.store_prefix(g.prefix, self._state, g.shared.pages)
     r = g.request
-    settings = self.engine.slot_settings(jax.random.fold_in(g.key, g.placed), r.sampling, g.max_new[g.placed],
-                                         g.stop_ids)
-    self._insert(slot, g.prefix, settings, g.shared, 0)
+    settings = self.engine.slot_settings(g.keys[g.placed], r.sampling, g.max_new[g.placed], g.stop_ids)
+    if self._pages is None:  # dense: a group's samples placed now go in with one program (_insert_placed)
+      self._placed.append((g.prefix, slot, settings))
+      self._admissions += 1
+    else:
+      self._insert(slot, g.prefix, settings, g.shared, 0)
     start = r.meta.get("episode")
     self._slots[slot] = _Sample(g, g.placed, admitted=self._admissions,
                                 episode=start.driver.open(start) if start is not None else None)
@@ -323,7 +348,7 @@ class Sampler:
     prefix = self.engine.prefill(self._params, tokens)
     self.stats.prefills += 1
     drawn, limit = self._budget(sample)
-    settings = self.engine.slot_settings(jax.random.fold_in(g.key, sample.index), r.sampling, limit, g.stop_ids)
+    settings = self.engine.slot_settings(g.keys[sample.index], r.sampling, limit, g.stop_ids)
     self._insert(slot, prefix, settings, None, drawn)
     sample.admitted = self._admissions
     self._slots[slot] = sample
