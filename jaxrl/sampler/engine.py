@@ -408,7 +408,7 @@ class Engine:
     width = self.max_slots  # one shape: no compilation for a new group size or a partial placement mid-run
     slots_W = np.zeros(width, np.int32)
     slots_W[: len(slots)] = slots
-    stacked = jax.tree.map(lambda *xs: np.stack([*xs, *[xs[0]] * (width - len(xs))]), *settings)
+    stacked = jax.tree.map(lambda *xs: np.resize(np.stack(xs), (width, *np.shape(xs[0]))), *settings)  # rows cycled
     return self._insert_dense(prefix.replace(version=0), decode_state, slots_W, stacked, np.int32(len(slots)))
 
   def store_prefix(self, prefix: Prefix, decode_state: DecodeState, pages) -> DecodeState:

@@ -376,16 +376,20 @@ class Sampler:
     finished = []
     result = jax.device_get(call.result)
     version = int(result.version)
+    # A slot's valid steps are a prefix of the call (it is active from the call's start, or from none of it, until
+    # it ends): its new tokens are the first `count` of its row. Whole arrays to lists once, not per slot.
+    counts = result.valid_SxK.sum(axis=1).tolist()
+    tokens, logprobs, done = result.tokens_SxK.tolist(), result.logprobs_SxK.tolist(), result.done_S.tolist()
     for slot, sample in enumerate(call.occupants):
       if sample is None or self._slots[slot] is not sample or call.turns[slot] != sample.turn:
         continue  # empty, ended by the host after this dispatch, or a turn that ended then (its env is working)
-      valid = result.valid_SxK[slot]
+      n = counts[slot]
       before = len(sample.tokens)
-      sample.tokens += result.tokens_SxK[slot][valid].tolist()
-      sample.logprobs += result.logprobs_SxK[slot][valid].tolist()
-      sample.versions += [version] * int(valid.sum())
-      self.stats.generated_tokens += int(valid.sum())
-      reason = self._finish_reason(sample) if result.done_S[slot] else None
+      sample.tokens += tokens[slot][:n]
+      sample.logprobs += logprobs[slot][:n]
+      sample.versions += [version] * n
+      self.stats.generated_tokens += n
+      reason = self._finish_reason(sample) if done[slot] else None
       cut = self._stop_string_end(sample, before)
       if cut is not None:
         del sample.tokens[cut:], sample.logprobs[cut:], sample.versions[cut:]
