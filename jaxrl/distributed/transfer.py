@@ -43,6 +43,11 @@ class TransferLog:
       yield entry
 
 
+def _whole(index: tuple, shape: tuple) -> bool:
+  """Whether a shard index (a tuple of slices) covers the whole of `shape`."""
+  return all(isinstance(i, slice) and i.indices(n) == (0, n, 1) for i, n in zip(index, shape, strict=True))
+
+
 def source_devices(learner_devices: Sequence[Any], count: int, replica: int) -> list[Any]:
   """The `count` learner devices that send to sampler `replica`; replicas start at different devices to spread
   the sending over the learner hosts."""
@@ -81,7 +86,9 @@ class WeightRoute:
     out = []
     for x, src, (shape, dtype) in zip(jax.tree.leaves(replicated_params), self._src, self._avals, strict=True):
       local = {s.device: s.data for s in x.addressable_shards}
-      pieces = [local[d][index] for d, index in src.addressable_devices_indices_map(shape).items()]
+      # A piece that is the whole array is the array (not an eager slicing op per leaf on the learner's core).
+      pieces = [local[d] if _whole(index, shape) else local[d][index]
+                for d, index in src.addressable_devices_indices_map(shape).items()]
       out.append(jax.make_array_from_single_device_arrays(shape, src, pieces, dtype=dtype))
     return out
 
