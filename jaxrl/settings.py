@@ -88,6 +88,7 @@ SETTINGS = (
     Bool("model.remat", False, "rematerialise blocks in the backward pass (saves learner memory)"),
     Choice("model.remat_policy", "nothing_saveable", REMAT_POLICIES, "what a remat block keeps"),
     Choice("model.train_attention", "auto", ("auto", *TRAIN_ATTENTION), "learner attention"),
+    Int("model.scan_unroll", 1, 1, "layers per iteration of the layer scan (>= num_layers: unrolled)"),
 
     Setting("mesh.num_devices", -1, "devices used in all (-1: every device)"),
     Setting("mesh.sampler_devices", 4, "devices of the sampler submesh: a count, or a fraction of the pool in (0, 1)"),

@@ -100,6 +100,25 @@ def test_remat_gives_same_gradients():
     np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(x))))
 
 
+@pytest.mark.parametrize("unroll", [2, 8])
+def test_unrolled_layer_scan_computes_the_same_logits_gradients_and_cache(unroll):
+  """model.scan_unroll (2 of tiny's 2 layers, or more than it has: fully unrolled) is the same computation."""
+  cfg, graphdef, params = _model()
+  _, graphdef_u, _ = _model(scan_unroll=unroll)
+  tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, cfg.vocab_size)
+  loss = lambda g, p: jnp.sum(_full(g, p, tokens) ** 2)
+  np.testing.assert_allclose(_full(graphdef_u, params, tokens), _full(graphdef, params, tokens), rtol=1e-5,
+                             atol=1e-5)
+  for x, y in zip(jax.tree.leaves(jax.grad(loss, argnums=1)(graphdef, params)),
+                  jax.tree.leaves(jax.grad(loss, argnums=1)(graphdef_u, params)), strict=True):
+    np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(x))))
+  pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  step = jax.jit(forward_cached, static_argnums=0)
+  (a, ca), (b, cb) = (step(g, params, tokens, pos, init_cache(cfg, 2, 8)) for g in (graphdef, graphdef_u))
+  np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(cb.k_NxSxTxKxD, ca.k_NxSxTxKxD, rtol=1e-5, atol=1e-5)
+
+
 def test_full_path_requires_segment_ids():
   cfg, graphdef, params = _model()
   with pytest.raises(ValueError, match="segment_ids"):
@@ -112,6 +131,7 @@ def test_full_path_requires_segment_ids():
     (dict(num_layers=0), "num_layers"),
     (dict(rope_type="yarn"), "rope_type"),
     (dict(dtype="float16"), "dtype"),
+    (dict(scan_unroll=0), "scan_unroll"),
 ])
 def test_bad_config_is_rejected(bad, match):
   with pytest.raises(ValueError, match=match):

@@ -38,7 +38,8 @@ def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
   # bfloat16 compute (float32 master weights by default) on accelerators; float32 on CPU, where bf16 is slow.
   dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
   overrides = dict(dtype=dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
-                   remat_policy=c.model.remat_policy, train_attention=c.model.train_attention)
+                   remat_policy=c.model.remat_policy, train_attention=c.model.train_attention,
+                   scan_unroll=c.model.scan_unroll)
   if c.model.source == "tiny":
     cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
     return cfg, None, None

@@ -42,6 +42,10 @@ class ModelConfig:
   # What a rematerialised block keeps from its forward pass: a jax.checkpoint_policies name
   # (nothing_saveable: recompute everything; dots_with_no_batch_dims_saveable: keep the weight matmuls).
   remat_policy: str = "nothing_saveable"
+  # Layers per iteration of the layer scan (>= num_layers: unrolled, each layer's weights a static slice of the
+  # stacked params). On XLA:CPU a small model's loop overhead and per-layer dynamic slices of the weights cost more
+  # than its matmuls (docs/BENCHMARKS.md, the headline); on accelerators, 1 keeps compile time flat in depth.
+  scan_unroll: int = 1
   # The learner's full-sequence attention (jaxrl/kernels/train_attention.py): "auto" is cuDNN flash on GPU in
   # bf16/fp16, splash (Pallas) on TPU, the chunked XLA path on CPU for rows longer than attention_block.
   train_attention: str = "auto"
@@ -67,6 +71,8 @@ class ModelConfig:
                        f"{('auto', *train_attention.IMPLEMENTATIONS)}")
     if not callable(getattr(jax.checkpoint_policies, self.remat_policy, None)):
       raise ValueError(f"ModelConfig.remat_policy={self.remat_policy!r} is not a jax.checkpoint_policies policy")
+    if self.scan_unroll < 1:
+      raise ValueError(f"ModelConfig.scan_unroll must be >= 1 (got {self.scan_unroll})")
     if self.attention_block < 1:
       raise ValueError(f"ModelConfig.attention_block must be positive (got {self.attention_block})")
     for name in ("dtype", "param_dtype"):

@@ -280,7 +280,7 @@ class Decoder(nnx.Module):
 
       if cfg.remat:
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
-      x, _ = jax.lax.scan(body, x, stacked)
+      x, _ = jax.lax.scan(body, x, stacked, unroll=min(cfg.scan_unroll, cfg.num_layers))
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
       # in place and no second cache-sized buffer exists.
@@ -296,7 +296,8 @@ class Decoder(nnx.Module):
         x, kv = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, cache_kv=at)
         return (x, kv), None
 
-      (x, carried), _ = jax.lax.scan(cached_body, (x, carried), (jnp.arange(cfg.num_layers), stacked))
+      (x, carried), _ = jax.lax.scan(cached_body, (x, carried), (jnp.arange(cfg.num_layers), stacked),
+                                     unroll=min(cfg.scan_unroll, cfg.num_layers))
       cache = done(carried)
     x = self.final_norm(x)
     if hidden and cache is None:
