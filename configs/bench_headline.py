@@ -26,9 +26,6 @@ def get_config(arg: str | None = None):
   c.model.source = "tiny"
   c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
                                                 num_heads=2, num_kv_heads=1, head_dim=32))
-  # The layer scan unrolled: XLA:CPU's loop and per-layer weight slices cost this small model's train step 20-25%
-  # (bench.headline_parts); its decode call is the same either way
-  c.model.scan_unroll = 4
   c.task.name = "target_token"  # 4-token random prompts
   c.sampler.max_slots = 16
   c.sampler.max_len = 128
@@ -64,7 +61,6 @@ def get_config(arg: str | None = None):
     c.bench.rounds = 1
   elif arg == "smollm2":  # configs/default.py's model and task, a longer answer budget: the model's own lengths
     c.model.source = "smollm2"
-    c.model.scan_unroll = 1  # as measured (2026-12-05 17:10): 30 layers, a 4-layer unrolled body compiles longer
     c.task.name = "arithmetic"
     c.task.kwargs.digits = 2
     c.task.kwargs.ops = ("+",)
