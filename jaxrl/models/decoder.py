@@ -272,6 +272,7 @@ class Decoder(nnx.Module):
     x = self.embed[...].astype(cfg.compute_dtype)[tokens_BxT]
     inv_freq = rope_inv_freq(cfg)
     graphdef, stacked = nnx.split(self.blocks)
+    unroll = min(cfg.scan_unroll, cfg.num_layers)
 
     if cache is None:
       def body(x, state):
@@ -280,7 +281,7 @@ class Decoder(nnx.Module):
 
       if cfg.remat:
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
-      x, _ = jax.lax.scan(body, x, stacked, unroll=min(cfg.scan_unroll, cfg.num_layers))
+      x, _ = jax.lax.scan(body, x, stacked, unroll=unroll)
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
       # in place and no second cache-sized buffer exists.
@@ -297,7 +298,7 @@ class Decoder(nnx.Module):
         return (x, kv), None
 
       (x, carried), _ = jax.lax.scan(cached_body, (x, carried), (jnp.arange(cfg.num_layers), stacked),
-                                     unroll=min(cfg.scan_unroll, cfg.num_layers))
+                                     unroll=unroll)
       cache = done(carried)
     x = self.final_norm(x)
     if hidden and cache is None:
