@@ -74,6 +74,11 @@ class Rollout:
     return int(versions.min()) if len(versions) else -1
 
   @property
+  def num_model_tokens(self) -> int:
+    """Completion tokens the model generated: the completion less an environment's observation tokens."""
+    return int(self.model_mask.sum())
+
+  @property
   def num_tokens(self) -> int:
     return len(self.prompt_tokens) + len(self.completion_tokens)
 

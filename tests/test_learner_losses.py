@@ -82,8 +82,7 @@ def _value_and_grad(f, x, *args):
 def test_ppo_surrogate_values_gradients_and_clip_flags():
   u = np.array([1.5, 0.5, 0.5, 1.5, 1.1], np.float32)
   adv = np.array([1.0, 1.0, -1.0, -1.0, 2.0], np.float32)
-  loss, low, high, dual = ppo_surrogate(np.log(u), adv, 0.2, 0.28)
-  assert not dual.any()
+  loss, low, high = ppo_surrogate(np.log(u), adv, 0.2, 0.28)
   np.testing.assert_allclose(loss, [-1.28, -0.5, 0.8, 1.5, -2.2], rtol=1e-6)
   assert low.tolist() == [False, False, True, False, False]
   assert high.tolist() == [True, False, False, False, False]
@@ -102,7 +101,7 @@ def test_gspo_sequence_ratio():
   log_ratio = np.array([[0.1, 0.3], [0.5, 9.0]], np.float32)
   mask = np.array([[1, 1], [1, 0]], bool)  # row 1's second entry is not a token
   adv = np.ones((2, 2), np.float32)
-  loss, _, high, _ = gspo_surrogate(log_ratio, adv, mask, 0.2, 0.28)
+  loss, _, high = gspo_surrogate(log_ratio, adv, mask, 0.2, 0.28)
   np.testing.assert_allclose(loss, [[-np.exp(0.2)] * 2, [-1.28] * 2], rtol=1e-6)
   assert high.tolist() == [[False, False], [True, True]]
   grad = jax.grad(lambda lr: gspo_surrogate(lr, adv, mask, 0.2, 0.28)[0][:, 0].sum())(jnp.asarray(log_ratio))
@@ -203,8 +202,9 @@ def test_policy_objective_decoupled_ppo_with_tis_kl_entropy():
   # Token 2: u = 1, surrogate -2 (gradient -2); w = e^-0.1.
   w1, w2 = 1.5, np.exp(-0.1)
   policy = 0.5 * (w1 * -2.6) + 0.5 * (w2 * -2.0)
-  # KL: k2 = 0.5 (logp - ref)^2 weighted by pi / mu capped at 1.5: e^1 -> 1.5 on token 1, e^-0.1 on token 2.
-  kw1, kw2 = 1.5, np.exp(-0.1)
+  # KL: k2 = 0.5 (logp - ref)^2 weighted by pi / mu, not truncated (the IS cap is the policy term's): e^1 on
+  # token 1, e^-0.1 on token 2.
+  kw1, kw2 = np.exp(1.0), np.exp(-0.1)
   kl = 0.1 * 0.5 * (kw1 * 0.5 * 0.2**2 + kw2 * 0.5 * 0.2**2)
   ent = -0.01 * 0.5 * (1.0 + 2.0)
   np.testing.assert_allclose(loss, policy + kl + ent, rtol=1e-6)

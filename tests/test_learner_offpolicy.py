@@ -8,18 +8,21 @@ import numpy as np
 import optax
 import pytest
 
+from jaxrl import config as config_lib
 from jaxrl.learner import (
-    LossConfig,
-    aggregation_weights,
-    behavior_weights,
-    ess_cap,
-    ess_fraction,
-    init_train_state,
-    make_train_step,
-    policy_objective,
-    ppo_surrogate,
-    token_logprobs,
+  LossConfig,
+  aggregation_weights,
+  behavior_weights,
+  dual_clip,
+  ess_cap,
+  ess_fraction,
+  init_train_state,
+  make_train_step,
+  policy_objective,
+  ppo_surrogate,
+  token_logprobs,
 )
+from jaxrl.learner.step import minibatch_order
 from jaxrl.rollout import Rollout, make_batch
 
 V = 6
@@ -30,45 +33,125 @@ def _softmax(x):
   return e / e.sum()
 
 
-def test_k2_gradient_is_the_reverse_kl_gradient_under_stale_samples():
-  """Exact expectation over every token y ~ mu: the k2 term weighted by pi/mu has the gradient of KL(pi || ref)."""
+def _stale_kl_case():
+  """pi, ref and a stale mu over V tokens, with pi / mu above the default IS cap (2) on some token."""
   rng = np.random.default_rng(0)
-  theta, theta_ref, theta_mu = (rng.normal(size=V).astype(np.float32) for _ in range(3))
+  theta, theta_ref = (rng.normal(size=V).astype(np.float32) for _ in range(2))
+  theta_mu = (theta + 1.5 * rng.normal(size=V)).astype(np.float32)
   log_mu = np.log(_softmax(theta_mu)).astype(np.float32)
   log_ref = np.log(_softmax(theta_ref)).astype(np.float32)
-  # Row y scores token y (entry 1; entry 0 is never a target); its weight is mu(y): the expectation under mu.
-  weights = np.stack([np.zeros(V), np.exp(log_mu)], 1).astype(np.float32)
-  col = lambda x: jnp.stack([jnp.zeros(V), jnp.asarray(x, jnp.float32)], 1)
-  cfg = LossConfig(policy_loss="pg", kl_coef=1.0, kl_estimator="k2")
+  assert (_softmax(theta) / np.exp(log_mu)).max() > 2.0
+  return theta, log_mu, log_ref
+
+
+def _kl_gradient(theta, tokens, weights, log_mu, log_ref, cfg):
+  """Gradient in theta of policy_objective over rows [unused, y] (y = tokens), advantage 0: the KL term alone."""
+  col = lambda x: jnp.stack([jnp.zeros(len(tokens)), jnp.asarray(x, jnp.float32)], 1)
+  w = np.stack([np.zeros(len(tokens)), weights], 1).astype(np.float32)
 
   def loss(t):
-    logp = col(jax.nn.log_softmax(t))
-    return policy_objective(logp, col(log_mu), jnp.zeros(V), weights, cfg, ref_logp_BxL=col(log_ref))[0]
+    logp = col(jax.nn.log_softmax(t)[tokens])
+    return policy_objective(logp, col(log_mu[tokens]), jnp.zeros(len(tokens)), w, cfg,
+                            prox_logp_BxL=jax.lax.stop_gradient(logp), ref_logp_BxL=col(log_ref[tokens]))[0]
 
+  return np.asarray(jax.grad(loss)(jnp.asarray(theta)))
+
+
+def _reverse_kl_gradient(theta, log_ref):
   def reverse_kl(t):
     logp = jax.nn.log_softmax(t)
     return jnp.sum(jnp.exp(logp) * (logp - log_ref))
 
-  got, want = jax.grad(loss)(jnp.asarray(theta)), jax.grad(reverse_kl)(jnp.asarray(theta))
+  return np.asarray(jax.grad(reverse_kl)(jnp.asarray(theta)))
+
+
+# The run config's objective (decoupled PPO, token IS weights truncated at 2) with a k2 KL term.
+KL_CFG = LossConfig(policy_loss="pg", proximal="recompute", is_level="token", is_cap=2.0, kl_coef=1.0,
+                    kl_estimator="k2")
+
+
+def test_k2_gradient_is_the_reverse_kl_gradient_under_stale_samples():
+  """Exact expectation over every token y ~ mu (row y weighted mu(y)): the k2 term weighted by pi/mu has the
+  gradient of KL(pi || ref), with the IS cap set and pi/mu above it on some token (the cap must not touch it)."""
+  theta, log_mu, log_ref = _stale_kl_case()
+  want = _reverse_kl_gradient(theta, log_ref)
+  got = _kl_gradient(theta, np.arange(V), np.exp(log_mu), log_mu, log_ref, KL_CFG)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  # Without the pi/mu weight the same samples follow another gradient: the weight is what makes it right.
-  unweighted = jax.grad(lambda t: jnp.sum(weights[:, 1] * 0.5 * (jax.nn.log_softmax(t) - log_ref) ** 2))(theta)
-  assert np.abs(np.asarray(unweighted) - np.asarray(want)).max() > 1e-2
+  # Truncating the weight at the cap, or dropping it, follows another gradient on the same samples.
+  pi = _softmax(theta)
+  for weight in (np.minimum(pi / np.exp(log_mu), 2.0), np.ones(V)):
+    other = jax.grad(lambda t, w=weight: jnp.sum(np.exp(log_mu) * w * 0.5 * (jax.nn.log_softmax(t) - log_ref) ** 2))(
+        jnp.asarray(theta))
+    assert np.abs(np.asarray(other) - want).max() > 1e-2
+
+
+def test_k2_sampled_estimate_converges_to_the_reverse_kl_gradient():
+  """The estimator as the learner runs it: tokens drawn from the stale mu, token-mean over them. Its mean over
+  20000 draws is within 4 standard errors of the exact gradient in every coordinate."""
+  theta, log_mu, log_ref = _stale_kl_case()
+  n = 20000
+  tokens = np.random.default_rng(1).choice(V, size=n, p=np.exp(log_mu) / np.exp(log_mu).sum())
+  one = jax.vmap(lambda y: jnp.asarray(_kl_gradient_one(theta, y, log_mu, log_ref)))(jnp.asarray(tokens))
+  per_draw = np.asarray(one)
+  mean, se = per_draw.mean(0), per_draw.std(0) / np.sqrt(n)
+  np.testing.assert_allclose(_kl_gradient(theta, tokens, np.full(n, 1.0 / n), log_mu, log_ref, KL_CFG), mean,
+                             rtol=1e-3, atol=1e-5)
+  want = _reverse_kl_gradient(theta, log_ref)
+  assert np.all(np.abs(mean - want) < 4 * se + 1e-6), (mean, want, se)
+
+
+def _kl_gradient_one(theta, y, log_mu, log_ref):
+  """The k2 term's gradient on one drawn token (traceable in y)."""
+  def loss(t):
+    logp = jax.nn.log_softmax(t)[y]
+    row = lambda x: jnp.stack([jnp.float32(0.0), x])[None]
+    return policy_objective(row(logp), row(jnp.asarray(log_mu)[y]), jnp.zeros(1), jnp.array([[0.0, 1.0]]), KL_CFG,
+                            prox_logp_BxL=jax.lax.stop_gradient(row(logp)),
+                            ref_logp_BxL=row(jnp.asarray(log_ref)[y]))[0]
+
+  return jax.grad(loss)(jnp.asarray(theta))
 
 
 def test_dual_clip_values_gradients_and_flags():
-  u = np.array([4.0, 2.0, 4.0, 0.5], np.float32)
+  """The dual clip bounds a token's whole loss w * surrogate for A < 0 (w u = pi / mu untruncated)."""
+  u = np.array([1.6, 2.0, 4.0, 0.5], np.float32)
+  w = np.array([2.0, 1.0, 2.0, 2.0], np.float32)
   adv = np.array([-1.0, -1.0, 1.0, -2.0], np.float32)
-  loss, low, high, dual = ppo_surrogate(np.log(u), adv, 0.2, 0.28, dual_clip=3.0)
-  # u=4, A=-1: PPO gives 4, the dual clip holds it at 3; u=2: 2 (under 3); A>0 above the band: -1.28;
-  # u=0.5, A=-2: below the band, clipped to 0.8 * 2 = 1.6.
-  np.testing.assert_allclose(loss, [3.0, 2.0, -1.28, 1.6], rtol=1e-6)
+
+  def held(log_u):
+    return dual_clip(w * ppo_surrogate(log_u, adv, 0.2, 0.28)[0], adv, 3.0)
+
+  loss, dual = held(np.log(u))
+  # u=1.6, w=2, A=-1: PPO gives 1.6, weighted 3.2, held at 3; u=2, w=1: 2 (under 3); A>0 above the band:
+  # -1.28 * 2; u=0.5, A=-2: below the band, 0.8 * 2 * w = 3.2, under 3 * 2.
+  np.testing.assert_allclose(loss, [3.0, 2.0, -2.56, 3.2], rtol=1e-6)
   assert dual.tolist() == [True, False, False, False]
-  assert high.tolist() == [False, False, True, False] and low.tolist() == [False, False, False, True]
-  grad = jax.grad(lambda lr: ppo_surrogate(lr, adv, 0.2, 0.28, 3.0)[0].sum())(jnp.log(u))
-  np.testing.assert_allclose(grad, [0.0, 2.0, 0.0, 0.0], rtol=1e-6)  # -u A where unclipped
+  grad = jax.grad(lambda lu: held(lu)[0].sum())(jnp.log(u))
+  np.testing.assert_allclose(grad, [0.0, 2.0, 0.0, 0.0], rtol=1e-6)  # -w u A where unclipped
   with pytest.raises(ValueError, match="dual_clip"):
     LossConfig(dual_clip=1.1)
+
+
+def test_dual_clip_acts_on_a_stale_token_at_the_default_settings():
+  """The run config's objective: a token with A < 0 whose pi / prox = 1.6 (inside any PPO bound for A < 0) and
+  prox / mu = 2.5 (weight truncated to 2): w u = 3.2 passes the dual clip (3), so its gradient is 0; without the
+  dual clip it is -w u A = 3.2 per unit of weight."""
+  cfg = LossConfig(**config_lib.base().loss.to_dict())
+  assert cfg.dual_clip == 3.0 and cfg.is_cap == 2.0 and cfg.proximal == "recompute"
+  prox = np.log(np.array([[1.0, 0.2, 0.2]], np.float32))
+  behavior = prox - np.log(np.array([[1.0, 2.5, 1.0]], np.float32))
+  logp = prox + np.log(np.array([[1.0, 1.6, 1.0]], np.float32))
+  weights = np.array([[0.0, 0.5, 0.5]], np.float32)
+  adv = np.array([-1.0], np.float32)
+
+  def grad(c):
+    return np.asarray(jax.grad(lambda lp: policy_objective(lp, behavior, adv, weights, c, prox_logp_BxL=prox)[0])(
+        jnp.asarray(logp)))
+
+  np.testing.assert_allclose(grad(cfg), [[0.0, 0.0, 0.5 * 1.0]], rtol=1e-6)
+  np.testing.assert_allclose(grad(cfg.replace(dual_clip=None)), [[0.0, 0.5 * 3.2, 0.5 * 1.0]], rtol=1e-5)
+  _, stats = policy_objective(logp, behavior, adv, weights, cfg, prox_logp_BxL=prox)
+  assert stats["clip_dual"] == 1 and stats["is_truncated"] == 1
 
 
 def test_gspo_averages_over_sequences_not_tokens():
@@ -132,7 +215,7 @@ def _bigram(params, tokens, positions, segments):
 
 def test_decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update():
   """A one-token bandit, stale mu, two SGD mini-batch updates: the update equals a numpy reference of decoupled
-  PPO (ratio against the pre-step policy, clip, dual clip, weights min(prox / mu, 2)); anchoring at mu, or
+  PPO (ratio against the pre-step policy, clip, dual clip on w u, weights w = min(prox / mu, 2)); anchoring at mu, or
   swapping prox and mu, gives another update."""
   rng = np.random.default_rng(3)
   w0 = rng.normal(size=(V, V)).astype(np.float32)
@@ -146,20 +229,21 @@ def test_decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update():
   key = jax.random.key(5)
   state, metrics = step(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr), version=5), batch, key)
 
-  # Reference. Mini-batch j holds the permuted rows r*M + j (make_train_step's split with one micro-batch).
-  order = np.asarray(jax.random.permutation(key, b))
+  # Reference. Row r is in mini-batch r % M; the step visits the mini-batches in the order its key draws.
+  visits = np.asarray(minibatch_order(key, m, 1))
+  assert sorted(visits.tolist()) == [0, 1]
   adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
   prox = np.log(_softmax(w0[0].astype(np.float64)))
   theta = w0[0].astype(np.float64)
   clipped = 0
-  for j in range(m):
+  for j in visits:
     pi = _softmax(theta)
     grad = np.zeros(V)
-    for i in order[j::m]:
+    for i in range(j, b, m):
       y, a = tokens[i], adv[i]
       u = pi[y] / np.exp(prox[y])
       w = min(np.exp(prox[y]) / mu[y], 2.0)
-      live = not ((a > 0 and u > 1.28) or (a < 0 and u < 0.8) or (a < 0 and u > 3.0))
+      live = not ((a > 0 and u > 1.28) or (a < 0 and u < 0.8) or (a < 0 and w * u > 3.0))
       clipped += not live
       # d(-u A)/d theta = -u A (onehot(y) - pi); token-mean weight 1 / (rows of the mini-batch)
       grad += live * w * (-u * a) * (np.eye(V)[y] - pi) / (b // m)

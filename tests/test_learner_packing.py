@@ -132,22 +132,52 @@ def _after_one_step(cfg, batch, rows, **kw):
   return jax.device_get((state.params, metrics))
 
 
+@pytest.mark.parametrize("minibatches,epochs", [(1, 1), (2, 1), (2, 2)])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_packed_step_equals_unpacked(name):
+def test_packed_step_equals_unpacked(name, minibatches, epochs):
+  """Every advantage, loss and aggregation, at one mini-batch, at the run config's two, and two of them for two
+  epochs: a mini-batch is the same samples packed or not (sample i in mini-batch i % M), so the step is the same."""
   cfg, rs = CONFIGS[name], rollouts(seed=len(name))
   k = 2 if name == "grpo_token_ppo" else 1  # gradient accumulation over packed micro-batches too
-  packed = pack_batch(rs, L, (2 * k, 4, 6, 8, 12), G)
+  buckets = tuple(b for b in (2, 4, 6, 8, 12) if b % (minibatches * k) == 0)
+  packed = pack_batch(rs, L, buckets, G, num_minibatches=minibatches)
   assert packed.tokens_BxL.shape[0] < N
-  kw = dict(num_microbatches=k, **STEP_KW.get(name, {}))
+  kw = dict(num_microbatches=k, num_minibatches=minibatches, **STEP_KW.get(name, {}))
+  kw["num_epochs"] = max(kw.get("num_epochs", 1), epochs)
   params_u, m_u = _after_one_step(cfg, make_batch(rs, N, L), (), **kw)
-  params_p, m_p = _after_one_step(cfg, packed, (2 * k, 4, 6, 8), **kw)
-  assert m_u["updates_applied"] == kw.get("num_epochs", 1) and m_u["num_samples"] == N
+  params_p, m_p = _after_one_step(cfg, packed, buckets[:-1], **kw)
+  assert m_u["updates_applied"] == kw["num_epochs"] * minibatches and m_u["num_samples"] == N
   moved = np.abs(params_u["w"] - params0()["w"]).max()
   assert moved > 1e-4
   for leaf in params_u:  # SGD: equal updates are equal gradients
     np.testing.assert_allclose(params_p[leaf], params_u[leaf], rtol=1e-5, atol=1e-5 * moved, err_msg=leaf)
   for metric, value in m_u.items():
     np.testing.assert_allclose(m_p[metric], value, rtol=1e-5, atol=1e-6, err_msg=metric)
+
+
+def _rewards_by_row(batch):
+  """The rewards (distinct per sample here: the samples' names) in each row of a batch, packed or not."""
+  mask = batch.sample_mask_B.reshape(batch.tokens_BxL.shape[0], -1) > 0
+  return [batch.rewards_B.reshape(mask.shape)[r][mask[r]].tolist() for r in range(mask.shape[0])]
+
+
+def test_packed_minibatches_hold_their_own_samples():
+  """Row r of a packed batch holds only samples of mini-batch r % M (sample i is in mini-batch i % M), every sample
+  once; RunSpec.make_batch shuffles the samples by (seed, step) first, the same way packed or not."""
+  from jaxrl.controller.spec import RunSpec
+  rs = rollouts(seed=5)
+  index = {np.float32(r.reward).item(): i for i, r in enumerate(rs)}
+  assert len(index) == N
+  for m in (1, 2, 3):
+    rows = _rewards_by_row(pack_batch(rs, L, (6, 12), G, num_minibatches=m))
+    assert all(index[x] % m == r % m for r, row in enumerate(rows) for x in row)
+    assert sorted(index[x] for row in rows for x in row) == list(range(N))
+  spec = dict(num_steps=1, group_size=4, groups_per_step=3, seq_len=L, seed=7, num_minibatches=2, max_segments=G)
+  plain, packed = RunSpec(**spec), RunSpec(**spec, pack=True, row_buckets=(6, 12))
+  minibatches = lambda batch: [sorted(x for row in _rewards_by_row(batch)[j::2] for x in row) for j in range(2)]
+  assert minibatches(plain.make_batch(rs, 3)) == minibatches(packed.make_batch(rs, 3))
+  assert minibatches(plain.make_batch(rs, 3)) == minibatches(plain.make_batch(rs, 3))
+  assert minibatches(plain.make_batch(rs, 3)) != minibatches(plain.make_batch(rs, 4))
 
 
 def _tiny_decoder(**kw):

@@ -84,7 +84,8 @@ def run_spec(c, rows_unit: int = 1) -> RunSpec:
                  auto_staleness=config_lib.auto_staleness(c) if c.mode == "pipeline" else None,
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
-                 max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else ())
+                 max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
+                 num_minibatches=c.rl.num_minibatches)
 
 
 def rows_unit(mesh) -> int:

@@ -121,8 +121,8 @@ class LearnerLoop:
       raise RuntimeError(f"staleness invariant broken at step {step}: (group, staleness) {over[:4]} over "
                          f"max_staleness={self.spec.max_staleness}")
     check_sampling(samples, self.spec.sampling)
-    batch = self.spec.make_batch(samples)
     train_step = int(jax.device_get(self.state.step))
+    batch = self.spec.make_batch(samples, train_step)
     if self.checkpointer is not None:
       # A save still reading the state would keep it alive through this step, which donates it: a second state
       # plus Orbax's host copy (+2.9 GB peak RSS for the main job; docs/BENCHMARKS.md "The main job's memory").
@@ -156,7 +156,7 @@ class LearnerLoop:
     rewards = np.array([r.reward for r in samples])
     staleness = [step - r.min_version for r in samples]
     metrics.update(reward_mean=float(rewards.mean()),
-                   completion_len=float(np.mean([len(r.completion_tokens) for r in samples])),
+                   completion_len=float(np.mean([r.num_model_tokens for r in samples])),
                    staleness_mean=float(np.mean(staleness)), staleness_max=float(max(staleness)),
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
     accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]

@@ -129,7 +129,7 @@ class WeightPublisher:
 
 
 def _completion_tokens(samples: list[Rollout]) -> int:
-  return sum(len(r.completion_tokens) for r in samples)
+  return sum(r.num_model_tokens for r in samples)  # the model's: an environment's observations are not generated
 
 
 @dataclasses.dataclass

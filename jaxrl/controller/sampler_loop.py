@@ -108,7 +108,7 @@ class SamplerLoop:
     groups = []
     for r in rollouts:
       self.ledger.samples_generated += 1
-      self.ledger.tokens_generated += len(r.completion_tokens)
+      self.ledger.tokens_generated += r.num_model_tokens
       group = self.assembler.add(r)
       if group is not None:
         self.score(group)

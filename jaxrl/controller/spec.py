@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from jaxrl.controller.queue import Ledger
 from jaxrl.learner.packing import pack_batch
 from jaxrl.rollout import Rollout, make_batch
@@ -51,13 +53,20 @@ class RunSpec:
   pack: bool = False  # several samples per row of seq_len tokens (jaxrl.learner.packing)
   max_segments: int = 16  # samples per packed row at most
   row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
+  num_minibatches: int = 1  # optimizer updates per epoch of a learner step (rl.num_minibatches)
 
   @property
   def batch_size(self) -> int:
     return self.group_size * self.groups_per_step
 
-  def make_batch(self, samples: list[Rollout]):
-    """The learner's batch of these samples: packed into the smallest row bucket, or one sample per row."""
+  def make_batch(self, samples: list[Rollout], step: int = 0):
+    """The learner's batch of these samples for train step `step`: packed into the smallest row bucket, or one
+    sample per row. With several mini-batches the samples are first shuffled, by (seed, step): sample i of the
+    shuffled order is in mini-batch i % num_minibatches, packed or not (jaxrl.learner.step)."""
+    if self.num_minibatches > 1:
+      order = np.random.default_rng([self.seed, step]).permutation(len(samples))
+      samples = [samples[i] for i in order]
     if self.pack:
-      return pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments)
+      return pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments,
+                        num_minibatches=self.num_minibatches)
     return make_batch(samples, self.batch_size, self.seq_len)

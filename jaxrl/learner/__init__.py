@@ -12,6 +12,7 @@ from jaxrl.learner.logprobs import support_mask, token_logprobs
 from jaxrl.learner.losses import (
     aggregation_weights,
     behavior_weights,
+    dual_clip,
     ess_cap,
     ess_fraction,
     gspo_surrogate,
@@ -34,6 +35,7 @@ __all__ = [
     "batch_shards",
     "behavior_weights",
     "check_batch",
+    "dual_clip",
     "compute_advantages",
     "dr_grpo_advantages",
     "grpo_advantages",

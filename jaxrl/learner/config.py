@@ -52,8 +52,11 @@ class LossConfig:
   policy_loss: str = "ppo"
   clip_low: float = 0.2
   clip_high: float = 0.28
-  # Dual clip (Ye et al. 2020) for A < 0: the loss is at most -dual_clip * A, so a token whose ratio u grew
-  # past dual_clip (a stale, now much likelier token) stops pushing; None: off. Must be > 1 + clip_high.
+  # Dual clip (Ye et al. 2020) for A < 0, on the token's whole loss w * surrogate (any surrogate): it is at most
+  # -dual_clip * A, so a token whose ratio against the policy that sampled it, w * u = pi / mu (where w is not
+  # truncated), grew past dual_clip (a stale, now much likelier token) stops pushing. With decoupled PPO u = pi /
+  # prox alone rarely leaves [0.5, 2] within one step: bounding u would be inert; None: off. Must be > 1 +
+  # clip_high.
   dual_clip: float | None = None
 
   # The anchor of the ratio u and the source of prox:
@@ -69,7 +72,8 @@ class LossConfig:
   proximal: str = "behavior"
 
   # Off-policy correction by the behavior importance weight w = prox / mu (a constant, no gradient), which
-  # multiplies the surrogate. Needs proximal != "behavior".
+  # multiplies the surrogate. Needs proximal != "behavior". A token outside prox's top-k/top-p support has
+  # prox = 0: no ratio, w = 0; it is dropped from the policy term and counted (prox_out_of_support_frac).
   #   none:     w = 1 (ignores the behavior policy: biased when mu != prox)
   #   token:    w_t = prox(y_t) / mu(y_t)
   #   sequence: w_i = prod_t prox(y_t) / mu(y_t), the same for every token of sample i
@@ -87,10 +91,13 @@ class LossConfig:
   is_mask_high: float | None = None
 
   # KL(pi || ref) to frozen reference params (TrainState.ref_params), weighted by kl_coef, estimated as:
-  #   k2:        a loss term sg(w_t) * 0.5 (log pi(y_t) - log ref(y_t))^2 with w_t = pi/mu (truncated at is_cap
-  #              when set): on tokens drawn from mu its expected gradient is the gradient of the per-token
-  #              reverse KL(pi || ref) (k1 as a loss has zero expected gradient; k3 as a loss follows the
-  #              gradient of KL(ref || pi)).
+  #   k2:        a loss term sg(r_t) * 0.5 (log pi(y_t) - log ref(y_t))^2 with r_t = pi/mu, never truncated (a
+  #              cap would bias it wherever pi/mu passes it): on tokens drawn from mu its expected gradient is the
+  #              gradient of the reverse KL(pi || ref) at each position, summed over the positions of the sampled
+  #              prefixes (per position, not per sequence: the sequence-level gradient adds a score-function term
+  #              for how each token changes later prefixes, whose variance grows with length). k1 as a loss has
+  #              zero expected gradient; k3 as a loss follows the gradient of KL(ref || pi). A token outside ref's
+  #              top-k/top-p support (KL infinite) is dropped from the term and counted (ref_out_of_support_frac).
   #   k1_reward: no loss term: each sample's reward becomes r_i - kl_coef * sum_t (log mu(y_t) - log ref(y_t))
   #              before advantages, a single-sample estimate of KL(mu || ref) of its sequence; no gradient
   #              flows through it (the RLHF "KL in the reward").

@@ -46,19 +46,27 @@ def pg_surrogate(log_ratio_BxL, adv_BxL):
   return -jnp.exp(log_ratio_BxL) * adv_BxL
 
 
-def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float, dual_clip: float | None = None):
-  """PPO-clip with an asymmetric band [1 - clip_low, 1 + clip_high] and an optional dual clip.
+def ppo_surrogate(log_ratio_BxL, adv_BxL, clip_low: float, clip_high: float):
+  """PPO-clip with an asymmetric band [1 - clip_low, 1 + clip_high].
 
-  Returns (loss, clipped_low, clipped_high, clipped_dual): tokens whose gradient a clip removes (A < 0 below
-  the band, A > 0 above it, A < 0 with u > dual_clip where the loss is held at -dual_clip * A).
+  Returns (loss, clipped_low, clipped_high): tokens whose gradient the clip removes (A < 0 below the band, A > 0
+  above it).
   """
   u = jnp.exp(log_ratio_BxL)
   loss = -jnp.minimum(u * adv_BxL, jnp.clip(u, 1.0 - clip_low, 1.0 + clip_high) * adv_BxL)
-  dual = jnp.zeros(loss.shape, bool)
-  if dual_clip is not None:
-    dual = (adv_BxL < 0) & (u > dual_clip)
-    loss = jnp.where(adv_BxL < 0, jnp.minimum(loss, -dual_clip * adv_BxL), loss)
-  return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high), dual
+  return loss, (adv_BxL < 0) & (u < 1.0 - clip_low), (adv_BxL > 0) & (u > 1.0 + clip_high)
+
+
+def dual_clip(weighted_loss_BxL, adv_BxL, bound: float):
+  """Dual clip (Ye et al. 2020) of a token's whole loss w * surrogate: for A < 0 it is at most -bound * A.
+
+  For A < 0 the weighted surrogate is |A| w max(u, clip(u)), and w u is pi / mu, the token's ratio against the
+  policy that sampled it (where w is not truncated). A stale token that pi now finds much likelier than mu did
+  stops pushing once that product passes `bound`. Returns (loss, acted).
+  """
+  held = -bound * adv_BxL
+  acted = (adv_BxL < 0) & (weighted_loss_BxL > held)
+  return jnp.where(acted, held, weighted_loss_BxL), acted
 
 
 def sequence_mean(x_BxL, mask_BxL, segment_ids_BxL=None):
@@ -69,15 +77,14 @@ def sequence_mean(x_BxL, mask_BxL, segment_ids_BxL=None):
           / jnp.maximum(segment_sums(mask, segment_ids_BxL), 1.0))
 
 
-def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float,
-                   dual_clip: float | None = None, segment_ids_BxL=None):
+def gspo_surrogate(log_ratio_BxL, adv_BxL, mask_BxL, clip_low: float, clip_high: float, segment_ids_BxL=None):
   """GSPO: PPO-clip on the sequence ratio exp(mean over the sample's tokens of log u), broadcast to tokens.
 
   Every token of a sample carries the sample's loss; seq_mean aggregation (LossConfig requires it) then counts
   each sample once, whatever its length.
   """
   adv = adv_BxL if segment_ids_BxL is not None else adv_BxL[:, :1]  # packed: per token, constant per segment
-  out = ppo_surrogate(sequence_mean(log_ratio_BxL, mask_BxL, segment_ids_BxL), adv, clip_low, clip_high, dual_clip)
+  out = ppo_surrogate(sequence_mean(log_ratio_BxL, mask_BxL, segment_ids_BxL), adv, clip_low, clip_high)
   return tuple(jnp.broadcast_to(x, log_ratio_BxL.shape) for x in out)
 
 
@@ -144,16 +151,20 @@ def kl_k3(logp_BxL, ref_logp_BxL):
 
 
 def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossConfig, *, prox_logp_BxL=None,
-                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None, segment_ids_BxL=None):
+                     ref_logp_BxL=None, entropy_BxL=None, in_support_BxL=None, prox_in_support_BxL=None,
+                     ref_in_support_BxL=None, segment_ids_BxL=None):
   """(loss, stats) of one micro-batch: sum over tokens of weights * (w * surrogate + KL term - entropy bonus).
 
   adv_B: per sample [B], or per token [B, L] (packed rows, with segment_ids_BxL).
-
   prox_logp_BxL is required unless cfg.proximal == "behavior"; ref_logp_BxL when cfg.kl_coef > 0 (with
   kl_estimator="k1_reward" it only feeds the kl_ref metric: the penalty is in the advantages already);
-  entropy_BxL when cfg.entropy_coef > 0. Tokens with weight 0 or outside the sampling support do not count.
+  entropy_BxL when cfg.entropy_coef > 0.
+  Supports (top-k / top-p): a token outside pi's (in_support_BxL False) counts nowhere: pi gives it probability 0.
+  One outside prox's support has no ratio pi / prox and importance weight prox / mu = 0: it is dropped from the
+  policy term. One outside ref's support is dropped from the KL term: KL(pi || ref) is infinite there, and no
+  finite term estimates it. Both are counted (prox_out_of_support, ref_out_of_support); tokens with weight 0 do
+  not count.
   """
-  clamp = cfg.log_ratio_clamp
   counted = weights_BxL > 0
   if in_support_BxL is not None:
     counted &= in_support_BxL
@@ -161,57 +172,21 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
   behavior_logp_BxL = jnp.where(counted, behavior_logp_BxL, 0.0)
   logp_BxL = jnp.where(counted, logp_BxL, 0.0)
   adv_BxL = jnp.broadcast_to(adv_B if adv_B.ndim == 2 else adv_B[:, None], logp_BxL.shape)
-
-  if cfg.proximal == "behavior":
-    anchor = behavior_logp_BxL
-  else:
-    if prox_logp_BxL is None:
-      raise ValueError(f"proximal={cfg.proximal!r} needs prox_logp_BxL")
-    prox_logp_BxL = jax.lax.stop_gradient(jnp.where(counted, prox_logp_BxL, 0.0))
-    anchor = prox_logp_BxL
-  log_ratio = jnp.clip(logp_BxL - anchor, -clamp, clamp)
-
-  no_clip = jnp.zeros(logp_BxL.shape, bool)
-  if cfg.policy_loss == "pg":
-    surrogate, clip_lo, clip_hi, clip_dual = pg_surrogate(log_ratio, adv_BxL), no_clip, no_clip, no_clip
-  elif cfg.policy_loss == "ppo":
-    surrogate, clip_lo, clip_hi, clip_dual = ppo_surrogate(log_ratio, adv_BxL, cfg.clip_low, cfg.clip_high,
-                                                           cfg.dual_clip)
-  else:
-    surrogate, clip_lo, clip_hi, clip_dual = gspo_surrogate(log_ratio, adv_BxL, counted, cfg.clip_low,
-                                                            cfg.clip_high, cfg.dual_clip, segment_ids_BxL)
-
-  cap = jnp.float32(jnp.inf)
-  if cfg.is_level == "none":
-    w, keep, truncated = jnp.ones(logp_BxL.shape), jnp.ones(logp_BxL.shape, bool), no_clip
-  else:
-    w, keep, truncated, cap = behavior_weights(prox_logp_BxL, behavior_logp_BxL, counted, cfg, segment_ids_BxL)
-  active = counted & keep
-  policy_loss = jnp.sum(weights_BxL * jnp.where(active, w * surrogate, 0.0))
-
+  anchored = counted if prox_in_support_BxL is None else counted & prox_in_support_BxL
+  on_ref = counted if ref_in_support_BxL is None else counted & ref_in_support_BxL
+  policy_loss, policy_stats = _policy_term(logp_BxL, behavior_logp_BxL, prox_logp_BxL, adv_BxL, weights_BxL, cfg,
+                                           anchored, segment_ids_BxL)
   # Drift from the behavior policy at the current params: ratio pi / mu and the k3 estimate of KL(mu || pi).
+  clamp = cfg.log_ratio_clamp
   log_r = jnp.clip(jax.lax.stop_gradient(logp_BxL) - behavior_logp_BxL, -clamp, clamp)
   r = jnp.exp(log_r)
-
-  kl_loss = kl_sum = jnp.float32(0.0)
-  if cfg.kl_coef > 0:
-    if ref_logp_BxL is None:
-      raise ValueError("kl_coef > 0 needs ref_logp_BxL (TrainState.ref_params)")
-    ref_logp_BxL = jax.lax.stop_gradient(jnp.where(counted, ref_logp_BxL, 0.0))
-    # Tokens come from mu: pi / mu makes the per-token terms expectations under pi.
-    kl_w = r if cfg.is_cap is None else jnp.minimum(r, cfg.is_cap)
-    if cfg.kl_estimator == "k2":
-      kl_loss = cfg.kl_coef * jnp.sum(weights_BxL * jnp.where(counted, kl_w * kl_k2(logp_BxL, ref_logp_BxL), 0.0))
-    kl_sum = jnp.sum(jnp.where(counted, kl_w * kl_k3(jax.lax.stop_gradient(logp_BxL), ref_logp_BxL), 0.0))
-
+  kl_loss, kl_sum = _kl_term(logp_BxL, r, ref_logp_BxL, weights_BxL, cfg, on_ref)
   ent_loss = ent_sum = jnp.float32(0.0)
   if entropy_BxL is not None:
     ent = jnp.where(counted, entropy_BxL, 0.0)
     ent_sum = jnp.sum(jax.lax.stop_gradient(ent))
     if cfg.entropy_coef > 0:
       ent_loss = -cfg.entropy_coef * jnp.sum(weights_BxL * ent)
-
-  applied_w = jnp.where(active, w, 0.0)  # the weights the loss actually used (0 where masked)
   f32 = lambda m: jnp.sum(m.astype(jnp.float32))
   stats = {
       "loss/policy": jax.lax.stop_gradient(policy_loss),
@@ -219,14 +194,10 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
       "loss/entropy": jax.lax.stop_gradient(ent_loss),
       "tokens": f32(counted),
       "out_of_support": f32((weights_BxL > 0) & ~counted),
-      "clip_low": f32(counted & clip_lo),
-      "clip_high": f32(counted & clip_hi),
-      "clip_dual": f32(counted & clip_dual),
-      "is_truncated": f32(counted & truncated),
-      "is_masked": f32(counted & ~keep),
-      "is_cap_min": cap,
-      "w_sum": jnp.sum(applied_w),
-      "w_sq_sum": jnp.sum(applied_w * applied_w),
+      "prox_out_of_support": f32(counted & ~anchored),
+      "ref_out_of_support": f32(counted & ~on_ref) if cfg.kl_coef > 0 else jnp.float32(0.0),
+      **{name: f32(anchored & flags) for name, flags in policy_stats.pop("flags").items()},
+      **policy_stats,
       "ratio_sum": jnp.sum(jnp.where(counted, r, 0.0)),
       "ratio_sq_sum": jnp.sum(jnp.where(counted, r * r, 0.0)),
       "ratio_max": jnp.max(jnp.where(counted, r, -jnp.inf)),
@@ -236,3 +207,58 @@ def policy_objective(logp_BxL, behavior_logp_BxL, adv_B, weights_BxL, cfg: LossC
       "entropy_sum": ent_sum,
   }
   return policy_loss + kl_loss + ent_loss, stats
+
+
+def _policy_term(logp_BxL, behavior_logp_BxL, prox_logp_BxL, adv_BxL, weights_BxL, cfg: LossConfig, anchored_BxL,
+                 segment_ids_BxL):
+  """sum(weights * w * surrogate) over the tokens that have a ratio, and its stats (per-token flags under "flags",
+  the weights applied, the IS cap)."""
+  if cfg.proximal == "behavior":
+    anchor = behavior_logp_BxL
+  else:
+    if prox_logp_BxL is None:
+      raise ValueError(f"proximal={cfg.proximal!r} needs prox_logp_BxL")
+    prox_logp_BxL = anchor = jax.lax.stop_gradient(jnp.where(anchored_BxL, prox_logp_BxL, 0.0))
+  log_ratio = jnp.clip(logp_BxL - anchor, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+  no = jnp.zeros(logp_BxL.shape, bool)
+  if cfg.policy_loss == "pg":
+    surrogate, clip_lo, clip_hi = pg_surrogate(log_ratio, adv_BxL), no, no
+  elif cfg.policy_loss == "ppo":
+    surrogate, clip_lo, clip_hi = ppo_surrogate(log_ratio, adv_BxL, cfg.clip_low, cfg.clip_high)
+  else:
+    surrogate, clip_lo, clip_hi = gspo_surrogate(log_ratio, adv_BxL, anchored_BxL, cfg.clip_low, cfg.clip_high,
+                                                 segment_ids_BxL)
+  if cfg.is_level == "none":
+    w, keep, truncated, cap = jnp.ones(logp_BxL.shape), jnp.ones(logp_BxL.shape, bool), no, jnp.float32(jnp.inf)
+  else:
+    w, keep, truncated, cap = behavior_weights(prox_logp_BxL, behavior_logp_BxL, anchored_BxL, cfg, segment_ids_BxL)
+  token_loss, dual = w * surrogate, no
+  if cfg.dual_clip is not None:
+    token_loss, dual = dual_clip(token_loss, adv_BxL, cfg.dual_clip)
+  active = anchored_BxL & keep
+  applied_w = jnp.where(active, w, 0.0)  # the weights the loss actually used (0 where masked or without a ratio)
+  flags = {"clip_low": clip_lo, "clip_high": clip_hi, "clip_dual": dual & keep, "is_truncated": truncated,
+           "is_masked": ~keep}
+  return jnp.sum(weights_BxL * jnp.where(active, token_loss, 0.0)), {
+      "flags": flags, "is_cap_min": cap, "w_sum": jnp.sum(applied_w), "w_sq_sum": jnp.sum(applied_w * applied_w)}
+
+
+def _kl_term(logp_BxL, ratio_BxL, ref_logp_BxL, weights_BxL, cfg: LossConfig, on_BxL):
+  """(kl_coef * the k2 loss, sum of the k3 estimates) of KL(pi || ref) over the tokens `on_BxL`.
+
+  Both are weighted by the full ratio pi / mu (no gradient, not truncated: a truncated weight biases the gradient
+  wherever pi / mu passes the cap), so that on tokens drawn from mu they are expectations under pi. The estimate
+  is per position: the sum over a sample's positions t of KL(pi(.|y<t) || ref(.|y<t)) at the prefixes y<t the
+  sampler drew; its gradient omits the score-function term of the sequence-level KL (how a token changes the
+  later prefixes), whose variance grows with the length.
+  """
+  if cfg.kl_coef == 0:
+    return jnp.float32(0.0), jnp.float32(0.0)
+  if ref_logp_BxL is None:
+    raise ValueError("kl_coef > 0 needs ref_logp_BxL (TrainState.ref_params)")
+  ref_logp_BxL = jax.lax.stop_gradient(jnp.where(on_BxL, ref_logp_BxL, 0.0))
+  kl_loss = jnp.float32(0.0)
+  if cfg.kl_estimator == "k2":
+    kl_loss = cfg.kl_coef * jnp.sum(weights_BxL * jnp.where(on_BxL, ratio_BxL * kl_k2(logp_BxL, ref_logp_BxL), 0.0))
+  kl_sum = jnp.sum(jnp.where(on_BxL, ratio_BxL * kl_k3(jax.lax.stop_gradient(logp_BxL), ref_logp_BxL), 0.0))
+  return kl_loss, kl_sum

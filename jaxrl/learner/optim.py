@@ -1,10 +1,11 @@
-"""The learner's optimizer: AdamW on a warmup + cosine (or constant) schedule, after global-norm clipping.
+"""The learner's optimizer: AdamW on a warmup + cosine (or constant) schedule, after global-norm clipping, and the
+one way the train step applies an update (`apply_update`).
 
-`make_optimizer` returns an `AdamW`: optax's chain of that maths (init / update, and the optimizer state's layout,
-which checkpoints hold) plus `apply`, the same update written so that XLA updates params and both moments in place.
-Through optax's chain XLA:CPU recomputes each new moment inside the parameter update from the old one, so it copies
-both moments first, and it materialises the clipped gradients: 0.83 GiB of temporaries for SmolLM2-135M's 1.5 GiB
-TrainState; `apply` needs none (docs/BENCHMARKS.md, "The main job's memory").
+`make_optimizer` returns an `AdamW`, an optax GradientTransformation with the values and the state layout (which
+checkpoints hold) of optax's chain(clip_by_global_norm, adamw), whose `update` is written so that XLA updates params
+and both moments in place when it runs inside `apply_update`: through optax's chain XLA:CPU recomputes each new
+moment inside the parameter update from the old one, so it copies both moments first, and it materialises the
+clipped gradients (docs/BENCHMARKS.md, "The main job's memory").
 """
 
 from __future__ import annotations
@@ -22,10 +23,26 @@ def _decayed(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def apply_update(optimizer: optax.GradientTransformation, grads, opt_state, params, ok: jax.Array):
+  """(params, opt_state) after one update of any optax transformation where `ok`, else both as they were (not
+  computed at all: NaN gradients are harmless). A conditional, not a select of old and new: XLA then writes the
+  new params and optimizer state over the donated old ones (a select needs both alive: a copy of every moment)."""
+
+  def update(args):
+    params, opt_state = args
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.lax.cond(ok, update, lambda args: args, (params, opt_state))
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamW:
-  """An optax GradientTransformation (init, update) with `apply(grads, state, params, ok)`: the update applied in
-  place, or skipped (params and state unchanged) where `ok` is False."""
+  """An optax GradientTransformation (init, update): chain(clip_by_global_norm, adamw)'s maths and state layout,
+  written in place-friendly form. The values of the chain: the same operations in the same order, except that a
+  clipped gradient is multiplied by max_norm / norm (optax: divided by norm, then multiplied by max_norm; a
+  rounding apart) so that the clip fuses into each moment's update instead of being a gradient-sized temporary
+  (tests/test_learner_optim.py)."""
 
   chain: optax.GradientTransformation
   schedule: optax.Schedule
@@ -38,14 +55,7 @@ class AdamW:
   def init(self, params):
     return self.chain.init(params)
 
-  def update(self, grads, state, params=None):
-    return self.chain.update(grads, state, params)
-
-  def apply(self, grads, state, params, ok: jax.Array) -> tuple[Any, Any]:
-    """(params, state) after one update from `grads`, where `ok`; else both as they were. The values of `update`
-    then optax.apply_updates: the same operations in the same order, except that a clipped gradient is multiplied
-    by max_norm / norm (optax: divided by norm, then multiplied by max_norm; a rounding apart) so that the clip
-    fuses into each moment's update instead of being a gradient-sized temporary (tests/test_learner_optim.py)."""
+  def update(self, grads, state, params) -> tuple[Any, Any]:
     clip_state, (adam, masked, sched) = state if self.max_grad_norm is not None else (None, state)
     if self.max_grad_norm is not None:
       g_norm = optax.tree.norm(grads)
@@ -53,26 +63,21 @@ class AdamW:
       scale = jnp.where(trigger, 1.0, self.max_grad_norm / g_norm)
       grads = jax.tree.map(lambda t: t * scale.astype(t.dtype), grads)
     count = optax.safe_increment(adam.count)
-    keep = lambda new, old: jnp.where(ok, new, old)
-    mu = jax.tree.map(lambda g, t: keep((1 - self.b1) * (g**1) + self.b1 * t, t), grads, adam.mu)
-    nu = jax.tree.map(lambda g, t: keep((1 - self.b2) * (g**2) + self.b2 * t, t), grads, adam.nu)
-    # The parameter update reads the moments written above, not their inputs: without the barrier XLA recomputes
-    # them inside it from the old moments, which then have to be copied before they are overwritten.
-    mu, nu = jax.lax.optimization_barrier((mu, nu))
+    mu = jax.tree.map(lambda g, t: (1 - self.b1) * (g**1) + self.b1 * t, grads, adam.mu)
+    nu = jax.tree.map(lambda g, t: (1 - self.b2) * (g**2) + self.b2 * t, grads, adam.nu)
     bc1, bc2 = 1 - self.b1**count, 1 - self.b2**count
     step_size = -self.schedule(sched.count)
-    decays = _decayed(params)
 
-    def new_param(p, m, v, decay):
+    def update(p, m, v, decay):
       u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + 0.0) + self.eps)
       if decay and self.weight_decay != 0.0:
         u = u + self.weight_decay * p
-      return keep(jnp.asarray(p + jnp.array(step_size, u.dtype) * u).astype(p.dtype), p)
+      return jnp.array(step_size, u.dtype) * u
 
-    params = jax.tree.map(new_param, params, mu, nu, decays)
-    state = (optax.ScaleByAdamState(count=keep(count, adam.count), mu=mu, nu=nu), masked,
-             optax.ScaleByScheduleState(count=keep(optax.safe_increment(sched.count), sched.count)))
-    return params, state if self.max_grad_norm is None else (clip_state, state)
+    updates = jax.tree.map(update, params, mu, nu, _decayed(params))
+    state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), masked,
+             optax.ScaleByScheduleState(count=optax.safe_increment(sched.count)))
+    return updates, state if self.max_grad_norm is None else (clip_state, state)
 
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0, end_lr_ratio: float = 0.0,

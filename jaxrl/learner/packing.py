@@ -53,24 +53,49 @@ def _bucket(rows: int, buckets: Sequence[int], seq_len: int) -> int:
   fits = [b for b in sorted(buckets) if b >= rows]
   if not fits:
     raise ValueError(f"the samples need {rows} packed rows of {seq_len} tokens, more than the largest row bucket "
-                     f"{max(buckets)}")
+                     f"{max(buckets, default=0)} that splits into its mini-batches")
   return fits[0]
 
 
-def packed_rows(lengths: Sequence[int], seq_len: int, max_segments: int, buckets: Sequence[int]) -> int:
+def minibatch_members(num_samples: int, num_minibatches: int) -> list[list[int]]:
+  """The samples of each mini-batch: sample i (in batch order) is in mini-batch i % num_minibatches, as row i of
+  an unpacked batch is (jaxrl.learner.step)."""
+  return [list(range(j, num_samples, num_minibatches)) for j in range(num_minibatches)]
+
+
+def packed_rows(lengths: Sequence[int], seq_len: int, max_segments: int, buckets: Sequence[int],
+                num_minibatches: int = 1) -> int:
   """Rows a batch of samples of these lengths (prompt + completion) takes packed: what a train step costs."""
-  return _bucket(len(first_fit_decreasing(lengths, seq_len, max_segments)), buckets, seq_len)
+  return _layout(lengths, seq_len, max_segments, buckets, num_minibatches)[1]
+
+
+def _layout(lengths: Sequence[int], seq_len: int, max_segments: int, buckets: Sequence[int], num_minibatches: int):
+  """(sample indices per row, rows): each mini-batch packed first-fit decreasing on its own and given the same
+  number of rows; the rows interleaved so that row r holds mini-batch r % num_minibatches; as many rows as the
+  smallest bucket (a multiple of num_minibatches) that holds them."""
+  m = num_minibatches
+  packs = [[[members[i] for i in row] for row in first_fit_decreasing([lengths[i] for i in members], seq_len,
+                                                                      max_segments)]
+           for members in minibatch_members(len(lengths), m)]
+  rows = _bucket(m * max(map(len, packs)), [b for b in buckets if b % m == 0], seq_len)
+  layout = [[] for _ in range(rows)]
+  for j, pack in enumerate(packs):
+    for i, row in enumerate(pack):
+      layout[i * m + j] = row
+  return layout, rows
 
 
 def pack_batch(rollouts: Sequence[Rollout], seq_len: int, buckets: Sequence[int], max_segments: int,
-               pad_id: int = 0) -> Batch:
-  """Packs rollouts into rows of seq_len tokens (first-fit decreasing), as many rows as the smallest bucket
-  that holds them; per-sample arrays are [rows, max_segments]. Raises ValueError naming a sample that does not
-  fit a row or a batch that no bucket holds."""
+               pad_id: int = 0, num_minibatches: int = 1) -> Batch:
+  """Packs rollouts into rows of seq_len tokens, as many rows as the smallest bucket that holds them; per-sample
+  arrays are [rows, max_segments]. Rollout i is in mini-batch i % num_minibatches, and each mini-batch is packed
+  (first-fit decreasing) into rows of its own, row r holding mini-batch r % num_minibatches: the mini-batches of
+  the unpacked batch of the same rollouts (make_batch). Raises ValueError naming a sample that does not fit a row
+  or a batch that no bucket holds."""
   if max_segments < 1:
     raise ValueError(f"max_segments must be >= 1 (got {max_segments})")
   check_fits(rollouts, seq_len)
-  layout = first_fit_decreasing([r.num_tokens for r in rollouts], seq_len, max_segments)
+  layout, rows = _layout([r.num_tokens for r in rollouts], seq_len, max_segments, buckets, num_minibatches)
   placements = []
   for row, members in enumerate(layout):
     start = 0
@@ -78,7 +103,6 @@ def pack_batch(rollouts: Sequence[Rollout], seq_len: int, buckets: Sequence[int]
     for slot, i in enumerate(sorted(members)):
       placements.append((rollouts[i], row, start, slot + 1, (row, slot)))
       start += rollouts[i].num_tokens
-  rows = _bucket(len(layout), buckets, seq_len)
   return fill_batch(placements, rows, seq_len, (rows, max_segments), pad_id)
 
 

@@ -1,22 +1,28 @@
-"""make_train_step: the learner's pure (state, batch, rng) -> (state, metrics), jitted once with donation.
+"""make_train_step and the pure step it jits: train_step(state, batch, rng) -> (state, metrics).
 
 One call is one learner step and makes one policy version, whatever the mini-batching: it runs
-`num_epochs * num_minibatches` optimizer updates (PPO-style: each epoch a fresh permutation of the rows split into
-mini-batches), each over `num_microbatches` gradient-accumulation chunks scanned in order (or, with
-`microbatch_rows`, as many as keep each chunk at most that many rows per device: per batch shape). The version goes
-up by one if any update applied, so staleness (learner step - token version) counts steps, as the controller bounds
-it.
+`num_epochs * num_minibatches` optimizer updates, each over `num_microbatches` gradient-accumulation chunks scanned
+in order (or, with `microbatch_rows`, as many as keep each chunk at most that many rows per device: per batch
+shape). The version goes up by one if the step applies, so staleness (learner step - token version) counts steps,
+as the controller bounds it.
+
+Mini-batches are drawn by sample before the batch is built: row r of a batch belongs to mini-batch
+r % num_minibatches, and a packed row holds samples of one mini-batch only (jaxrl.learner.packing). A packed batch
+therefore trains exactly the mini-batches of the unpacked batch of the same samples in the same order; the
+controller draws that order per step (RunSpec.make_batch). Every epoch runs the same mini-batches, each epoch in its
+own order drawn from `rng` (as verl's PPO epochs reuse their mini-batches).
+
 A step applies in full or is skipped (params and optimizer state as before it, version not bumped, skip counted)
 when any of its updates has a non-finite loss or gradient, a valid sample's reward is non-finite, or it has no
 completion tokens at all (a mini-batch of padding rows only is a no-op). That needs the pre-step TrainState kept
 while the step runs (one more state of memory with 2+ updates per step); with atomic=False each update is skipped
 on its own instead (optax.apply_if_finite's rule), no copy is kept, and the step applies if any update did.
-A batch may be packed (several samples per row, jaxrl.learner.packing; its row count one of row_buckets): every
-per-sample sum then runs over a segment, and mini-batches are drawn over rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -32,7 +38,7 @@ from jaxrl.learner.advantages import compute_advantages
 from jaxrl.learner.config import LossConfig
 from jaxrl.learner.logprobs import chunked_token_logprobs, token_logprobs
 from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, policy_objective
-from jaxrl.learner.optim import AdamW
+from jaxrl.learner.optim import apply_update
 from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.rollout import Batch
@@ -95,26 +101,76 @@ def _cast_floats(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+  """What make_train_step fixes for every call of the step (validated there; see its arguments)."""
+
+  logits_fn: LogitsFn
+  decoder: nnx.GraphDef | None  # for logprob_chunk: the model's hidden states and head
+  optimizer: optax.GradientTransformation
+  loss: LossConfig
+  batch_size: int
+  seq_len: int
+  num_microbatches: int = 1
+  num_minibatches: int = 1
+  num_epochs: int = 1
+  microbatch_rows: int = 0
+  compute_dtype: object = None
+  batch_sharding: NamedSharding | None = None
+  staleness_bins: int = 8
+  row_buckets: tuple[int, ...] = ()
+  logprob_chunk: int = 0
+  atomic: bool = True
+
+  @property
+  def updates_per_step(self) -> int:
+    return self.num_minibatches * self.num_epochs
+
+  @property
+  def prox_pass(self) -> bool:
+    """Decoupled PPO's pre-step policy needs its own pass only when a later update sees other params."""
+    return self.loss.proximal == "recompute" and self.updates_per_step > 1
+
+  @property
+  def ref_pass(self) -> bool:
+    return self.loss.kl_coef > 0
+
+  def chunks(self, rows: int) -> int:
+    """Gradient-accumulation chunks per update for a batch of `rows` rows (see microbatch_rows)."""
+    if not self.microbatch_rows:
+      return self.num_microbatches
+    per_device = rows // (self.num_minibatches * batch_shards(self.batch_sharding))
+    return next(d for d in range(self.num_microbatches, per_device + 1)
+                if per_device % d == 0 and per_device // d <= self.microbatch_rows)
+
+  def constrain(self, x: jax.Array, axis: int) -> jax.Array:
+    """x with `axis` split over the batch's devices (the other axes whole)."""
+    if self.batch_sharding is None or not len(self.batch_sharding.spec):
+      return x
+    spec = [None] * x.ndim
+    spec[axis] = self.batch_sharding.spec[0]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.batch_sharding.mesh, P(*spec)))
+
+
 def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
                     *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
                     num_epochs: int = 1, compute_dtype=None, state_shardings: TrainState | None = None,
                     batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
                     row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0, atomic: bool = True,
                     microbatch_rows: int = 0):
-  """Builds the jitted `step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
+  """The jitted `train_step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
 
   model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
+  optimizer: any optax GradientTransformation (make_optimizer's AdamW updates in place).
   batch_size, seq_len: the Batch shape accepted (anything else raises ValueError when traced); row_buckets adds
   row counts (packed batches, jaxrl.learner.packing: one compilation each), each divisible as batch_size is.
-  num_minibatches: optimizer updates per epoch, over disjoint row subsets drawn by a permutation from `rng`.
-  num_epochs: passes over the batch per step (PPO epochs), each with its own permutation.
+  num_minibatches: optimizer updates per epoch; row r of a batch is in mini-batch r % num_minibatches.
+  num_epochs: passes over the batch per step (PPO epochs), each over the mini-batches in its own order.
   num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
   microbatch_rows: if > 0, each batch shape (row bucket) takes the fewest chunks, at least num_microbatches, that
   split its update's rows per device evenly into chunks of at most this many rows (fewer when no divisor fits: 1
-  row). The same update up to float summation order: it bounds the activations one chunk holds, and on XLA:CPU a
-  chunk past ~6 rows of 128 tokens left the core's cache (the headline's 4-layer train step: 8 rows 59.5 ms in one
-  chunk, 37.2 ms in two; docs/BENCHMARKS.md). Which rows form a mini-batch (num_minibatches > 1) follows the
-  chunking, as with num_microbatches.
+  row). The same update up to float summation order: it bounds the activations one chunk holds (and on a CPU keeps
+  a chunk in the core's cache; docs/BENCHMARKS.md).
   compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
   state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
   step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
@@ -123,8 +179,6 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   atomic: a non-finite update skips its whole step (the pre-step state is kept until the step ends: +1 TrainState
   of memory when num_minibatches * num_epochs > 1); False: it skips only itself.
   """
-  cfg = loss_config
-  logits_fn = as_logits_fn(model)
   m, k, e = num_minibatches, num_microbatches, num_epochs
   if m < 1 or k < 1 or e < 1:
     raise ValueError(f"num_minibatches, num_microbatches and num_epochs must be >= 1 (got {m}, {k}, {e})")
@@ -138,185 +192,213 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
     raise ValueError(f"logprob_chunk={logprob_chunk} needs to be >= 0, and > 0 only with an nnx GraphDef model")
   if (state_shardings is None) != (batch_sharding is None):
     raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
-  lead = None
   shards = batch_shards(batch_sharding)
-  if batch_sharding is not None:
-    lead = batch_sharding.spec[0] if len(batch_sharding.spec) else None
   for b in (batch_size, *row_buckets):
     if b % (m * k * shards):
       raise ValueError(f"a batch of {b} rows makes micro-batches of {b / (m * k):g} rows, not divisible by the "
                        f"{shards} devices of the batch axes; change batch_size, row_buckets, num_minibatches or "
                        f"num_microbatches")
-  updates_per_step = m * e
-
-  def chunks(b: int) -> int:
-    """Gradient-accumulation chunks per update for a batch of b rows (see microbatch_rows)."""
-    if not microbatch_rows:
-      return k
-    per_device = b // (m * shards)
-    return next(d for d in range(k, per_device + 1) if per_device % d == 0 and per_device // d <= microbatch_rows)
-
-  prox_pass = cfg.proximal == "recompute" and updates_per_step > 1
-  ref_pass = cfg.kl_coef > 0
-
-  def constrain(x, axis):
-    if lead is None:
-      return x
-    spec = [None] * x.ndim
-    spec[axis] = lead
-    return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(*spec)))
-
-  def split(x, k):
-    """[E*B, ...] -> [E*M, K, rows, ...]; row i*M*K + j*K + c of an epoch goes to its mini-batch j, micro-batch c
-    (shard-local)."""
-    rows = x.shape[0] // (e * m * k)
-    x = x.reshape(e, rows, m, k, *x.shape[1:])
-    return constrain(jnp.moveaxis(x, 1, 3).reshape(e * m, k, rows, *x.shape[4:]), 2)
-
-  def chunked(fn, x, k):
-    """fn over the batch in the K*M shard-local chunks of `split`, one at a time (bounded memory); [B, L] out."""
-    b = jax.tree.leaves(x)[0].shape[0]
-    parts = jax.tree.map(lambda a: constrain(jnp.moveaxis(a.reshape(b // (m * k), m * k, *a.shape[1:]), 0, 1), 1),
-                         x)
-    out = jax.lax.map(fn, parts)
-    return jnp.moveaxis(out, 0, 1).reshape(b, *out.shape[2:])
-
-  def logprobs(params, x):
-    params = _cast_floats(params, compute_dtype)
-    if logprob_chunk:
-      decoder = nnx.merge(model, params)
-      hidden = decoder(x["tokens"], x["positions"], x["segments"], hidden=True)
-      return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], cfg.sampling, logprob_chunk)
-    logits = logits_fn(params, x["tokens"], x["positions"], x["segments"])
-    return token_logprobs(logits, x["tokens"], cfg.sampling)
-
-  def micro_loss(params, x, weights_BxL, v0, v_now):
-    logp, in_support, entropy = logprobs(params, x)
-    behavior = x["behavior"]
-    prox = None
-    if cfg.proximal == "recompute":
-      prox = x["prox"] if prox_pass else jax.lax.stop_gradient(logp)
-    elif cfg.proximal == "interpolate":
-      v_t = x["versions"]
-      alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)
-      prox = behavior + alpha * (jax.lax.stop_gradient(logp) - behavior)
-    return policy_objective(logp, behavior, x["adv"], weights_BxL, cfg, prox_logp_BxL=prox,
-                            ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support,
-                            segment_ids_BxL=x["segments"])
-
-  def train_step(state: TrainState, batch: Batch, rng: jax.Array):
-    check_batch(batch, batch_size, seq_len, row_buckets)
-    b = batch.tokens_BxL.shape[0]
-    k = chunks(b)
-    rows = b // (m * k)
-    if ref_pass and state.ref_params is None:
-      raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
-    valid_B = batch.sample_mask_B > 0
-    rewards_ok = jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
-    v0 = state.version
-    per_row = {
-        "tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
-        "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
-        "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
-        "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1),
-    }
-    # Forward passes at fixed params, before any update: prox (decoupled PPO's pre-update policy) and ref.
-    if prox_pass:
-      per_row["prox"] = chunked(lambda x: logprobs(state.params, x)[0], per_row, k)
-    if ref_pass:
-      per_row["ref"] = jax.lax.stop_gradient(chunked(lambda x: logprobs(state.ref_params, x)[0], per_row, k))
-    rewards_B = batch.rewards_B  # [B], or [B, G] for packed rows (column g: segment g + 1)
-    kl_reward_B = jnp.zeros_like(rewards_B)
-    if ref_pass and cfg.kl_estimator == "k1_reward":
-      on_tokens = (per_row["loss_mask"] > 0) & to_tokens(valid_B.reshape(b, -1), batch.segment_ids_BxL, fill=False)
-      kl_BxL = jnp.where(on_tokens, per_row["behavior"] - per_row["ref"], 0.0)
-      if rewards_B.ndim == 1:
-        kl_reward_B = jnp.sum(kl_BxL, axis=1)
-      else:  # the sum over each sample's segment
-        segment_BxLxG = jax.nn.one_hot(batch.segment_ids_BxL - 1, rewards_B.shape[1], dtype=jnp.float32)
-        kl_reward_B = jnp.einsum("bl,blg->bg", kl_BxL, segment_BxLxG)
-      rewards_B = rewards_B - cfg.kl_coef * kl_reward_B
-    # Advantages over every sample of the batch (a group may span rows), then onto each sample's tokens.
-    per_row["adv"] = to_tokens(compute_advantages(rewards_B.reshape(-1), batch.group_ids_B.reshape(-1),
-                                                  batch.sample_mask_B.reshape(-1), cfg).reshape(b, -1),
-                               batch.segment_ids_BxL)
-    if updates_per_step > 1:
-      keys = rng[None] if e == 1 else jax.random.split(rng, e)
-      order = jax.vmap(lambda key: jax.random.permutation(key, b))(keys).reshape(-1)
-      per_row = jax.tree.map(lambda x: x[order], per_row)
-    parts = jax.tree.map(lambda x: split(x, k), per_row)
-
-    def update(carry, mini):
-      state, n_applied = carry
-      weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len),
-                                    mini["sample_mask"].reshape(k * rows, -1), cfg.aggregation, cfg.norm_length,
-                                    mini["segments"].reshape(k * rows, seq_len))
-      weights = weights.reshape(k, rows, seq_len)
-      # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
-      v_now = v0 + n_applied / updates_per_step
-
-      def accumulate(grads, xs):
-        x, w = xs
-        (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(state.params, x, w, v0, v_now)
-        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
-
-      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-      grads, (losses, stats) = jax.lax.scan(accumulate, zeros, (mini, weights))
-      stats = {name: (jnp.max(v) if name in MAX_STATS else jnp.min(v) if name in MIN_STATS else jnp.sum(v))
-               for name, v in stats.items()}
-      loss = losses.sum()
-      grad_norm = optax.tree.norm(grads)
-      has_tokens = stats["tokens"] > 0
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      ok = finite & rewards_ok & has_tokens
-      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-      if isinstance(optimizer, AdamW):  # in place (no copies of the moments)
-        params, opt_state = optimizer.apply(grads, state.opt_state, state.params, ok)
-      else:
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-        params = keep(optax.apply_updates(state.params, updates), state.params)
-        opt_state = keep(opt_state, state.opt_state)
-      state = state.replace(params=params, opt_state=opt_state)
-      reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
-                 "skip/nonfinite": rewards_ok & has_tokens & ~finite}
-      return (state, n_applied + ok.astype(jnp.int32)), {"loss": loss, "grad_norm": grad_norm, "applied": ok,
-                                                          **reasons, **stats}
-
-    start = state
-    (state, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), parts)
-    # An atomic step applies in full or not at all: a version is the result of all its updates (and a batch is
-    # trained on whole or its groups are dropped, counted). A mini-batch of padding rows only is a no-op, not a fault.
-    # The pre-step state is kept for this only when there are 2+ updates.
-    any_of = lambda name: jnp.any(per_update[name])
-    reasons = {"skip/reward": any_of("skip/reward"), "skip/nonfinite": any_of("skip/nonfinite"),
-               "skip/empty": jnp.all(per_update["skip/empty"])}
-    if atomic:
-      step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
-    else:  # each update kept or skipped alone: the step applies if any did, and says why not when none did
-      step_ok = any_of("applied")
-      reasons = {"skip/reward": ~step_ok & reasons["skip/reward"], "skip/empty": ~step_ok & reasons["skip/empty"],
-                 "skip/nonfinite": ~step_ok & ~reasons["skip/reward"] & ~reasons["skip/empty"]}
-    if atomic and updates_per_step > 1:
-      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(step_ok, a, b), new, old)
-      state = state.replace(params=keep(state.params, start.params), opt_state=keep(state.opt_state, start.opt_state))
-    state = state.replace(step=start.step + 1, version=v0 + step_ok.astype(jnp.int32),
-                          skipped=start.skipped + (~step_ok).astype(jnp.int32))
-    per_update["applied"] = per_update["applied"] & step_ok
-    metrics = _summarise(per_update, batch, v0, valid_B, staleness_bins)
-    metrics.update({name: flag.astype(jnp.float32) for name, flag in reasons.items()})  # why the step was skipped
-    metrics["updates_nonfinite"] = jnp.sum(per_update["skip/nonfinite"].astype(jnp.float32))
-    if cfg.is_cap is not None or cfg.is_ess_min is not None:
-      metrics["is_cap"] = jnp.min(per_update["is_cap_min"])  # the smallest truncation applied this step
-    metrics["kl_reward_mean"] = jnp.sum(jnp.where(valid_B, kl_reward_B, 0.0)) / jnp.maximum(valid_B.sum(), 1)
-    return state, metrics
-
+  setup = StepSetup(as_logits_fn(model), model if logprob_chunk else None, optimizer, loss_config, batch_size,
+                    seq_len, k, m, e, microbatch_rows, compute_dtype, batch_sharding, staleness_bins,
+                    tuple(row_buckets), logprob_chunk, atomic)
+  step = functools.partial(train_step, setup=setup)
   if state_shardings is None:
-    return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0)
   replicated = NamedSharding(batch_sharding.mesh, P())
-  return jax.jit(train_step, donate_argnums=0,
-                 in_shardings=(state_shardings, batch_shardings(batch_sharding), replicated),
+  return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, batch_shardings(batch_sharding), replicated),
                  out_shardings=(state_shardings, replicated))
+
+
+def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, setup: StepSetup):
+  """One learner step: advantages, the fixed-parameter passes, the mini-batch updates, and the step's commit."""
+  check_batch(batch, setup.batch_size, setup.seq_len, setup.row_buckets)
+  if setup.ref_pass and state.ref_params is None:
+    raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
+  k = setup.chunks(batch.tokens_BxL.shape[0])
+  per_row = batch_arrays(batch)
+  per_row |= fixed_param_passes(setup, state, per_row, k)
+  rewards_B, kl_reward_B = kl_shaped_rewards(setup.loss, batch, per_row)
+  per_row["adv"] = token_advantages(setup.loss, rewards_B, batch)
+  valid_B = batch.sample_mask_B > 0
+  rewards_ok = jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
+  update = functools.partial(one_update, setup, split_minibatches(setup, per_row, k), state.version, rewards_ok)
+  order = minibatch_order(rng, setup.num_minibatches, setup.num_epochs)
+  (after, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), order)
+  v0 = state.version
+  state, per_update, reasons = commit(setup, state, after, per_update)
+  metrics = _summarise(per_update, batch, v0, valid_B, setup.staleness_bins)
+  metrics.update({name: flag.astype(jnp.float32) for name, flag in reasons.items()})  # why the step was skipped
+  metrics["updates_nonfinite"] = jnp.sum(per_update["skip/nonfinite"].astype(jnp.float32))
+  if setup.loss.is_cap is not None or setup.loss.is_ess_min is not None:
+    metrics["is_cap"] = jnp.min(per_update["is_cap_min"])  # the smallest truncation applied this step
+  metrics["kl_reward_mean"] = jnp.sum(jnp.where(valid_B, kl_reward_B, 0.0)) / jnp.maximum(valid_B.sum(), 1)
+  return state, metrics
+
+
+def batch_arrays(batch: Batch) -> dict[str, jax.Array]:
+  """The batch's per-row arrays the updates read (float32 masks and log-probs; per-sample arrays as [B, G])."""
+  b = batch.tokens_BxL.shape[0]
+  return {"tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
+          "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
+          "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
+          "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1)}
+
+
+def token_logprobs_of(setup: StepSetup, params, x: dict[str, jax.Array]):
+  """(logprobs, in_support, entropy) [B, L] of x's tokens under `params`, as the sampler drew them."""
+  params = _cast_floats(params, setup.compute_dtype)
+  if setup.logprob_chunk:
+    decoder = nnx.merge(setup.decoder, params)
+    hidden = decoder(x["tokens"], x["positions"], x["segments"], hidden=True)
+    return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], setup.loss.sampling, setup.logprob_chunk)
+  logits = setup.logits_fn(params, x["tokens"], x["positions"], x["segments"])
+  return token_logprobs(logits, x["tokens"], setup.loss.sampling)
+
+
+def fixed_param_passes(setup: StepSetup, state: TrainState, per_row: dict, k: int) -> dict[str, jax.Array]:
+  """Forward passes at fixed params, before any update: prox (decoupled PPO's pre-step policy) and ref (the KL's
+  reference), each with its support mask (a token outside it has probability 0 there)."""
+  out = {}
+  if setup.prox_pass:
+    out["prox"], out["prox_in_support"], _ = _chunked(setup, lambda x: token_logprobs_of(setup, state.params, x),
+                                                      per_row, k)
+  if setup.ref_pass:
+    ref, out["ref_in_support"], _ = _chunked(setup, lambda x: token_logprobs_of(setup, state.ref_params, x),
+                                             per_row, k)
+    out["ref"] = jax.lax.stop_gradient(ref)
+  return out
+
+
+def _chunked(setup: StepSetup, fn, x: dict, k: int):
+  """fn over the batch in its M*K shard-local chunks, one at a time (bounded memory); [B, ...] outputs."""
+  b = x["tokens"].shape[0]
+  n = setup.num_minibatches * k
+  parts = jax.tree.map(lambda a: setup.constrain(jnp.moveaxis(a.reshape(b // n, n, *a.shape[1:]), 0, 1), 1), x)
+  out = jax.lax.map(fn, parts)
+  return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(b, *o.shape[2:]), out)
+
+
+def kl_shaped_rewards(cfg: LossConfig, batch: Batch, per_row: dict) -> tuple[jax.Array, jax.Array]:
+  """(rewards, kl penalty) per sample: with kl_estimator="k1_reward" the reward less kl_coef * sum_t (log mu - log
+  ref) over the sample's tokens inside ref's support; else the rewards as they are and a zero penalty."""
+  rewards_B = batch.rewards_B  # [B], or [B, G] for packed rows (column g: segment g + 1)
+  if not (cfg.kl_coef > 0 and cfg.kl_estimator == "k1_reward"):
+    return rewards_B, jnp.zeros_like(rewards_B)
+  b = batch.tokens_BxL.shape[0]
+  valid_BxL = to_tokens((batch.sample_mask_B > 0).reshape(b, -1), batch.segment_ids_BxL, fill=False)
+  on_tokens = (per_row["loss_mask"] > 0) & valid_BxL & per_row["ref_in_support"]
+  kl_BxL = jnp.where(on_tokens, per_row["behavior"] - per_row["ref"], 0.0)
+  if rewards_B.ndim == 1:
+    kl_reward_B = jnp.sum(kl_BxL, axis=1)
+  else:  # the sum over each sample's segment
+    segment_BxLxG = jax.nn.one_hot(batch.segment_ids_BxL - 1, rewards_B.shape[1], dtype=jnp.float32)
+    kl_reward_B = jnp.einsum("bl,blg->bg", kl_BxL, segment_BxLxG)
+  return rewards_B - cfg.kl_coef * kl_reward_B, kl_reward_B
+
+
+def token_advantages(cfg: LossConfig, rewards_B: jax.Array, batch: Batch) -> jax.Array:
+  """Advantages over every sample of the batch (a group may span rows and mini-batches), on each sample's tokens."""
+  b = batch.tokens_BxL.shape[0]
+  adv = compute_advantages(rewards_B.reshape(-1), batch.group_ids_B.reshape(-1), batch.sample_mask_B.reshape(-1),
+                           cfg)
+  return to_tokens(adv.reshape(b, -1), batch.segment_ids_BxL)
+
+
+def split_minibatches(setup: StepSetup, per_row: dict, k: int) -> dict[str, jax.Array]:
+  """[B, ...] -> [M, K, B / (M K), ...]: row (a K + c) M + j goes to mini-batch j, micro-batch c. Each device's
+  rows hold a share of every (mini-batch, micro-batch), so no update moves rows between devices."""
+  m = setup.num_minibatches
+
+  def split(x):
+    x = x.reshape(x.shape[0] // (m * k), k, m, *x.shape[1:])
+    return setup.constrain(jnp.moveaxis(x, (2, 1), (0, 1)), 2)
+
+  return jax.tree.map(split, per_row)
+
+
+def minibatch_order(rng: jax.Array, num_minibatches: int, num_epochs: int) -> jax.Array:
+  """The mini-batch of each update: every epoch visits each mini-batch once, in an order drawn from rng."""
+  keys = jax.random.split(rng, num_epochs)
+  return jax.vmap(lambda key: jax.random.permutation(key, num_minibatches))(keys).reshape(-1)
+
+
+def one_update(setup: StepSetup, minibatches: dict, v0: jax.Array, rewards_ok: jax.Array, carry, j: jax.Array):
+  """One optimizer update over mini-batch j (its micro-batches accumulated in order); skipped, and why, if its loss
+  or gradient is not finite, a reward is not, or it has no tokens."""
+  state, n_applied = carry
+  mini = jax.tree.map(lambda x: x[j], minibatches)
+  # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
+  v_now = v0 + n_applied / setup.updates_per_step
+  grads, loss, stats = _gradients(setup, state.params, mini, v0, v_now)
+  grad_norm = optax.tree.norm(grads)
+  has_tokens = stats["tokens"] > 0
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  ok = finite & rewards_ok & has_tokens
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+  params, opt_state = apply_update(setup.optimizer, grads, state.opt_state, state.params, ok)
+  reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
+             "skip/nonfinite": rewards_ok & has_tokens & ~finite}
+  return ((state.replace(params=params, opt_state=opt_state), n_applied + ok.astype(jnp.int32)),
+          {"loss": loss, "grad_norm": grad_norm, "applied": ok, **reasons, **stats})
+
+
+def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.Array):
+  """(float32 gradients, loss, stats) of one update: its K micro-batches' sums, the loss normalised over all."""
+  k, rows, seq_len = mini["tokens"].shape
+  weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len), mini["sample_mask"].reshape(k * rows, -1),
+                                setup.loss.aggregation, setup.loss.norm_length,
+                                mini["segments"].reshape(k * rows, seq_len)).reshape(k, rows, seq_len)
+
+  def accumulate(grads, xs):
+    x, w = xs
+    (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, x, w, v0, v_now)
+    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
+
+  micro_loss = functools.partial(_micro_loss, setup)
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  grads, (losses, stats) = jax.lax.scan(accumulate, zeros, (mini, weights))
+  stats = {name: (jnp.max(v) if name in MAX_STATS else jnp.min(v) if name in MIN_STATS else jnp.sum(v))
+           for name, v in stats.items()}
+  return grads, losses.sum(), stats
+
+
+def _micro_loss(setup: StepSetup, params, x: dict, weights_BxL: jax.Array, v0: jax.Array, v_now: jax.Array):
+  """policy_objective of one micro-batch at `params`, with its anchor as LossConfig.proximal says."""
+  cfg = setup.loss
+  logp, in_support, entropy = token_logprobs_of(setup, params, x)
+  prox = None
+  if cfg.proximal == "recompute":
+    prox = x["prox"] if setup.prox_pass else jax.lax.stop_gradient(logp)
+  elif cfg.proximal == "interpolate":
+    v_t = x["versions"]
+    alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)
+    prox = x["behavior"] + alpha * (jax.lax.stop_gradient(logp) - x["behavior"])
+  return policy_objective(logp, x["behavior"], x["adv"], weights_BxL, cfg, prox_logp_BxL=prox,
+                          ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support,
+                          prox_in_support_BxL=x.get("prox_in_support"), ref_in_support_BxL=x.get("ref_in_support"),
+                          segment_ids_BxL=x["segments"])
+
+
+def commit(setup: StepSetup, start: TrainState, after: TrainState, per_update: dict):
+  """The step's result, decided here alone: atomic, all its updates or none (a version is the result of all its
+  updates, and a batch is trained on whole or its groups are dropped, counted); else whatever updates applied.
+  A mini-batch of padding rows only is a no-op, not a fault. Returns (state, per_update with "applied" as it
+  stands after the commit, the skip reasons)."""
+  any_of = lambda name: jnp.any(per_update[name])
+  reasons = {"skip/reward": any_of("skip/reward"), "skip/nonfinite": any_of("skip/nonfinite"),
+             "skip/empty": jnp.all(per_update["skip/empty"])}
+  if setup.atomic:
+    step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
+    if setup.updates_per_step > 1:  # the pre-step state was kept for this (one update skips itself)
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(step_ok, a, b), new, old)
+      after = after.replace(params=keep(after.params, start.params), opt_state=keep(after.opt_state, start.opt_state))
+  else:  # each update kept or skipped alone: the step applies if any did, and says why not when none did
+    step_ok = any_of("applied")
+    reasons = {"skip/reward": ~step_ok & reasons["skip/reward"], "skip/empty": ~step_ok & reasons["skip/empty"],
+               "skip/nonfinite": ~step_ok & ~reasons["skip/reward"] & ~reasons["skip/empty"]}
+  state = after.replace(step=start.step + 1, version=start.version + step_ok.astype(jnp.int32),
+                        skipped=start.skipped + (~step_ok).astype(jnp.int32))
+  return state, {**per_update, "applied": per_update["applied"] & step_ok}, reasons
 
 
 def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> dict[str, jax.Array]:
@@ -353,6 +435,9 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
       "is_truncated_frac": per_token("is_truncated"),
       "is_masked_frac": per_token("is_masked"),
       "out_of_support_frac": total("out_of_support") / jnp.maximum(tokens + total("out_of_support"), 1.0),
+      # Tokens without a ratio (outside prox's support: weight 0) and without a KL term (outside ref's support).
+      "prox_out_of_support_frac": per_token("prox_out_of_support"),
+      "ref_out_of_support_frac": per_token("ref_out_of_support"),
       "ratio_mean": ratio_mean,
       "ratio_std": jnp.sqrt(jnp.maximum(ratio_sq - ratio_mean**2, 0.0)),
       "ratio_max": jnp.max(per_update["ratio_max"]),
