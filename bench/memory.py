@@ -5,7 +5,7 @@ array checksums hold, side by side in one process (issue 14).
 
 The train step is configs/default.py's (SmolLM2-135M-Instruct, 16 x 80 tokens, 2 mini-batches), lowered from
 abstract shapes (no weights are loaded) with model.remat, rl.logprob_chunk, rl.atomic_step and the optimizer (optax's
-AdamW chain or make_optimizer's in-place `apply`) varied; `memory_analysis()` gives
+AdamW chain or make_optimizer's AdamW, both applied by the step's apply_update) varied; `memory_analysis()` gives
 its arguments (the donated TrainState) and temporaries. The checksums compare the blocked pass
 (jaxrl.integrity) with the whole-array formula it replaced, on the same state shapes (temporaries compiled, time
 measured on the params alone). Peak RSS of the whole job is measured separately with /usr/bin/time -v (the command
@@ -35,7 +35,7 @@ GIB = 2**30
 
 def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: bool = True) -> dict:
   """Buffers of the main job's compiled train step with these settings (fused=False: optax's AdamW chain instead of
-  make_optimizer's in-place `apply`)."""
+  make_optimizer's AdamW, whose update XLA runs in place)."""
   c = get_config()
   c.model.remat, c.rl.logprob_chunk = remat, logprob_chunk
   cfg = build_lib.model_source(c)[0]

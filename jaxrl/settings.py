@@ -154,7 +154,8 @@ SETTINGS = (
     Setting("rl.max_staleness", 1, 'an int >= 0 or "auto"', any_type=True),
     Setting("rl.auto_staleness", dict(k_min=0, k_max=4, ess_low=0.7, ess_high=0.9, kl_high=0.05, window=3),
             "see AutoStaleness"),
-    # Optimizer updates per learner step: each epoch splits the batch into num_minibatches disjoint mini-batches.
+    # Optimizer updates per learner step: the step's samples, shuffled by (seed, step), are dealt into
+    # num_minibatches disjoint mini-batches by sample (packed or not); every epoch runs them all, in its own order.
     # A step makes one policy version however many updates it runs. With loss.proximal="recompute", updates after
     # the first are clipped against the pre-step policy (decoupled PPO): 2 makes the trust region act.
     Int("rl.num_minibatches", 2, 1, "optimizer updates per epoch of a learner step (see above)"),
