@@ -49,7 +49,8 @@ MUTATIONS = (
     Mutation("advantage: always grpo", S, "batch.sample_mask_B.reshape(-1),\n                           cfg)",
              "batch.sample_mask_B.reshape(-1),\n                           cfg.replace(advantage='grpo'))",
              T("bandit.py::test_single_step_bandit_gradient_direction")),
-    Mutation("adv_eps: ignored", "jaxrl/learner/advantages.py", "cfg.adv_eps", "1e-6", T("losses")),
+    Mutation("adv_eps: ignored", "jaxrl/learner/advantages.py", "cfg.adv_eps", "1e-6",
+             T("losses.py::test_advantages_ignore_padding_nan_and_dispatch")),
     Mutation("aggregation: always token_mean", S, "setup.loss.aggregation, setup.loss.norm_length",
              "'token_mean', setup.loss.norm_length", T("bandit")),
     Mutation("norm_length: ignored", S, "setup.loss.aggregation, setup.loss.norm_length",
@@ -156,7 +157,9 @@ def apply(mutation: Mutation, root: pathlib.Path) -> None:
 
 def _pytest(root: pathlib.Path, files: list[str], timeout: int) -> tuple[bool, str]:
   """(all passed, the first failure's name or the summary line) of pytest -x over `files` in `root`."""
-  env = dict(os.environ, PYTHONPATH=str(root), JAX_NUM_CPU_DEVICES=os.environ.get("JAX_NUM_CPU_DEVICES", "8"))
+  # The checkout's compilation cache: the copy's unmutated programs compile once, not once per mutation.
+  env = dict(os.environ, PYTHONPATH=str(root), JAX_NUM_CPU_DEVICES=os.environ.get("JAX_NUM_CPU_DEVICES", "8"),
+             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
   run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files], cwd=root,
                        env=env, capture_output=True, text=True, timeout=timeout)
   failed = [line.removeprefix("FAILED ").split(" - ")[0] for line in run.stdout.splitlines()

@@ -55,6 +55,11 @@ def test_advantages_ignore_padding_nan_and_dispatch():
   for kind in ("grpo", "dr_grpo", "rloo", "reinforce"):
     adv = compute_advantages(REWARDS, GROUPS, MASK, LossConfig(advantage=kind))
     assert np.isfinite(adv).all(), kind
+  # GRPO's adv_eps reaches the std division: rewards 0, 1 have std 0.5, so +-0.5 / (0.5 + eps).
+  pair = np.array([0.0, 1.0], np.float32)
+  for eps in (1e-6, 1.0):
+    adv = compute_advantages(pair, np.zeros(2, np.int32), np.ones(2), LossConfig(adv_eps=eps))
+    np.testing.assert_allclose(adv, [-0.5 / (0.5 + eps), 0.5 / (0.5 + eps)], rtol=1e-6)
   # A NaN reward of a valid sample poisons only its own group (the step then skips the update).
   bad = REWARDS.copy()
   bad[1] = np.nan
