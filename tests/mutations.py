@@ -114,7 +114,7 @@ MUTATIONS = (
              T("onpolicy.py::test_train_step_on_policy_top_p_ratios_one_and_no_clip")),
     Mutation("log_ratio_clamp: ignored", L,
              "log_ratio = jnp.clip(logp_BxL - anchor, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)",
-             "log_ratio = logp_BxL - anchor", T("losses")),
+             "log_ratio = logp_BxL - anchor", T("losses.py::test_log_ratio_clamp_bounds_the_ratio")),
     Mutation("mask: pi's support dropped", L, "if in_support_BxL is not None:\n    counted &= in_support_BxL",
              "if False:\n    counted &= in_support_BxL", T(STEP + "out_of_support_tokens_are_dropped_and_counted")),
     Mutation("mask: prox's support dropped", L,

@@ -261,3 +261,14 @@ def test_renormalised_logprobs_match_the_sampler(top_k, top_p):
   np.testing.assert_array_equal(in_support[:, 1:], np.isfinite(theirs))
   np.testing.assert_allclose(np.where(in_support[:, 1:], ours[:, 1:], 0.0), np.where(np.isfinite(theirs), theirs, 0.0),
                              rtol=1e-5, atol=1e-6)
+
+
+def test_log_ratio_clamp_bounds_the_ratio():
+  """A log-ratio of 100 would overflow exp: it is clamped to +-log_ratio_clamp first (loss -e^c A, finite)."""
+  logp = np.array([[0.0, 100.0]], np.float32)
+  prox = np.zeros((1, 2), np.float32)
+  weights = np.array([[0.0, 1.0]], np.float32)
+  for clamp in (20.0, 5.0):
+    cfg = LossConfig(policy_loss="pg", proximal="recompute", log_ratio_clamp=clamp)
+    loss, _ = policy_objective(logp, prox, np.ones(1, np.float32), weights, cfg, prox_logp_BxL=prox)
+    np.testing.assert_allclose(loss, -np.exp(clamp), rtol=1e-6)
