@@ -130,7 +130,7 @@ def _run(mode: str, workdir: Path) -> None:
 def test_from_run_calibration_predicts_the_runs_step_time(mode, tolerance, tmp_path):
   """The simulator, given only the costs the run logged, predicts its steady step time (sync within 15%). A miss
   is run and measured again once (a shared machine's load bursts hit single runs)."""
-  from jaxrl.profile import from_run
+  from jaxrl.cost_profile import from_run
 
   c = config_lib.override(bench_headline.get_config("test"), mode=mode)
   errors = []

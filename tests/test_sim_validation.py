@@ -1,4 +1,4 @@
-"""The simulator against real runs (issue 6): calibrated on this machine by jaxrl.profile, it predicts the sync and
+"""The simulator against real runs (issue 6): calibrated on this machine by jaxrl.cost_profile, it predicts the sync and
 pipeline step times of bench/pipeline.py within 15%; and the modelling pieces that comparison rests on (replayed
 lengths, fixed-shape learner steps, whole engine calls, contention, the KV recompute of in-flight updates)."""
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "configs"))
 import bench_pipeline  # noqa: E402
 
 from bench.pipeline import Replay, group_lengths, shared_step_s  # noqa: E402
-from jaxrl.profile import pooled  # noqa: E402
+from jaxrl.cost_profile import pooled  # noqa: E402
 
 TOLERANCE = 0.15
 

@@ -1,8 +1,8 @@
 r"""jaxrl-profile: a short profiling run of jaxrl itself, fitted into a simulator calibration (jaxrl.sim).
 
-  JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_pipeline.py \
+  JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.cost_profile --config=configs/bench_pipeline.py \
       --out=/tmp/cal.json
-  PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_headline.py --from-run=/tmp/h-pipe
+  PYTHONPATH=. .venv/bin/python -m jaxrl.cost_profile --config=configs/bench_headline.py --from-run=/tmp/h-pipe
 
 --from-run fits the costs a finished run logged instead (jaxrl.sim.runlog: its decode calls, train steps, weight
 publishes and updates) and prints the simulator's step time for that run against the measured one.
