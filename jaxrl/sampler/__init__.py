@@ -1,4 +1,11 @@
-"""Rollout engine on the sampler submesh: decode slots with continuous batching, sampling, in-flight updates."""
+"""Rollout engine on the sampler submesh: decode slots with continuous batching, sampling, in-flight updates.
+
+Read in the order a request flows: requests.py (a request, checked) -> sampler.py (the host loop) -> admission.py
+(into a free slot) -> page_policy.py (where its keys/values go; page_allocator.py the pages) -> engine.py (the
+device: dense_engine.py or paged_engine.py over slot_engine.py; decode.py, paged_kv.py, continuation.py the
+programs; sampling.py the draw) -> stops.py (how a turn ends) -> multi_turn.py (episodes) -> samples.py (the
+host's records, the rollout out). forced.py forces lengths for benchmarks.
+"""
 
 from jaxrl.sampler.engine import (
            DecodeState,
