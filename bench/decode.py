@@ -32,7 +32,7 @@ from bench.decode_baseline import baseline_engine
 from jaxrl import assets
 from jaxrl.models import forward, hf
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Request, Sampler, sampling_logprobs
+from jaxrl.sampler import Request, Sampler, make_engine, sampling_logprobs
 from jaxrl.sharding import make_mesh
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "64"], "Decode slots (= samples).")
@@ -174,7 +174,7 @@ def main(argv):
       variants = [("baseline", "float32")] if new <= _BASELINE_MAX_NEW.value else []
       variants += [("engine", d) for d in _DTYPES.value]
       for name, dtype in variants:
-        engine = baseline_engine(cfg, mesh, **kw) if name == "baseline" else Engine(cfg, mesh, dtype=dtype, **kw)
+        engine = baseline_engine(cfg, mesh, **kw) if name == "baseline" else make_engine(cfg, mesh, dtype=dtype, **kw)
         kv_bytes = jnp.dtype(dtype).itemsize
         flops, nbytes = _step_cost(cfg, params, batch, live, kv_bytes)
         decode = _decode(engine, params, prompts, new)

@@ -17,8 +17,8 @@ from flax import nnx
 
 from jaxrl.models import KVCache
 from jaxrl.models.decoder import apply_rope, rope_inv_freq
-from jaxrl.sampler import engine as engine_lib
-from jaxrl.sampler.engine import Engine
+from jaxrl.sampler import decode
+from jaxrl.sampler.engine import Engine, make_engine
 from jaxrl.sampler.sampling import filtered_logprobs
 
 
@@ -65,8 +65,8 @@ def _gumbel_sample(keys_S, logits_SxV, temperature_S, top_k_S, top_p_S, greedy_S
 
 def baseline_engine(cfg, mesh, **kw) -> Engine:
   """An Engine (float32) whose generate call is the frozen pre-issue-14 one; everything else is today's."""
-  engine = Engine(cfg, mesh, dtype="float32", **kw)
-  generate = functools.partial(engine_lib._generate, engine.graphdef, engine.steps_per_call,
+  engine = make_engine(cfg, mesh, dtype="float32", **kw)
+  generate = functools.partial(decode.generate, engine.graphdef, engine.steps_per_call,
                                forward=_forward_cached, draw=_gumbel_sample)
   engine._generate = jax.jit(generate, donate_argnums=2, out_shardings=(engine._state_shardings, None))
   return engine

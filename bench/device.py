@@ -29,8 +29,8 @@ from absl import app, flags
 
 from jaxrl.models import ModelConfig, init_params
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine
-from jaxrl.sampler.pages import PageAllocator, pages_for
+from jaxrl.sampler import Engine, make_engine
+from jaxrl.sampler.page_allocator import PageAllocator, pages_for
 from jaxrl.sharding import make_mesh
 
 _DRY = flags.DEFINE_bool("dry_run", False, "Tiny model and sizes (any backend, seconds): checks the script.")
@@ -131,12 +131,12 @@ def main(argv):
   paged_slots = int(np.searchsorted(used, pool, side="right"))
   paged_slots -= paged_slots % 8 if paged_slots > 8 else 0  # whole groups of rows for the ragged XLA attention
   common = dict(max_len=max_len, steps_per_call=steps, dtype="bfloat16")
-  engines = {"dense": Engine(cfg, mesh, max_slots=z["dense_slots"], **common),
+  engines = {"dense": make_engine(cfg, mesh, max_slots=z["dense_slots"], **common),
              # Every slot is live in these calls: one program of paged_slots rows (no smaller row buckets to compile).
              # The paged engine's attention: "auto" is the Pallas paged-attention kernel on a GPU, "xla" the ragged
              # XLA path (the CPU's) on the same pool.
-             **{name: Engine(cfg, mesh, max_slots=paged_slots, kv="paged", page_size=z["page_size"], num_pages=pool,
-                             row_buckets=(), attention=attention, **common)
+             **{name: make_engine(cfg, mesh, max_slots=paged_slots, kv="paged", page_size=z["page_size"],
+                                  num_pages=pool, row_buckets=(), attention=attention, **common)
                 for name, attention in (("paged", "auto"), ("paged_xla", "xla"))}}
   bandwidth = hbm_bandwidth(2**24 if _DRY.value else 2**31)
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

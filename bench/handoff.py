@@ -26,7 +26,7 @@ def one_round(config: str, workdir: Path, steps: int) -> dict:
   import bench_headline
 
   from jaxrl import config as config_lib
-  from jaxrl.profile import from_run
+  from jaxrl.cost_profile import from_run
 
   argv, env = command("pipeline", config, workdir, steps)
   proc = subprocess.run(argv, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True,

@@ -62,8 +62,8 @@ def run(mode: str, config: str, workdir: Path, steps: int, cache: Path) -> float
 def measure(c, mode: str, workdir: Path, warmup: int, devices: int = 2) -> dict[str, Any]:
   """A finished run's figures from its metrics.jsonl, and the simulator's prediction from its own calibration."""
   from jaxrl import config as config_lib
+  from jaxrl.cost_profile import from_run
   from jaxrl.metrics import read_jsonl
-  from jaxrl.profile import from_run
   from jaxrl.sim import runlog
 
   records = read_jsonl(workdir / "metrics.jsonl")

@@ -78,7 +78,7 @@ def admissions(c, repeats: int, group: int = 4) -> dict:
   from jaxrl import sharding
   from jaxrl.controller import build as build_lib
   from jaxrl.rollout import SamplingParams
-  from jaxrl.sampler.sampler import _sample_key_data
+  from jaxrl.sampler.samples import sample_key_data
 
   model_cfg, _, path = build_lib.model_source(c)
   mesh = sharding.make_mesh(c.mesh.sampler_axes.to_dict(), jax.devices()[:1])
@@ -101,7 +101,7 @@ def admissions(c, repeats: int, group: int = 4) -> dict:
 
   def grouped():
     gid[0] += 1
-    keys = np.asarray(_sample_key_data(base, np.uint32(gid[0]), group))
+    keys = np.asarray(sample_key_data(base, np.uint32(gid[0]), group))
     settings = [engine.slot_settings(keys[i], sp, 100) for i in range(group)]
     holder[0] = engine.insert_group(prefix, holder[0], list(range(group)), settings)
     jax.block_until_ready(holder[0])

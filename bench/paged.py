@@ -29,7 +29,7 @@ from absl import app, flags
 
 from bench.common import random_model
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Request, Sampler
+from jaxrl.sampler import Request, Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 _GROUPS = flags.DEFINE_integer("groups", 16, "GRPO groups per engine.")
@@ -87,19 +87,19 @@ def _run(engine, params, requests, update_at=()):
     live.append(sampler.num_active)
     if sampler.num_waiting:
       steady_live.append(sampler.num_active)
-      if sampler._pages is not None and sampler.num_active:
-        pages_per_live.append(sampler._pages.num_used / sampler.num_active)
+      if sampler.engine.kv == "paged" and sampler.num_active:
+        pages_per_live.append(sampler.cache.pages.num_used / sampler.num_active)
     if steady is None and not sampler.num_waiting:
       steady = (sampler.stats.generated_tokens, time.perf_counter() - start - update_s)
     if pending and sampler.stats.generated_tokens >= pending[0] and sampler.num_active:
       pending.pop(0)
-      jax.block_until_ready(sampler._state)  # the decode call in flight is not the update's cost
+      jax.block_until_ready(sampler.cache.state)  # the decode call in flight is not the update's cost
       before, t0, times = sampler.stats.rebuilt_tokens, time.perf_counter(), []
       for _ in range(_REPEATS.value):  # the same recompute each time (same live samples): the fastest is its cost
         t = time.perf_counter()
         version += 1
         sampler.update_params(params, version)
-        jax.block_until_ready(sampler._state)
+        jax.block_until_ready(sampler.cache.state)
         times.append(time.perf_counter() - t)
       update_s += time.perf_counter() - t0
       updates.append(dict(tokens=sampler.stats.generated_tokens, live=sampler.num_active,
@@ -171,11 +171,11 @@ def main(argv):
                rebuild_chunk=_CHUNK.value, rebuild_rows=_ROWS.value, **common)
   buckets = [int(b) for b in _ROW_BUCKETS.value]
   # "paged_8": the dense engine's slot count on pages, so its updates recompute the same live samples as dense.
-  engines = {"dense": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **common),
-             "paged": Engine(cfg, mesh, max_slots=_PAGED_SLOTS.value, **paged,
-                             row_buckets=[b for b in buckets if b <= _PAGED_SLOTS.value]),
-             "paged_8": Engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **paged,
-                               row_buckets=[b for b in buckets if b <= _DENSE_SLOTS.value])}
+  engines = {"dense": make_engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **common),
+             "paged": make_engine(cfg, mesh, max_slots=_PAGED_SLOTS.value, **paged,
+                                  row_buckets=[b for b in buckets if b <= _PAGED_SLOTS.value]),
+             "paged_8": make_engine(cfg, mesh, max_slots=_DENSE_SLOTS.value, **paged,
+                                    row_buckets=[b for b in buckets if b <= _DENSE_SLOTS.value])}
   kv_bytes = {}
   for name, engine in engines.items():
     _warm(engine, params, cfg.vocab_size)

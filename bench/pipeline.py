@@ -1,5 +1,5 @@
 r"""Sync vs pipeline on one config and a long-tailed length distribution, side by side in one run; and what the
-simulator, calibrated by jaxrl.profile on this machine in the same session, predicted for both.
+simulator, calibrated by jaxrl.cost_profile on this machine in the same session, predicted for both.
 
   JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline                     # configs/bench_pipeline.py, ~4 min
   JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline --config=configs/bench_pipeline.py:test   # ~2 min
@@ -36,7 +36,7 @@ import numpy as np
 from bench.common import write_json
 from jaxrl.controller.local import Pipeline
 from jaxrl.controller.queue import WeightPublisher
-from jaxrl.profile import pooled, profile, summary
+from jaxrl.cost_profile import pooled, profile, summary
 from jaxrl.sampler import Engine
 from jaxrl.sampler.forced import Z99, ForcedLengths
 from jaxrl.sim.calibrate import fit_calibration

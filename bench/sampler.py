@@ -23,7 +23,7 @@ from absl import app, flags
 
 from bench.common import random_model
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Request, Sampler
+from jaxrl.sampler import Request, Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 _REQUESTS = flags.DEFINE_integer("requests", 192, "Samples to generate per mode.")
@@ -65,7 +65,7 @@ def main(argv):
   h = _HIDDEN.value
   cfg, params = random_model(h, _MAX_LEN.value)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
-  engine = Engine(cfg, mesh, max_slots=_SLOTS.value, max_len=_MAX_LEN.value, steps_per_call=_STEPS.value)
+  engine = make_engine(cfg, mesh, max_slots=_SLOTS.value, max_len=_MAX_LEN.value, steps_per_call=_STEPS.value)
 
   warmup, _ = _requests(2 * _SLOTS.value, _SEED.value + 1, cfg.vocab_size, _MAX_LEN.value)
   for admission in ("continuous", "static"):

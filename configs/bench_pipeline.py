@@ -2,7 +2,7 @@
 
   JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline --config=configs/bench_pipeline.py
   JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m bench.pipeline --config=configs/bench_pipeline.py:test
-  JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_pipeline.py \
+  JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.cost_profile --config=configs/bench_pipeline.py \
       --out=/tmp/cal.json
 
 The argument picks the size: "" (the benchmark) or "test" (the small run of tests/test_sim_validation.py).
@@ -39,8 +39,8 @@ def get_config(arg: str | None = None):
   c.bench.p99_ratio = 10.0  # p99 / median (lognormal sigma = ln(10) / 2.326 ~ 0.99)
   c.bench.max_groups = 4096  # the forced-length table (groups the runs may admit)
   c.bench.measured_steps = 12  # learner steps timed per mode, after k + 1 warm-up steps
-  c.bench.profile_decode_calls = 6  # jaxrl.profile: generate calls timed per live-batch size
-  c.bench.profile_train_reps = 3  # jaxrl.profile: train steps timed alone (and again with decode running)
+  c.bench.profile_decode_calls = 6  # jaxrl.cost_profile: generate calls timed per live-batch size
+  c.bench.profile_train_reps = 3  # jaxrl.cost_profile: train steps timed alone (and again with decode running)
   c.bench.repeats = 3  # rounds of (profile, sync, pipeline); the report gives each and the medians
   if arg == "test":  # one layer (faster compiles), shorter runs
     c.model.tiny.num_layers = 1

@@ -32,7 +32,7 @@ from ml_collections import config_flags
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.models.hf import load_config, load_params
 from jaxrl.rollout import Rollout, SamplingParams
-from jaxrl.sampler import Engine, Request, Sampler
+from jaxrl.sampler import Request, Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -233,7 +233,7 @@ def main(argv):
   if len(devices) % _TENSOR.value:
     raise app.UsageError(f"--tensor={_TENSOR.value} does not divide the {len(devices)} devices")
   mesh = make_mesh({"data": len(devices) // _TENSOR.value, "tensor": _TENSOR.value}, devices)
-  engine = Engine(cfg, mesh, **sizes)
+  engine = make_engine(cfg, mesh, **sizes)
   if c is not None and prompts is None:
     _evaluate(c, policy, engine)
     return

@@ -9,14 +9,9 @@ resumes from it (same step, version, data position and rng).
 
 from __future__ import annotations
 
-import os
-
-# On a CPU-only host, expose 8 virtual devices so the sampler and learner submeshes exist (no effect on GPU/TPU,
-# and none once jax is initialised; an explicit setting wins).
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -159,7 +154,15 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   return summary
 
 
+def _cpu_devices() -> None:
+  """On a CPU-only host, 8 virtual devices so the sampler and learner submeshes exist (no effect on GPU/TPU, and
+  none once jax is initialised); an explicit JAX_NUM_CPU_DEVICES wins. Set by the CLI, not at import."""
+  if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    jax.config.update("jax_num_cpu_devices", 8)
+
+
 def main(argv=None):
+  _cpu_devices()
   hostmem.return_freed_memory()
   from absl import flags
   from ml_collections import config_flags

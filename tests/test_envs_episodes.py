@@ -20,7 +20,7 @@ from jaxrl.learner.packing import pack_batch
 from jaxrl.models import ModelConfig, forward
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import SamplingParams, make_batch
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 pytest_plugins = ["conftest_assets"]  # the session fixture `smollm2_dir`
@@ -38,8 +38,8 @@ def _params(seed, scale=0.08):
 
 
 def _engine(**kw):
-  return Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
-                steps_per_call=4, min_bucket=8, rebuild_chunk=8, **kw)
+  return make_engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
+                     steps_per_call=4, min_bucket=8, rebuild_chunk=8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,11 @@ def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(kv):
   """Prompt, a turn of 5 generated tokens, a decode call while the slot waits (idle), then 11 observation tokens
   appended (two chunks of 8): the next tokens and their logprobs equal those of a slot prefilled with the same 21
   tokens at once."""
-  engine = Engine(CFG, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=2, max_len=L, steps_per_call=5,
-                  min_bucket=8, rebuild_chunk=8, kv=kv, page_size=8)
+  engine = make_engine(CFG, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=2, max_len=L, steps_per_call=5,
+                       min_bucket=8, rebuild_chunk=8, kv=kv, page_size=8)
   params = engine.place(_params(0, scale=0.5), 0)
   settings = engine.slot_settings(jax.random.key(1), SamplingParams(greedy=True), 5)
-  table = np.arange(engine.pages_per_slot * 2, dtype=np.int32).reshape(2, -1)
+  table = np.arange(2 * (L // 8), dtype=np.int32).reshape(2, -1)  # (paged) two slots, pages of 8
   rows = {} if kv == "dense" else {"table_row": table[0]}
   prompt = np.array([4, 9, 17, 2, 33], np.int32)
   state = engine.init_decode_state()
@@ -128,7 +128,7 @@ def _run_counted(eng, params, task, **kw):
   rollouts = _run(sampler, task, Episodes(task, vocab_size=CFG.vocab_size), groups=5,
                   sampling=SamplingParams(temperature=0.9), max_tokens=6, **kw)
   if eng.kv == "paged":
-    assert sampler._pages.num_free == eng.num_pages and not any(sampler._pages.tables)  # every page came back
+    assert sampler.cache.pages.num_free == eng.num_pages and not any(sampler.cache.pages.tables)  # every page came back
   return rollouts, sampler, sum(at_observation)
 
 

@@ -1,8 +1,10 @@
 """The headline benchmark's pieces (issue 17): forced long-tailed lengths as a config hook, the per-step costs a run
-logs, the calibration jaxrl-profile --from-run fits from them, and, on a small real run of each mode, the simulator's
-step time from that calibration within 15% of the measured one."""
+logs, the calibration jaxrl-profile --from-run fits from them, the simulator's step time from that calibration
+within 15% of a recorded run's (sync; 20% pipeline), and a small real run of each mode logging what that needs.
+Nothing here depends on this machine's speed: bench/headline.py checks the simulator against live runs."""
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -126,23 +128,37 @@ def _run(mode: str, workdir: Path) -> None:
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("mode,tolerance", [("sync", TOLERANCE), ("pipeline", PIPELINE_TOLERANCE)])
-def test_from_run_calibration_predicts_the_runs_step_time(mode, tolerance, tmp_path):
-  """The simulator, given only the costs the run logged, predicts its steady step time (sync within 15%). A miss
-  is run and measured again once (a shared machine's load bursts hit single runs)."""
-  from jaxrl.profile import from_run
+# Logs of one run of each mode as _run makes them (configs/bench_headline.py:test, 7 steps), recorded 2026-12-06 on
+# the shared 2-core box: metrics.jsonl and summary.json, all that --from-run reads.
+RECORDED = REPO / "tests" / "data" / "headline_runs"
 
-  c = config_lib.override(bench_headline.get_config("test"), mode=mode)
-  errors = []
-  for attempt in range(2):
-    workdir = tmp_path / f"run{attempt}"
-    _run(mode, workdir)
-    records = read_jsonl(workdir / "metrics.jsonl")
-    assert len(records) == c.num_steps and records[-1]["samples_dropped"] == 0
-    assert max(r["staleness_max"] for r in records) == (0 if mode == "sync" else c.rl.max_staleness)
-    r = from_run(c, workdir, devices=2, warmup=c.bench.warmup_steps)
-    assert r["measured_step_s"] == pytest.approx(runlog.step_time_s(records, c.bench.warmup_steps))
-    errors.append(r["error"])
-    if abs(r["error"]) <= tolerance:
-      break
-  assert abs(errors[-1]) <= tolerance, f"{mode}: simulator errors {[f'{e:+.1%}' for e in errors]}"
+
+def _config(mode: str):
+  return config_lib.override(bench_headline.get_config("test"), mode=mode)
+
+
+@pytest.mark.parametrize("mode,tolerance", [("sync", TOLERANCE), ("pipeline", PIPELINE_TOLERANCE)])
+def test_from_run_calibration_predicts_a_recorded_runs_step_time(mode, tolerance):
+  """The simulator, given only the costs a run logged, predicts that run's steady step time."""
+  from jaxrl.cost_profile import from_run
+
+  c = _config(mode)
+  records = read_jsonl(RECORDED / mode / "metrics.jsonl")
+  r = from_run(c, RECORDED / mode, devices=2, warmup=c.bench.warmup_steps)
+  assert r["measured_step_s"] == pytest.approx(runlog.step_time_s(records, c.bench.warmup_steps))
+  assert abs(r["error"]) <= tolerance, f"{mode}: simulator error {r['error']:+.1%}"
+
+
+@pytest.mark.parametrize("mode", ["sync", "pipeline"])
+def test_a_small_real_run_logs_what_from_run_needs(mode, tmp_path):
+  """A real run of each mode trains every step within its staleness bound and logs the costs --from-run fits."""
+  from jaxrl.cost_profile import from_run
+
+  c = _config(mode)
+  _run(mode, tmp_path)
+  records = read_jsonl(tmp_path / "metrics.jsonl")
+  assert len(records) == c.num_steps and records[-1]["samples_dropped"] == 0
+  assert max(r["staleness_max"] for r in records) == (0 if mode == "sync" else c.rl.max_staleness)
+  r = from_run(c, tmp_path, devices=2, warmup=c.bench.warmup_steps)
+  assert r["measured_step_s"] == pytest.approx(runlog.step_time_s(records, c.bench.warmup_steps))
+  assert math.isfinite(r["predicted_step_s"]) and r["predicted_step_s"] > 0

@@ -15,7 +15,7 @@ from jaxrl.learner import LossConfig, init_train_state, make_train_step, token_l
 from jaxrl.models import ModelConfig, forward
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import SamplingParams, check_sampling, make_batch
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 CFG = ModelConfig.tiny(eos_token_ids=(1,))
@@ -38,8 +38,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def sampler(model):
-  engine = Engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
-                  steps_per_call=4, min_bucket=8)
+  engine = make_engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
+                       steps_per_call=4, min_bucket=8)
   return Sampler(engine, model[1], seed=3)
 
 

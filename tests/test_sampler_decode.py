@@ -8,7 +8,7 @@ import pytest
 from jaxrl.kernels import cached_attention
 from jaxrl.models import ModelConfig
 from jaxrl.models.hf import abstract_params
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -29,7 +29,7 @@ def _params(seed=0):
 
 def test_decode_program_updates_the_cache_in_place():
   # Before: the cache went through the layer scan as xs -> ys, a second cache-sized temporary (1.1x the cache).
-  engine = Engine(CFG, _mesh(), max_slots=8, max_len=1024, steps_per_call=4)
+  engine = make_engine(CFG, _mesh(), max_slots=8, max_len=1024, steps_per_call=4)
   state = engine.init_decode_state()
   params = engine.place(_params(), 0)
   compiled = engine._generate.lower(params.params, np.int32(0), state).compile()
@@ -66,12 +66,12 @@ def test_cached_attention_equals_masked_softmax(num_queries, block):
 
 
 def test_bfloat16_engine_casts_weights_and_cache_once():
-  engine = Engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4, dtype="bfloat16")
+  engine = make_engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4, dtype="bfloat16")
   params = _params()
   sampler = Sampler(engine, params, seed=0)
   assert {x.dtype for x in jax.tree.leaves(sampler._params.params)} == {jnp.dtype(jnp.bfloat16)}
-  assert sampler._state.cache.k_NxSxTxKxD.dtype == jnp.bfloat16
-  f32 = Sampler(Engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4), params, seed=0)
+  assert sampler.cache.state.cache.k_NxSxTxKxD.dtype == jnp.bfloat16
+  f32 = Sampler(make_engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4), params, seed=0)
   for s in (sampler, f32):
     s.submit([3, 4, 5], group_id=0, max_tokens=8, ignore_eos=True)
   out = {}
@@ -85,7 +85,7 @@ def test_bfloat16_engine_casts_weights_and_cache_once():
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlap_dispatches_no_call_past_the_token_budgets(overlap):
-  engine = Engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4)
+  engine = make_engine(CFG, _mesh(), max_slots=2, max_len=32, steps_per_call=4)
   sampler = Sampler(engine, _params(), seed=0, overlap=overlap)
   sampler.submit([3, 4, 5], group_id=0, n=2, max_tokens=8, ignore_eos=True)
   rollouts = []

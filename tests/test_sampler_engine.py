@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl.models import ModelConfig, forward
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Request, Sampler, sampling_logprobs
+from jaxrl.sampler import Request, Sampler, make_engine, sampling_logprobs
 from jaxrl.sharding import make_mesh
 
 MAX_LEN = 48
@@ -38,7 +38,7 @@ def model():
 @pytest.fixture(scope="module")
 def engine():
   mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:])  # a sampler submesh: slots x kv heads
-  return Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8)
+  return make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -153,8 +153,8 @@ def test_sampled_tokens_do_not_depend_on_slot_placement(model, engine):
     return _drain(sampler)
 
   base = run(engine, requests)
-  other_engine = Engine(CFG, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=2, max_len=MAX_LEN,
-                        steps_per_call=3, min_bucket=16)
+  other_engine = make_engine(CFG, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=2, max_len=MAX_LEN,
+                             steps_per_call=3, min_bucket=16)
   for got in (run(engine, requests[::-1]), run(engine, requests, admission="static"),
               run(other_engine, requests[2:] + requests[:2])):
     assert sorted(got) == sorted(base)
@@ -318,9 +318,9 @@ def test_bad_configuration_is_rejected(model, engine):
   with pytest.raises(ValueError, match="eos token ids"):
     Sampler(engine, params, eos_token_ids=(CFG.vocab_size + 1,))
   with pytest.raises(ValueError, match="max_slots"):
-    Engine(CFG, engine.mesh, max_slots=0, max_len=8)
+    make_engine(CFG, engine.mesh, max_slots=0, max_len=8)
   with pytest.raises(ValueError, match="dtype must be one of"):
-    Engine(CFG, engine.mesh, max_slots=2, max_len=8, dtype="float16")
+    make_engine(CFG, engine.mesh, max_slots=2, max_len=8, dtype="float16")
   with pytest.raises(ValueError, match="does not fit"):
     engine.prefill(sampler._params, np.arange(MAX_LEN))
 
@@ -343,19 +343,20 @@ def test_a_groups_samples_go_in_with_one_program_as_each_would_alone(model, engi
   for bad, match in (([1, 1, 2], "distinct"), ([0, 4, 1], "distinct and in"), ([0, 1], "2 slots with 3 settings")):
     with pytest.raises(ValueError, match=match):
       engine.insert_group(prefix, engine.init_decode_state(), bad, settings)
-  paged = Engine(CFG, engine.mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
-                 page_size=8)
-  with pytest.raises(ValueError, match="page table"):
-    paged.insert_group(prefix, paged.init_decode_state(), slots, settings)
+  paged = make_engine(CFG, engine.mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
+                      page_size=8)
+  assert not hasattr(paged, "insert_group")  # a paged slot needs its own page table: one insert per sample
+  with pytest.raises(ValueError, match="table_row is required"):
+    paged.insert(prefix, paged.init_decode_state(), slots[0], settings[0])
 
 
 @pytest.mark.parametrize("group_id", [0, 7, 2**31 + 5])
 def test_sample_keys_are_fold_ins_of_the_group_key(group_id):
   """A group's sample keys, made in one program, are fold_in(fold_in(sampler key, group id), sample index)."""
-  from jaxrl.sampler.sampler import _sample_key_data
+  from jaxrl.sampler.samples import sample_key_data
 
   key = jax.random.key(11)
-  got = np.asarray(_sample_key_data(key, np.uint32(group_id), 3))
+  got = np.asarray(sample_key_data(key, np.uint32(group_id), 3))
   group = jax.random.fold_in(key, group_id)
   want = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(group, i))) for i in range(3)])
   np.testing.assert_array_equal(got, want)

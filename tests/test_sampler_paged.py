@@ -11,7 +11,7 @@ from test_sampler_engine import CFG, MAX_LEN, _check_logprobs_match_forward, _dr
 
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
 PAGE = 4
@@ -27,7 +27,7 @@ def model():
 @pytest.fixture(scope="module")
 def engines():
   mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:])
-  make = lambda **kw: Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, **kw)
+  make = lambda **kw: make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, **kw)
   # The small pool holds 14 pages: a single sample may need 12, so four slots cannot all grow. Its generate calls
   # run on 1, 2 or 4 rows, as many as are live (the other engine's always on 4).
   return make(), make(kv="paged", page_size=PAGE), make(kv="paged", page_size=PAGE, num_pages=14, row_buckets=(1, 2))
@@ -57,7 +57,7 @@ def test_paged_equals_dense_token_for_token(model, engines):
     np.testing.assert_array_equal(got[k].logprobs, r.logprobs)
     np.testing.assert_array_equal(got[k].versions, r.versions)
   assert sampler.stats.prefills == 5 and sampler.stats.preemptions == 0  # one prefill per group
-  assert sampler._pages.num_free == paged.num_pages  # every page came back
+  assert sampler.cache.pages.num_free == paged.num_pages  # every page came back
 
 
 def test_out_of_pages_preempts_and_keeps_every_sample(model, engines):
@@ -70,7 +70,7 @@ def test_out_of_pages_preempts_and_keeps_every_sample(model, engines):
   for k, r in want.items():
     np.testing.assert_array_equal(got[k].completion_tokens, r.completion_tokens)
     np.testing.assert_allclose(got[k].logprobs, r.logprobs, atol=1e-5)  # a resumed sample's cache is a prefill's
-  assert sampler._pages.num_free == small.num_pages
+  assert sampler.cache.pages.num_free == small.num_pages
 
 
 def test_continuous_batching_with_shared_prompts_equals_one_at_a_time(model, engines):
@@ -96,17 +96,17 @@ def test_samples_never_write_the_shared_prompt_pages(model, engines):
   prompt = list(range(2, 15))  # 13 tokens: positions 0..11 fill 3 shared pages, 12 (rewritten) is private
   sampler.submit(prompt, group_id=0, n=3, max_tokens=20, sampling=SP)
   sampler.step()
-  tables = [sampler._pages.tables[s] for s in range(3)]
+  tables = [sampler.cache.pages.tables[s] for s in range(3)]
   shared = tables[0][:3]
   assert all(t[:3] == shared for t in tables) and len({t[3] for t in tables}) == 3
-  assert list(sampler._pages.num_shared_S[:3]) == [3, 3, 3]
-  before = np.asarray(sampler._state.cache.k_pages)
+  assert list(sampler.cache.pages.num_shared_S[:3]) == [3, 3, 3]
+  before = np.asarray(sampler.cache.state.cache.k_pages)
   prefix = paged.prefill(sampler._params, prompt)
   expected = np.asarray(prefix.cache.k_NxSxTxKxD)[:, 0, :12].reshape(CFG.num_layers, 3, PAGE, *before.shape[3:])
   np.testing.assert_array_equal(before[:, shared], expected)
   sampler.step()
   sampler.step()
-  after = np.asarray(sampler._state.cache.k_pages)
+  after = np.asarray(sampler.cache.state.cache.k_pages)
   np.testing.assert_array_equal(after[:, shared], before[:, shared])
   assert all(not np.array_equal(after[:, t[4]], before[:, t[4]]) for t in tables)  # private pages did change
 
@@ -199,19 +199,19 @@ def test_generate_runs_only_the_live_rows(model, engines):
   with pytest.raises(ValueError, match="live=5 active slots is outside"):
     small.row_bucket(5)
   with pytest.raises(ValueError, match="row_buckets must be ints in"):
-    Engine(CFG, small.mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, row_buckets=(0, 8))
+    make_engine(CFG, small.mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, row_buckets=(0, 8))
   with pytest.raises(ValueError, match="row_buckets are for kv='paged'"):
-    Engine(CFG, small.mesh, max_slots=4, max_len=MAX_LEN, row_buckets=(2,))
+    make_engine(CFG, small.mesh, max_slots=4, max_len=MAX_LEN, row_buckets=(2,))
 
 
 def test_paged_configuration_errors_name_the_problem(engines):
   dense = engines[0]
   with pytest.raises(ValueError, match="multiple of page_size"):
-    Engine(CFG, dense.mesh, max_slots=2, max_len=10, kv="paged", page_size=4)
+    make_engine(CFG, dense.mesh, max_slots=2, max_len=10, kv="paged", page_size=4)
   with pytest.raises(ValueError, match="cannot hold one sample"):
-    Engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="paged", page_size=4, num_pages=3)
+    make_engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="paged", page_size=4, num_pages=3)
   with pytest.raises(ValueError, match="kv must be one of"):
-    Engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="ragged")
+    make_engine(CFG, dense.mesh, max_slots=2, max_len=16, kv="ragged")
 
 
 def test_config_selects_the_paged_cache():
@@ -240,8 +240,8 @@ def test_engine_with_a_pallas_kernel(model, attention):
   graphdef, abstract = abstract_params(cfg)
   if cfg is not CFG:
     params, new_params = (_random_params(abstract, seed) for seed in (0, 1))
-  make = lambda **kw: Engine(cfg, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
-                             page_size=PAGE, **kw)
+  make = lambda **kw: make_engine(cfg, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
+                                  page_size=PAGE, **kw)
   engines = {"xla": make(attention="xla"), attention: make(attention=attention, interpret=True)}
   assert (engines["xla"].layout, engines[attention].layout) == ("NPZKD", "KNPZD")
   results = {}
@@ -252,7 +252,7 @@ def test_engine_with_a_pallas_kernel(model, attention):
     first = sampler.step() + sampler.step()
     sampler.update_params(new_params, version=1)  # live samples are rebuilt on the new weights (chunks: XLA path)
     results[name] = {**{(r.group_id, r.sample_index): r for r in first}, **_drain(sampler)}
-    assert sampler.stats.rebuilds == 1 and sampler._pages.num_free == sampler.engine.num_pages
+    assert sampler.stats.rebuilds == 1 and sampler.cache.pages.num_free == sampler.engine.num_pages
   got = results[attention]
   assert sorted(got) == [(g, i) for g in range(3) for i in range(3)]
   assert any(set(r.versions.tolist()) == {0, 1} for r in got.values())
@@ -269,10 +269,10 @@ def test_engine_with_a_pallas_kernel(model, attention):
 def test_engine_attention_is_checked():
   mesh = make_mesh({"data": 2}, jax.devices()[:2])
   with pytest.raises(ValueError, match="one of"):
-    Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="cuda")
+    make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="cuda")
   with pytest.raises(ValueError, match="kv='paged'"):
-    Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, attention="pallas_gpu")
+    make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, attention="pallas_gpu")
   with pytest.raises(ValueError, match="one device"):
-    Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="pallas_tpu")
-  auto = Engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE)
+    make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="pallas_tpu")
+  auto = make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE)
   assert auto.attention == "xla" and auto.layout == "NPZKD"  # on CPU

@@ -5,13 +5,14 @@ from flax import nnx
 
 from jaxrl import sharding
 from jaxrl.models import Decoder, ModelConfig
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Sampler, make_engine
 
 
 def test_versions_and_samplers_do_not_recompile():
   cfg = ModelConfig.tiny()
   _, params = nnx.split(Decoder(cfg, nnx.Rngs(0)))
-  engine = Engine(cfg, sharding.make_mesh({"data": 1}, jax.devices()[:1]), max_slots=2, max_len=24, steps_per_call=4)
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  engine = make_engine(cfg, mesh, max_slots=2, max_len=24, steps_per_call=4)
   # Counted from the first version on: `_insert` is jitted once per process and its cache also holds other engines'
   # shapes (other test modules), so absolute counts depend on the test order.
   fns = (engine._insert, engine._prefill, engine._generate)

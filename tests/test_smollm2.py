@@ -14,7 +14,7 @@ import transformers
 from jaxrl import sharding
 from jaxrl.models import forward, hf
 from jaxrl.rollout import SamplingParams
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Sampler, make_engine
 
 REFERENCE = Path(__file__).parent / "fixtures" / "smollm2_reference.npz"
 
@@ -47,7 +47,7 @@ def test_greedy_chat_answer_is_the_reference_continuation(smollm2):
   ref = np.load(REFERENCE)
   np.testing.assert_array_equal(prompt, ref["prompt_ids"])
   mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-  sampler = Sampler(Engine(cfg, mesh, max_slots=1, max_len=64, steps_per_call=8), params, 0)
+  sampler = Sampler(make_engine(cfg, mesh, max_slots=1, max_len=64, steps_per_call=8), params, 0)
   sampler.submit(prompt, 0, 1, sampling=SamplingParams(greedy=True), max_tokens=24, ignore_eos=True)
   rollouts = []
   while sampler.num_active or sampler.num_waiting:

@@ -29,7 +29,7 @@ from jaxrl.learner.packing import pack_batch, row_buckets
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.rollout import SamplingParams, make_batch
-from jaxrl.sampler import Engine, Sampler
+from jaxrl.sampler import Engine, Sampler, make_engine
 from jaxrl.sampler.forced import ForcedLengths, LognormalLengths
 
 
@@ -162,7 +162,7 @@ def abstract_train_state(c, abstract_params, mesh):
 
 
 def build_engine(c, model_cfg: ModelConfig, mesh) -> Engine:
-  return Engine(model_cfg, mesh, **config_lib.engine_kwargs(c))
+  return make_engine(model_cfg, mesh, **config_lib.engine_kwargs(c))
 
 
 def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:

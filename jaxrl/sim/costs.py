@@ -8,7 +8,7 @@ whose contexts add up to C tokens (the scaling-book "general" step time, plus a 
 with weights_s = W / (n * BW * mem_eff), kv_s_per_token = kv_bytes / (n * BW * mem_eff) and
 compute_s_per_seq = 2 N_active / (n * F * flop_eff). Attention reads are always bandwidth-bound; the linear layers
 are bound by the weight read until B reaches the knee weights_s / compute_s_per_seq. B counts live sequences only:
-what the paged engine computes (it runs a step on its live rows, rounded up to a row bucket: sampler/paged.py) and
+what the paged engine computes (it runs a step on its live rows, rounded up to a row bucket: paged_engine.py) and
 what vLLM-style engines compute; jaxrl's dense engine runs all of its slots at every step, idle ones included.
 
 Mixture-of-experts models: FLOPs follow the active parameters (N_active), memory the total; a decode step of B

@@ -40,8 +40,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxrl.sim.costs import Costs
-from jaxrl.sim.engine import EngineSim, busy_in
 from jaxrl.sim.lengths import LengthDist
+from jaxrl.sim.sampler_timeline import SamplerTimeline, busy_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ class _Sim:
     self.budget = spec.admission == "budget"
     self.learner_devices = learner_devices
     self.gb, self.g = spec.groups_per_step, spec.group_size
-    self.engines = [EngineSim(i, costs, spec.prompt_len) for i in range(engines)]
+    self.engines = [SamplerTimeline(i, costs, spec.prompt_len) for i in range(engines)]
     self.rng = np.random.default_rng(spec.seed)
     self.blocks: dict[int, np.ndarray] = {}
     # Admission never lets more than (lookahead + 1) steps of groups be open, so this many groups suffice for the
@@ -204,10 +204,10 @@ class _Sim:
     self.next_t = [math.inf] * engines
 
   # -- engines ------------------------------------------------------------------------------------------
-  def _refresh(self, e: EngineSim):
+  def _refresh(self, e: SamplerTimeline):
     self.next_t[e.index] = e.next_finish()
 
-  def _finished(self, e: EngineSim, sids: list[int]):
+  def _finished(self, e: SamplerTimeline, sids: list[int]):
     s = self.s
     for sid in sids:
       s["finish_s"][sid], s["end_version"][sid] = e.clock, e.version
@@ -217,13 +217,13 @@ class _Sim:
         self.finished_fifo.append(g)
         self.batch_may_be_ready = True
 
-  def _fill(self, e: EngineSim):
+  def _fill(self, e: SamplerTimeline):
     if e.update_due and not self.spec.partial_rollouts:
       return  # draining for an update: new samples start on the new weights
     for sid in e.start_pending():
       self.s["start_s"][sid], self.s["start_version"][sid] = e.clock, e.version
 
-  def _sync_engine(self, e: EngineSim, t: float) -> bool:
+  def _sync_engine(self, e: SamplerTimeline, t: float) -> bool:
     """Runs an engine to its first decode-step boundary at or after t; False if that boundary is a sample
     finishing (the engine's own event, handled in time order: whatever waits for t happens there)."""
     if not e.live:
@@ -235,7 +235,7 @@ class _Sim:
     e.decode(n)
     return True
 
-  def _apply_update(self, e: EngineSim):
+  def _apply_update(self, e: SamplerTimeline):
     """A weight publish that reached the engine between boundaries lands at its next boundary."""
     t, version = e.update_due
     e.stall(t, self.sync_s + self.costs.rebuild_time(*e.contexts()))

@@ -1,8 +1,8 @@
 r"""jaxrl-profile: a short profiling run of jaxrl itself, fitted into a simulator calibration (jaxrl.sim).
 
-  JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_pipeline.py \
+  JAX_NUM_CPU_DEVICES=8 PYTHONPATH=. .venv/bin/python -m jaxrl.cost_profile --config=configs/bench_pipeline.py \
       --out=/tmp/cal.json
-  PYTHONPATH=. .venv/bin/python -m jaxrl.profile --config=configs/bench_headline.py --from-run=/tmp/h-pipe
+  PYTHONPATH=. .venv/bin/python -m jaxrl.cost_profile --config=configs/bench_headline.py --from-run=/tmp/h-pipe
 
 --from-run fits the costs a finished run logged instead (jaxrl.sim.runlog: its decode calls, train steps, weight
 publishes and updates) and prints the simulator's step time for that run against the measured one.
@@ -131,8 +131,8 @@ def train_times(train_step: Callable, state, rollouts: list[Rollout], seq_len: i
   Each step runs the controller's learner path: it reads the step counter, folds the step's key, assembles its
   batch from the rollouts, trains, and fetches the new version and the metrics. With `publish_to` (an Engine) each
   step's new params are then published as the controller publishes them: moved onto the sampler's shardings and
-  placed there, timed apart (the weight transfer). A transfer right after a train step costs about twice one
-  repeated back to back on the same params (measured on CPU: ~11 vs ~5 ms), so it is timed where the run pays it.
+  placed there, timed apart (the weight transfer). A transfer right after a train step costs more than one
+  repeated back to back on the same params (docs/BENCHMARKS.md), so it is timed where the run pays it.
   """
   times, publish = [], []
   base = jax.random.key(0)

@@ -1,7 +1,7 @@
 """Device side of the paged KV cache: prefix pages into a slot's table, the live-token rebuild, spans to rows, and
 the compacted batch of live slots a generate call runs.
 
-The host (sampler/pages.py) owns which page holds what; these pure functions only move keys/values between a
+The host (sampler/page_allocator.py) owns which page holds what; these pure functions only move keys/values between a
 prefilled prompt, the page pool and the model. Letters as in models/decoder.py (P pages, Z positions per page,
 M pages per slot's table), R rows of one rebuild or generate call, W pages of a prefix.
 """
@@ -66,18 +66,6 @@ def spans_to_rows(spans, chunk: int, rows: int):
     slot_R, start_R, end_R = (np.asarray(col, np.int32) for col in zip(*block, strict=True))
     calls.append((slot_R, start_R, end_R))
   return calls
-
-
-def row_buckets(buckets, max_slots: int, kv: str) -> tuple[int, ...]:
-  """The batch sizes a paged generate call may run at (default 8, 16, 32, ... below max_slots), max_slots included."""
-  if buckets is None:
-    buckets = [2**i for i in range(3, max_slots.bit_length()) if 2**i < max_slots] if kv == "paged" else []
-  bad = [b for b in buckets if not isinstance(b, (int, np.integer)) or not 0 < b <= max_slots]
-  if bad:
-    raise ValueError(f"Engine: row_buckets must be ints in [1, max_slots={max_slots}] (got {bad})")
-  if kv == "dense" and any(b != max_slots for b in buckets):
-    raise ValueError("Engine: row_buckets are for kv='paged' (a dense call runs every slot)")
-  return tuple(sorted({*(int(b) for b in buckets), max_slots}))
 
 
 def take_live_rows(state, num_rows: int):

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxrl.sampler.pages import OutOfPages, PageAllocator, pages_for, shared_pages
+from jaxrl.sampler.page_allocator import OutOfPages, PageAllocator, pages_for, shared_pages
 
 SLOTS, PAGE, PER_SLOT = 4, 4, 6
 

@@ -1,4 +1,4 @@
-"""One sampler engine of the simulator: continuous batching over decode slots, jumping from event to event.
+"""The simulator's model of one sampler engine: continuous batching over decode slots, jumping from event to event.
 
 Between events an engine's live batch is fixed and every context grows by one token per step, so the time of n
 decode steps has the closed form n * t(B, C) + kv_s_per_token * B * n (n - 1) / 2.
@@ -13,8 +13,8 @@ import math
 from jaxrl.sim.costs import Costs, smoothmax
 
 
-class EngineSim:
-  """One sampler engine: live decode slots, a pending list, a clock and the version of its weights.
+class SamplerTimeline:
+  """One simulated sampler engine: live decode slots, a pending list, a clock and the version of its weights.
 
   Live samples sit in a heap keyed by the value of the engine's decode-step counter at which they finish, so
   an event costs O(log B); a live sample's context is prompt_len + (counter - its start counter).

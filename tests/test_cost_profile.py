@@ -1,4 +1,4 @@
-"""jaxrl.profile: the measurements a profiling run takes on an engine and a learner, and the jaxrl-profile CLI."""
+"""jaxrl.cost_profile: the measurements a profiling run takes on an engine and a learner; the jaxrl-profile CLI."""
 
 import os
 import subprocess
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl import profile
+from jaxrl import cost_profile as profile
 from jaxrl.models import Decoder, ModelConfig
-from jaxrl.sampler import Engine
+from jaxrl.sampler import make_engine
 from jaxrl.sharding import make_mesh
 from jaxrl.sim.calibrate import Calibration
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def engine_and_params():
   cfg = ModelConfig.tiny(vocab_size=64, num_layers=1, max_position_embeddings=64)
   params = nnx.split(Decoder(cfg, nnx.Rngs(0)))[1]
-  engine = Engine(cfg, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=4, max_len=64, steps_per_call=4)
+  engine = make_engine(cfg, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=4, max_len=64, steps_per_call=4)
   return engine, engine.place(params, 0)
 
 
@@ -91,7 +91,7 @@ def test_contention_compares_each_side_at_once_against_alone():
 def test_cli_writes_a_calibration_of_the_configs_own_shapes(tmp_path):
   out = tmp_path / "cal.json"
   env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO))
-  proc = subprocess.run([sys.executable, "-m", "jaxrl.profile", "--config=configs/bench_pipeline.py:test",
+  proc = subprocess.run([sys.executable, "-m", "jaxrl.cost_profile", "--config=configs/bench_pipeline.py:test",
                          f"--out={out}", "--decode_calls=3", "--train_reps=1", "--nocontention"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -111,7 +111,7 @@ def test_cli_writes_a_calibration_of_the_configs_own_shapes(tmp_path):
 
 def test_cli_rejects_a_bad_config(tmp_path):
   env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO))
-  proc = subprocess.run([sys.executable, "-m", "jaxrl.profile", "--config=configs/bench_pipeline.py:test",
+  proc = subprocess.run([sys.executable, "-m", "jaxrl.cost_profile", "--config=configs/bench_pipeline.py:test",
                          "--config.rl.group_size=0", f"--out={tmp_path / 'cal.json'}"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
