@@ -347,7 +347,8 @@ def test_a_replica_larger_than_the_learner_is_a_config_error(tmp_path):
   devices = [FakeDevice(0, 0), *_devices(4, 2)[2:]]  # learner: 1 device; sampler replicas: 2 devices each
   topology = Topology.split(6, devices, process_id=0)
   with pytest.raises(config_lib.ConfigError, match="a sampler replica of 2 devices needs as many learner devices"):
-    build(_tiny(**{"rl.groups_per_step": 3, "rl.num_minibatches": 1}), tmp_path, topology, store=None)  # 12 rows
+    build(_tiny(**{"rl.groups_per_step": 3, "rl.num_minibatches": 1, "mesh.sampler_devices": 6}), tmp_path, topology,
+          store=None)  # 12 rows
 
 
 @pytest.mark.parametrize("script", ["local.sh", "tpu_vm.sh", "slurm_gpu.sbatch"])

@@ -132,7 +132,7 @@ def test_two_learners_two_samplers_learn_and_die_together(tmp_path):
   led = summary["ledger"]
   assert led["samples_trained"] == target * 16  # the steps before the checkpoint and after, none twice
   assert led["samples_generated"] == led["samples_trained"] + sum(led["dropped"].values()) + \
-      summary["samples_in_flight"]
+      led["samples_discarded_at_resume"] + summary["samples_in_flight"]
   steps_logged = [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")]
   assert steps_logged == list(range(1, target + 1))  # the steps after the checkpoint, logged once
 

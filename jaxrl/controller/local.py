@@ -56,10 +56,7 @@ class Pipeline:
 
   def run(self, join_timeout_s: float = 60.0) -> None:
     coord = self.coord
-    if self.trace is not None:
-      self.trace({"event": "start", "mode": "sync" if self.spec.max_staleness == 0 else "pipeline",
-                  "version": self.version, "next_group_id": coord.record.next_group_id,
-                  "regenerate": list(coord.regenerate)})
+    self.learner_loop.log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
     threads = [threading.Thread(target=coord.guarded, args=("sampler", self.sampler_loop.run, self.poll_s),
                                 name="jaxrl-sampler", daemon=True),
                threading.Thread(target=coord.guarded, args=("learner", self.learner_loop.run), name="jaxrl-learner",
