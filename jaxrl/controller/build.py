@@ -160,8 +160,10 @@ def abstract_train_state(c, abstract_params, mesh):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
 
 
-def build_engine(c, model_cfg: ModelConfig, mesh) -> Engine:
-  return Engine(model_cfg, mesh, **config_lib.engine_kwargs(c))
+def build_engine(c, model_cfg: ModelConfig, mesh, **overrides) -> Engine:
+  """The sampler engine of a config (its sizes, KV layout, dtype and attention); `overrides`: Engine arguments a
+  CLI flag set (jaxrl-generate's --max_slots, --max_len, --steps_per_call)."""
+  return Engine(model_cfg, mesh, **{**config_lib.engine_kwargs(c), **overrides})
 
 
 def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:
