@@ -3,7 +3,9 @@
 
 Resume: the whole job SIGKILLed once its step-2 checkpoint is committed (groups admitted for the next steps are in
 flight), then the same command: every step trains the groups of an uninterrupted run of the same seed, no group is
-skipped or trained twice, and summary.json counts what the resume discarded and generated again."""
+skipped or trained twice, and summary.json counts what the resume discarded and generated again.
+Bad input: one line naming the key, exit status 2, before any process starts.
+Auto staleness: the admission bound the learner chooses reaches every sampler."""
 
 import json
 import os
@@ -11,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from faults_util import (
@@ -28,6 +31,7 @@ from faults_util import (
   wait_for,
 )
 
+from jaxrl.metrics import read_jsonl
 from jaxrl.train import train
 
 TOPOLOGIES = ("single", "mp1+1")
@@ -93,3 +97,39 @@ def test_a_job_killed_after_a_checkpoint_resumes_exactly(topology, uninterrupted
   assert start["regenerate"], "nothing was in flight at the checkpoint: the kill tested nothing"
   # What the resume generated again is reported; check_history balanced every count without a reset.
   assert summary["ledger"]["samples_regenerated"] == len(start["regenerate"]) * GROUP_SIZE
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_bad_input_is_one_line_naming_the_key_and_exit_2(topology, tmp_path):
+  (tmp_path / "a-file").write_text("")
+  cases = {"rl.nosuchkey=1": "unknown config key 'nosuchkey'", "sampler.top_p=abc": "sampler.top_p",
+           "rl.max_staleness=abc": "rl.max_staleness", "sampler.top_p=2": "sampler.top_p must be a number in (0, 1]"}
+  runs = [(command(topology, tmp_path / "w") + [f"--config.{flag}"], message) for flag, message in cases.items()]
+  runs.append((command(topology, tmp_path / "a-file" / "w"), "is not writable"))
+  prog = "jaxrl-train" if topology == "single" else "jaxrl.launch"
+  for args, message in runs:
+    t0 = time.monotonic()
+    out = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, (args[-1], out.stdout[-2000:], out.stderr[-2000:])
+    assert lines[0].startswith(f"{prog}: ") and message in lines[0], lines
+    assert elapsed < 15, f"{args[-1]}: {elapsed:.1f} s"  # before any process starts (jax's import at most)
+    TALLY["CLI bad inputs"] += 1
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_auto_staleness_moves_the_admission_bound_and_the_samplers_keep_it(topology, tmp_path):
+  """rl.max_staleness="auto" from k_min = 0: the learner moves k from the drift it measures; every sampler admits
+  under the bound it last heard of, so a step trains nothing staler than a bound chosen before it. (A sampler
+  process that ignored the bound, admitting under k_max, failed this test: k never left 0.)"""
+  workdir, log = tmp_path / "run", tmp_path / "job.log"
+  auto = {"rl__max_staleness": "auto", "rl__auto_staleness__k_max": 2, "rl__auto_staleness__window": 2}
+  assert start_job(command(topology, workdir, **auto), log).wait(timeout=300) == 0, log.read_text()[-3000:]
+  records = read_jsonl(workdir / "metrics.jsonl")
+  ks = [r["admit_staleness"] for r in records]
+  assert len(records) == NUM_STEPS and all(0 <= k <= 2 for k in ks) and max(ks) >= 1, ks  # it moved up from 0
+  for i, r in enumerate(records):
+    assert r["staleness_max"] <= max([0, *ks[:i]]), (i, ks, [r["staleness_max"] for r in records])
