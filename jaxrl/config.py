@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.settings import SETTINGS, is_int, is_real
+from jaxrl.settings import SETTINGS, help_text, is_int, is_real
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
 # that says so (rather than "no such field").
@@ -68,11 +68,14 @@ def override(c: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDic
 def parse_cli(prog: str, argv=None, flag_values=None) -> None:
   """Parses a CLI's absl flags, ml_collections config overrides (--config.<key>=...) included. A bad flag (unknown
   config key, wrong type, missing value) or a stray argument ends the process with one line `prog: ...` and exit
-  status 2, before any work."""
+  status 2, before any work. --config_help prints every setting with its default, values and meaning."""
   from absl import flags
 
   flag_values = flags.FLAGS if flag_values is None else flag_values
   argv = list(sys.argv if argv is None else argv)
+  if "--config_help" in argv:  # every setting from its one declaration (jaxrl.settings), then nothing else
+    print(help_text())
+    sys.exit(0)
   saved, sys.argv = sys.argv, argv  # ml_collections reads the --config.* overrides from sys.argv
   try:
     rest = flag_values(argv)

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--cpu_affinity", default="",
                       help='pin processes to cores: "split" (equal shares in process order) or "0-3;4-7" (per process)')
   opts = parser.parse_args(argv[:split])
-  if cli.has_config(argv[split + 1 :]):  # a bad config: one line and exit status 2, before any process starts
+  if cli.has_config(argv[split + 1 :]) or "--config_help" in argv:  # a bad config: one line, exit 2, no process
     cli.preflight("jaxrl.launch", argv[split + 1 :], [opts.devices_per_process] * opts.num_processes)
   try:  # bad options raise before any process starts
     return launch(opts.num_processes, argv[split + 1 :], devices_per_process=opts.devices_per_process,
