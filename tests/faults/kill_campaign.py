@@ -108,6 +108,7 @@ def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Pat
   the n-th time (or lets it finish if it never is). The outcome."""
   shutil.rmtree(probe_dir, ignore_errors=True)
   probe_dir.mkdir(parents=True)
+  logged = log.stat().st_size if log.exists() else 0
   with open(log, "ab") as f:
     proc = subprocess.Popen(topo.command(workdir, overrides), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
   start = time.monotonic()
@@ -131,6 +132,11 @@ def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Pat
     out["code"] = proc.wait()
     out["hung"] = True
   out["committed_after"] = (_committed(workdir) or [None])[-1]
+  with open(log, "rb") as f:
+    f.seek(logged)
+    # The launcher's ports were free when it picked them, then taken (by another job, or a socket the kill left):
+    # the job could not start; the campaign starts it again.
+    out["port_taken"] = out["code"] != 0 and not out.get("killed") and b"Address already in use" in f.read()
   return out
 
 
@@ -179,7 +185,7 @@ def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int 
   reference = {"steps": groups_per_step(read_trace(base / "reference" / "trace.jsonl")),
                "arrays": json.loads((base / "reference" / "checkpoints" / str(STEPS) / MARKER).read_text())["arrays"]}
   tally = {"topology": topo.name, "kills": 0, "resumes": 0, "runs": 0, "attempts": [], "runs_checked": [],
-           "phases": {}, "unaccounted": 0, "failures": []}
+           "phases": {}, "unaccounted": 0, "failures": [], "ports_taken": 0}
   t0 = time.monotonic()
   while tally["kills"] < kills:
     workdir = base / f"run{tally['runs']}"
@@ -194,6 +200,9 @@ def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int 
         tally["kills"] += 1
         tally["phases"][a["phase"]] = tally["phases"].get(a["phase"], 0) + 1
         in_run += 1
+        continue
+      if a["port_taken"]:
+        tally["ports_taken"] += 1
         continue
       if a["code"] != 0:
         tally["failures"].append({"run": tally["runs"], **a})
