@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from faults_util import (
@@ -108,13 +107,11 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(topology, tmp_path):
   runs.append((command(topology, tmp_path / "a-file" / "w"), "is not writable"))
   prog = "jaxrl-train" if topology == "single" else "jaxrl.launch"
   for args, message in runs:
-    t0 = time.monotonic()
     out = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - t0
+    # One line in all: the launcher started no process (it prints "jaxrl.launch: process <i> pid <pid>" for each).
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1, (args[-1], out.stdout[-2000:], out.stderr[-2000:])
     assert lines[0].startswith(f"{prog}: ") and message in lines[0], lines
-    assert elapsed < 15, f"{args[-1]}: {elapsed:.1f} s"  # before any process starts (jax's import at most)
     TALLY["CLI bad inputs"] += 1
   assert not (tmp_path / "w" / "checkpoints").exists()
 
