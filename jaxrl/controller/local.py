@@ -18,7 +18,7 @@ class Pipeline:
   def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,
                record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
                resumed_from: int | None = None, poll_s: float = 0.05):
-    self.spec, self.poll_s, self.trace = spec, poll_s, trace
+    self.spec, self.poll_s = spec, poll_s
     self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                                   resumed_from)
     self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
