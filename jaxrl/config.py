@@ -11,11 +11,12 @@ import dataclasses
 import inspect
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import ml_collections
 
-from jaxrl.settings import SETTINGS, is_int, is_real
+from jaxrl.settings import SETTINGS, help_text, is_int, is_real
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
 # that says so (rather than "no such field").
@@ -67,26 +68,29 @@ def override(c: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDic
 def parse_cli(prog: str, argv=None, flag_values=None) -> None:
   """Parses a CLI's absl flags, ml_collections config overrides (--config.<key>=...) included. A bad flag (unknown
   config key, wrong type, missing value) or a stray argument ends the process with one line `prog: ...` and exit
-  status 2, before any work."""
+  status 2, before any work. --config_help prints every setting with its default, values and meaning."""
   from absl import flags
 
   flag_values = flags.FLAGS if flag_values is None else flag_values
   argv = list(sys.argv if argv is None else argv)
+  if "--config_help" in argv:  # every setting from its one declaration (jaxrl.settings), then nothing else
+    print(help_text())
+    sys.exit(0)
   saved, sys.argv = sys.argv, argv  # ml_collections reads the --config.* overrides from sys.argv
   try:
     rest = flag_values(argv)
   except (AttributeError, KeyError) as e:  # ml_collections: a --config.<key> the config does not have
     removed = [f"--config.{k} was removed: {why}" for k, why in REMOVED.items() if f"--config.{k}" in " ".join(argv)]
-    _cli_error(prog, removed[0] if removed else f"unknown config key {str(e).strip(chr(34))}")
+    cli_error(prog, removed[0] if removed else f"unknown config key {str(e).strip(chr(34))}")
   except (flags.Error, TypeError, ValueError) as e:
-    _cli_error(prog, f"bad flag: {e}")
+    cli_error(prog, f"bad flag: {e}")
   finally:
     sys.argv = saved
   if len(rest) > 1:
-    _cli_error(prog, f"unexpected arguments: {rest[1:]}")
+    cli_error(prog, f"unexpected arguments: {rest[1:]}")
 
 
-def _cli_error(prog: str, message: str):
+def cli_error(prog: str, message: str):
   print(f"{prog}: {message}", file=sys.stderr)
   sys.exit(2)
 
@@ -136,6 +140,39 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
        f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
   if workdir is not None:
     _check_writable(Path(workdir))
+
+
+def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int]) -> None:
+  """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
+  order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices
+  counts whole processes from the end; mesh.sampler_axes and sampler.max_slots are per replica)."""
+
+  def need(cond, msg):
+    if not cond:
+      raise ConfigError(f"config: {msg}")
+
+  total = sum(devices_per_process)
+  n, s = c.mesh.num_devices, c.mesh.sampler_devices
+  need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "
+                         "to -1")
+  sampler = s if is_int(s) else max(1, round(s * total))
+  replicas = []
+  while sum(replicas) < sampler and len(replicas) < len(devices_per_process):
+    replicas.append(devices_per_process[-1 - len(replicas)])
+  need(sum(replicas) == sampler and len(replicas) < len(devices_per_process),
+       f"mesh.sampler_devices={s} must be the devices of whole processes counted from the end, leaving a learner "
+       f"process (devices per process: {list(devices_per_process)})")
+  from jaxrl.sharding import resolve_axis_sizes
+
+  for size in sorted(set(replicas)):
+    try:
+      resolve_axis_sizes(c.mesh.sampler_axes.to_dict(), size)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"config: mesh.sampler_axes on a sampler replica of {size} device(s) (one process): "
+                        f"{e}") from None
+  need(c.rl.groups_per_step % len(replicas) == 0,
+       f"rl.groups_per_step={c.rl.groups_per_step} does not split evenly over the {len(replicas)} sampler replicas "
+       "(each admits its share of every step)")
 
 
 def auto_staleness(c):

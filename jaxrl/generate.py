@@ -6,7 +6,8 @@ r"""Offline generation with the sampler engine: prompts in, completions (with be
       --n=4 --max_tokens=128 --temperature=0.7
   jaxrl-generate --tiny --prompt_ids=1,2,3 --greedy --max_tokens=16   # random tiny model, no tokenizer
 
-The model is a run config's (--config: its model, sampler sizes and sampling settings; with --workdir the newest
+The model is a run config's (--config: its model, sampler engine (sizes, KV layout, dtype, attention: the engine a
+run builds) and sampling settings; with --workdir the newest
 checkpoint of that run, i.e. the trained policy), a Hugging Face folder (--model_dir) or a random tiny model
 (--tiny). Flags given explicitly override the config. Prompts come from --prompt (text; the chat template applies
 unless --nochat), --prompt_ids (comma-separated token ids) or --prompts_file (JSON lines with a "prompt" or
@@ -233,7 +234,12 @@ def main(argv):
   if len(devices) % _TENSOR.value:
     raise app.UsageError(f"--tensor={_TENSOR.value} does not divide the {len(devices)} devices")
   mesh = make_mesh({"data": len(devices) // _TENSOR.value, "tensor": _TENSOR.value}, devices)
-  engine = make_engine(cfg, mesh, **sizes)
+  if c is None:
+    engine = make_engine(cfg, mesh, **sizes)
+  else:  # the run's own engine: its KV layout (sampler.kv, pages), dtype and attention, sizes as flagged
+    from jaxrl.controller.build import build_engine
+
+    engine = build_engine(c, cfg, mesh, **sizes)
   if c is not None and prompts is None:
     _evaluate(c, policy, engine)
     return

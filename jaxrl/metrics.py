@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,24 @@ def sampler_metrics(samplers: list[dict[str, float]]) -> dict[str, float]:
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+class TraceWriter:
+  """Appends one JSON line per controller event to workdir/trace.jsonl (one write per line: a kill loses at most
+  the line being written, and a resumed run first ends such a torn line so that its own lines stay whole)."""
+
+  def __init__(self, path: Path):
+    self._f = open(path, "a+", buffering=1)
+    if self._f.tell():
+      self._f.seek(self._f.tell() - 1)
+      if self._f.read(1) != "\n":
+        self._f.write("\n")
+    self._lock = threading.Lock()
+
+  def __call__(self, record: dict) -> None:
+    line = json.dumps(record) + "\n"
+    with self._lock:
+      self._f.write(line)
+
+  def close(self) -> None:
+    self._f.close()

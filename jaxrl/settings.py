@@ -42,6 +42,11 @@ class Setting:
   choices: tuple = ()
   any_type: bool = False  # the config holds values of several types here (an int or "auto"): checked by validate
 
+  def allowed(self) -> str:
+    """The values it takes, in words."""
+    return {"int": f"an int >= {self.lo}", "real": f"a number {self.what}", "bool": "True or False",
+            "choice": f"one of {self.choices}"}.get(self.kind, "see config.validate")
+
   def error(self, v) -> str | None:
     """What is wrong with value v (the config error's text without its "config: " prefix), or None."""
     if self.kind == "int" and not (is_int(v) and v >= self.lo):
@@ -53,6 +58,11 @@ class Setting:
     if self.kind == "choice" and not (isinstance(v, str) and v in self.choices):
       return f"{self.name}={v!r}; allowed: {self.choices}"
     return None
+
+
+def help_text() -> str:
+  """Every setting, one line each: its --config flag at the default, the values it takes and what it means."""
+  return "\n".join(f"--config.{s.name}={s.default!r}  [{s.allowed()}]  {s.doc}" for s in SETTINGS)
 
 
 def Int(name, default, lo, doc):  # noqa: N802 - reads as a type in the table below

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.data import evaluate
 from jaxrl.controller.local import Pipeline
 from jaxrl.controller.queue import WeightPublisher
-from jaxrl.metrics import MetricsWriter
+from jaxrl.metrics import MetricsWriter, TraceWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.sampler import Engine
 
@@ -51,27 +50,6 @@ class Run:
   task: Any
   resumed_from: int | None
   trace: TraceWriter | None = None
-
-
-class TraceWriter:
-  """Appends one JSON line per controller event to workdir/trace.jsonl (one write per line: a kill loses at most
-  the line being written, and a resumed run first ends such a torn line so that its own lines stay whole)."""
-
-  def __init__(self, path: Path):
-    self._f = open(path, "a+", buffering=1)
-    if self._f.tell():
-      self._f.seek(self._f.tell() - 1)
-      if self._f.read(1) != "\n":
-        self._f.write("\n")
-    self._lock = threading.Lock()
-
-  def __call__(self, record: dict) -> None:
-    line = json.dumps(record) + "\n"
-    with self._lock:
-      self._f.write(line)
-
-  def close(self) -> None:
-    self._f.close()
 
 
 def build(c, workdir: str | Path) -> Run:

@@ -64,13 +64,14 @@ def test_local_coordinator_regenerates_pending_groups_first_and_checkpoints_them
   record = RunRecord(next_group_id=10, pending_group_ids=[7, 8])
   record.ledger.groups_admitted = 12
   coord = LocalCoordinator(record, num_steps=5, group_size=4, max_failures_in_a_row=3)
-  assert record.ledger.samples_regenerated == 8 and record.ledger.groups_admitted == 10
+  # Counted once when first admitted: a regenerated group is not admitted a second time (nothing is reset).
+  assert record.ledger.samples_regenerated == 8 and record.ledger.groups_admitted == 12
   with coord.lock:
     first = coord.next_group(1)
-    coord.live.add(first)
-  assert first == 7 and coord.checkpoint_record()["pending_group_ids"] == [7, 8]  # 8 not admitted yet: still due
+    coord.live.add(first[0])
+  assert first == (7, True) and coord.checkpoint_record()["pending_group_ids"] == [7, 8]  # 8 not admitted: still due
   with coord.lock:
-    assert [coord.next_group(1), coord.next_group(1), coord.next_group(1)] == [8, 10, 11]
+    assert [coord.next_group(1), coord.next_group(1), coord.next_group(1)] == [(8, True), (10, False), (11, False)]
   assert coord.checkpoint_record()["next_group_id"] == 12
   assert coord.go_on(4) and not coord.go_on(5)
   coord.request_stop("test")

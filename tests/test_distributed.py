@@ -24,7 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
+from jaxrl.controller.spec import RunRecord
 from jaxrl.distributed import launch, packets
+from jaxrl.distributed.channels import StoreCoordinator
 from jaxrl.distributed.runtime import Topology
 from jaxrl.distributed.train import build
 from jaxrl.distributed.transfer import WeightRoute, load_shards, save_local_shards, source_devices
@@ -347,7 +349,8 @@ def test_a_replica_larger_than_the_learner_is_a_config_error(tmp_path):
   devices = [FakeDevice(0, 0), *_devices(4, 2)[2:]]  # learner: 1 device; sampler replicas: 2 devices each
   topology = Topology.split(6, devices, process_id=0)
   with pytest.raises(config_lib.ConfigError, match="a sampler replica of 2 devices needs as many learner devices"):
-    build(_tiny(**{"rl.groups_per_step": 3, "rl.num_minibatches": 1}), tmp_path, topology, store=None)  # 12 rows
+    build(_tiny(**{"rl.groups_per_step": 3, "rl.num_minibatches": 1, "mesh.sampler_devices": 6}), tmp_path, topology,
+          store=None)  # 12 rows
 
 
 @pytest.mark.parametrize("script", ["local.sh", "tpu_vm.sh", "slurm_gpu.sbatch"])
@@ -401,3 +404,57 @@ def test_launcher_pins_each_process_to_its_cores(tmp_path, monkeypatch, capsys):
   assert f"cores {cores[:half]}" in out and f"cores {cores[half:2 * half]}" in out
   assert launch.main(["--num_processes=2", "--module=where", "--cpu_affinity=0;0", "--"]) == 2
   assert "processes 0 and 1 share cores [0]" in capsys.readouterr().err
+
+
+class DictStore:
+  """The coordination store's interface over a dict (one process stands in for the whole job)."""
+
+  def __init__(self):
+    self.values: dict = {}
+
+  def set(self, key, value):
+    self.values[key] = value
+
+  def try_get(self, key, default=None):
+    return self.values.get(key, default)
+
+  def get(self, key, timeout_s):
+    if key not in self.values:
+      time.sleep(timeout_s)
+      raise TimeoutError(key)
+    return self.values[key]
+
+
+def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_position_no_sampler_reached():
+  """Resumed at data position 9 with groups 5 and 7 pending, on 1 learner + 2 sampler processes: sampler 1
+  regenerates 5 and 7 and admits 9 first; then each sampler posts what it admitted. The lead's record: pending =
+  admitted and neither trained nor skipped; unadmitted = positions below the new data position no sampler reached;
+  the ledger adds the samplers' counts of the same posts."""
+  devices = _devices(3, 1)
+  learner = Topology.split(2, devices, process_id=0)
+  record = RunRecord(next_group_id=9, pending_group_ids=[5, 7])
+  record.ledger.groups_admitted = 8
+  store = DictStore()
+  lead = StoreCoordinator(store, learner, record, num_steps=10, group_size=4, max_failures_in_a_row=9)
+  lead.learner_started(version=2, fresh=False)
+  assert store.values["resume"] == {"version": 2, "fresh": False, "base": 10, "admit_k": None,
+                                    "regenerate": [[], [5, 7]], "unadmitted": [[], [9]]}
+  assert record.ledger.samples_regenerated == 8  # 2 groups of 4
+
+  sampler1 = StoreCoordinator(store, Topology.split(2, devices, process_id=2), RunRecord(), num_steps=10,
+                              group_size=4, max_failures_in_a_row=9, poll_s=0.01)
+  sampler1.sampler_started()
+  sampler1.stop.set()  # its thread that follows the asks
+  assert [sampler1.next_group(2) for _ in range(5)] == [(5, True), (7, True), (9, False), (11, False), (13, False)]
+
+  counts = {"groups_admitted": 2, "samples_generated": 8, "tokens_generated": 40, "skipped_prompts": 1}
+  store.set("sampler/0", {"costs": {}, "admitted": {"next": 14, "left": [], "skipped": [12], "ledger": counts}})
+  store.set("sampler/1", {"costs": {}, "admitted": {"next": 11, "left": [7, 9], "skipped": [], "ledger": {
+      "groups_admitted": 0, "samples_generated": 4, "tokens_generated": 20, "skipped_prompts": 0}}})
+  with lead.lock:
+    lead.settle(10)  # trained
+    lead.settle(5)
+  saved = lead.checkpoint_record()
+  # Admitted: 10 and 12 (sampler 0), 5 (regenerated; 7 is still due); 12 was skipped; 11 and 9 nobody reached.
+  assert (saved["next_group_id"], saved["pending_group_ids"], saved["unadmitted_group_ids"]) == (13, [7], [9, 11])
+  assert (saved["ledger"]["groups_admitted"], saved["ledger"]["samples_generated"]) == (10, 12)

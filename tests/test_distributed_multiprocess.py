@@ -28,8 +28,9 @@ from jaxrl.integrity import MARKER
 from jaxrl.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "configs"))
+sys.path[:0] = [str(REPO / "configs"), str(REPO / "tests" / "faults")]
 import tiny  # noqa: E402
+from faults_util import check_history, read_trace  # noqa: E402
 
 HEARTBEAT_S = 5
 
@@ -37,7 +38,8 @@ HEARTBEAT_S = 5
 def _launch(num_processes: int, args: list[str], log: Path) -> subprocess.Popen:
   cmd = [sys.executable, "-m", "jaxrl.distributed.launch", f"--num_processes={num_processes}",
          "--devices_per_process=1", "--grace_s=60", "--timeout_s=600", "--", *args, "--config.log.tensorboard=False",
-         "--config.log.progress=False", f"--heartbeat_timeout_s={HEARTBEAT_S}", "--dump_weights"]
+         "--config.log.progress=False", "--config.log.trace=True", f"--heartbeat_timeout_s={HEARTBEAT_S}",
+         "--dump_weights"]
   # The matmul precision the test suite uses (conftest), here and in the single-host reference.
   env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -129,10 +131,11 @@ def test_two_learners_two_samplers_learn_and_die_together(tmp_path):
   for name in first:
     assert first[name].tobytes() == again[name].tobytes(), name
   _assert_weights_arrived_bitwise(workdir / "weights", range(resumed_at, target + 1), learners=(0, 1), samplers=(2,))
+  check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=4)  # no group lost or trained twice
   led = summary["ledger"]
   assert led["samples_trained"] == target * 16  # the steps before the checkpoint and after, none twice
   assert led["samples_generated"] == led["samples_trained"] + sum(led["dropped"].values()) + \
-      summary["samples_in_flight"]
+      led["samples_discarded_at_resume"] + summary["samples_in_flight"]
   steps_logged = [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")]
   assert steps_logged == list(range(1, target + 1))  # the steps after the checkpoint, logged once
 
@@ -236,7 +239,7 @@ def _resume_to(workdir: Path, log: Path, num_processes: int, sampler_devices: in
 def test_one_learner_process_checkpoints_with_one_and_two_samplers_and_resumes_after_sigkill(tmp_path):
   """1 learner + 1 sampler process (which used to crash at its first checkpoint: Orbax refuses a learner state that
   one process holds whole), SIGKILLed; resumed as 1 learner + 2 samplers, SIGKILLed again; resumed as 1 + 1 to
-  the end. Every resume starts from the last checkpoint and no sample is trained twice."""
+  the end. Every resume starts from the last checkpoint, no sample is trained twice and no group is lost."""
   workdir = tmp_path / "run"
   # (processes, sampler devices = sampler processes, steps logged before the kill: past a checkpoint of this run)
   topologies = [(2, 1, 5), (3, 2, 9)]
@@ -261,6 +264,8 @@ def test_one_learner_process_checkpoints_with_one_and_two_samplers_and_resumes_a
   assert led["samples_trained"] == target * 16 and led["dropped"] == {}
   assert summary["staleness_max"] <= 1
   assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, target + 1))  # each once
+  # Across the kills and the changes of split (1, 2, then 1 sampler process): no group lost or trained twice.
+  check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=4)
 
 
 EPISODE_FLAGS = ["--config.task.name=token_turns", "--config.sampler.max_len=64", "--config.rl.seq_len=64",

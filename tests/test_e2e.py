@@ -161,6 +161,25 @@ def test_generate_usage_errors_with_a_config(argv, match):
     _cli(generate.main, argv)
 
 
+def test_generate_with_a_config_uses_the_runs_sampler_engine(monkeypatch, tmp_path):
+  """sampler.kv (its pages) and sampler.dtype reach jaxrl-generate's engine, built as a run builds its own."""
+  import jax.numpy as jnp
+
+  from jaxrl import generate
+  from jaxrl.controller import build
+
+  built, real = [], build.build_engine
+  monkeypatch.setattr(build, "build_engine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+  out = tmp_path / "out.jsonl"
+  _cli(generate.main, [f"--config={REPO / 'configs' / 'tiny.py'}", "--config.sampler.kv=paged",
+                       "--config.sampler.page_size=8", "--config.sampler.dtype=bfloat16", "--prompt_ids=3,4,5",
+                       "--max_tokens=4", f"--output={out}"])
+  (engine,) = built
+  assert (engine.kv, engine.page_size, engine.dtype, engine.max_len) == ("paged", 8, jnp.bfloat16, 32)
+  (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(row["completion_tokens"]) == 4
+
+
 def _params(workdir):
   from jaxrl.checkpoint import Checkpointer
 

@@ -50,3 +50,17 @@ def test_validate_reports_the_schema_error(name, value, message):
   c = config_lib.override(config_lib.base(), **{name: value})
   with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
     config_lib.validate(c)
+
+
+def test_config_help_lists_every_setting_with_its_default_values_and_meaning(capsys):
+  from absl import flags
+
+  with pytest.raises(SystemExit) as exit_:
+    config_lib.parse_cli("jaxrl-train", ["jaxrl-train", "--config_help"], flags.FlagValues())
+  assert exit_.value.code == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == len(SETTINGS)
+  for line, s in zip(lines, SETTINGS, strict=True):
+    assert line == f"--config.{s.name}={s.default!r}  [{s.allowed()}]  {s.doc}"
+  assert "--config.rl.max_staleness=1  [" in "\n".join(lines)
+

@@ -161,8 +161,10 @@ def abstract_train_state(c, abstract_params, mesh):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
 
 
-def build_engine(c, model_cfg: ModelConfig, mesh) -> Engine:
-  return make_engine(model_cfg, mesh, **config_lib.engine_kwargs(c))
+def build_engine(c, model_cfg: ModelConfig, mesh, **overrides) -> Engine:
+  """The sampler engine of a config (its sizes, KV layout, dtype and attention); `overrides`: Engine arguments a
+  CLI flag set (jaxrl-generate's --max_slots, --max_len, --steps_per_call)."""
+  return make_engine(model_cfg, mesh, **{**config_lib.engine_kwargs(c), **overrides})
 
 
 def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:
@@ -234,13 +236,12 @@ def open_metrics(c, workdir: Path, resumed_from: int | None) -> MetricsWriter:
 def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, RunRecord]:
   """(state, run record) from the newest checkpoint, placed on `state_shardings`; (state, a new record) if none.
 
-  Samples finished but not trained at the checkpoint are forgotten: the ledger counts as generated only what was
-  trained or dropped, and the pending groups are generated again (single-host) or skipped (multi-process)."""
+  Samples finished but not trained at the checkpoint are discarded, and counted so (samples_discarded_at_resume):
+  their groups, pending in the record, are generated again in every topology."""
   if not checkpointer.all_steps():
     return state, RunRecord()
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
   state, saved = checkpointer.restore(abstract)
   record = RunRecord.from_json(saved)
-  record.ledger.samples_generated = record.ledger.samples_trained + record.ledger.samples_dropped
-  record.ledger.tokens_generated = record.ledger.tokens_trained + sum(record.ledger.dropped_tokens.values())
+  record.ledger.samples_discarded_at_resume += record.ledger.held_at_checkpoint()
   return state, record

@@ -87,6 +87,11 @@ class Coordination:
     self.stop_reason: str | None = None
     self.errors: list[tuple[str, BaseException, str]] = []
     self.admit_k: int | None = None  # rl.max_staleness="auto": the admission bound the learner last chose
+    # Sampler side: what it admits before new data positions: groups pending at the checkpoint resumed from
+    # (generated again, not counted as admitted twice), then positions no sampler had admitted yet.
+    self.regenerate: list[int] = []
+    self.unadmitted: list[int] = []
+    self.skipped_ids: list[int] = []  # prompts this sampler skipped (settled: never admitted again)
     self._wake = threading.Event()
 
   @property
@@ -131,6 +136,21 @@ class Coordination:
     """Groups a checkpoint taken now must generate again (call under the lock)."""
     return sorted(self.live)
 
+  def settle(self, group_id: int) -> None:
+    """The learner trained or dropped the group (call under the lock)."""
+    self.live.discard(group_id)
+
+  def next_group(self, stride: int) -> tuple[int, bool]:
+    """(the next data position to admit, whether it is a group generated again); a regenerated group first, then a
+    position no sampler had admitted, then this sampler's next new one (call under the lock)."""
+    if self.regenerate:
+      return self.regenerate.pop(0), True
+    if self.unadmitted:
+      return self.unadmitted.pop(0), False
+    gid = self.record.next_group_id
+    self.record.next_group_id += stride
+    return gid, False
+
   def sending(self, costs: dict) -> None:
     """The sampler is about to put finished groups on the rollout channel; `costs` are its cumulative costs so far
     (jaxrl-profile --from-run reads them from the learner's step records)."""
@@ -151,8 +171,8 @@ class LocalCoordinator(Coordination):
     super().__init__(record, max_failures_in_a_row, resumed_from)
     self.num_steps = num_steps
     self.regenerate = list(record.pending_group_ids)
+    self.unadmitted = list(record.unadmitted_group_ids)
     self.ledger.samples_regenerated += len(self.regenerate) * group_size
-    self.ledger.groups_admitted -= len(self.regenerate)  # counted when first admitted, and admitted again
     self._asked = self._skipped = 0
     self._costs: dict | None = None  # the sampler's last posted costs (post_sampler_costs)
 
@@ -180,13 +200,10 @@ class LocalCoordinator(Coordination):
   def updates_skipped(self) -> int:
     return self._skipped
 
-  def next_group(self, stride: int) -> int:
-    """The next data position to admit, a regenerated group first (call under the lock)."""
-    if self.regenerate:
-      return self.regenerate.pop(0)
-    gid = self.record.next_group_id
-    self.record.next_group_id += stride
-    return gid
-
   def pending(self) -> list[int]:
     return sorted(self.live | set(self.regenerate))
+
+  def checkpoint_record(self) -> dict:
+    with self.lock:
+      self.record.unadmitted_group_ids = list(self.unadmitted)
+    return super().checkpoint_record()

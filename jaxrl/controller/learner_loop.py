@@ -106,7 +106,7 @@ class LearnerLoop:
       self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
     with self.coord.lock:
       self.ledger.drop(group, reason)
-      self.coord.live.discard(group[0].group_id)
+      self.coord.settle(group[0].group_id)
       self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
       self.coord.progress.failed(reason)
     return False
@@ -134,7 +134,7 @@ class LearnerLoop:
     with self.coord.lock:
       self.state = state
       for g in groups:
-        self.coord.live.discard(g[0].group_id)
+        self.coord.settle(g[0].group_id)
         if not applied:
           self.ledger.drop(g, "update_skipped")
       if applied:
@@ -201,7 +201,7 @@ class LearnerLoop:
       return
     record = self.coord.checkpoint_record()
     self._log("checkpoint", version=self.version, next_group_id=record["next_group_id"],
-              pending=record["pending_group_ids"], ledger=record["ledger"])
+              pending=record["pending_group_ids"], unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
     self.checkpointer.save(self.version, self.state, record, force=force)
 
   def finish(self) -> None:
@@ -209,7 +209,13 @@ class LearnerLoop:
     self.save_checkpoint(force=True)
     record = self.coord.checkpoint_record()
     self._log("end", version=self.version, next_group_id=record["next_group_id"], pending=record["pending_group_ids"],
-              ledger=record["ledger"])
+              unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
+
+  def log_start(self, mode: str) -> None:
+    """The trace's first event of a run (or of each resume): where it starts and what it generates again."""
+    record = self.coord.record
+    self._log("start", mode=mode, version=self.version, next_group_id=record.next_group_id,
+              regenerate=sorted(record.pending_group_ids), unadmitted=sorted(record.unadmitted_group_ids))
 
   def drain(self) -> None:
     """Keeps, for the in-flight count, the groups left in the channel once the run stopped."""

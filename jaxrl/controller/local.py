@@ -18,7 +18,7 @@ class Pipeline:
   def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,
                record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
                resumed_from: int | None = None, poll_s: float = 0.05):
-    self.spec, self.poll_s, self.trace = spec, poll_s, trace
+    self.spec, self.poll_s = spec, poll_s
     self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                                   resumed_from)
     self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
@@ -56,10 +56,7 @@ class Pipeline:
 
   def run(self, join_timeout_s: float = 60.0) -> None:
     coord = self.coord
-    if self.trace is not None:
-      self.trace({"event": "start", "mode": "sync" if self.spec.max_staleness == 0 else "pipeline",
-                  "version": self.version, "next_group_id": coord.record.next_group_id,
-                  "regenerate": list(coord.regenerate)})
+    self.learner_loop.log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
     threads = [threading.Thread(target=coord.guarded, args=("sampler", self.sampler_loop.run, self.poll_s),
                                 name="jaxrl-sampler", daemon=True),
                threading.Thread(target=coord.guarded, args=("learner", self.learner_loop.run), name="jaxrl-learner",

@@ -134,7 +134,8 @@ def _completion_tokens(samples: list[Rollout]) -> int:
 
 @dataclasses.dataclass
 class Ledger:
-  """Counts every sample: generated = trained + dropped (by reason) + in flight. Checkpointed with the run.
+  """Counts every sample: generated = trained + dropped (by reason) + discarded at resume + in flight.
+  Checkpointed with the run; no count is ever reset.
 
   Completion tokens are counted alongside samples, per fate, so that a length bias (what is trained against what
   is generated) is measured rather than guessed: see `length_bias`.
@@ -145,6 +146,9 @@ class Ledger:
   tokens_generated: int = 0  # completion tokens of the generated samples
   samples_trained: int = 0
   samples_regenerated: int = 0  # in flight at a checkpoint, generated again after a resume
+  # Finished samples the checkpoint resumed from held neither trained nor dropped: a resume discards them (their
+  # groups are regenerated). generated = trained + dropped + discarded at resume + in flight, at any time.
+  samples_discarded_at_resume: int = 0
   dropped: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
   dropped_groups: int = 0
   reward_failures: int = 0
@@ -168,6 +172,10 @@ class Ledger:
   @property
   def samples_dropped(self) -> int:
     return sum(self.dropped.values())
+
+  def held_at_checkpoint(self) -> int:
+    """Finished samples neither trained, dropped nor already discarded: in flight when this ledger was saved."""
+    return self.samples_generated - self.samples_trained - self.samples_dropped - self.samples_discarded_at_resume
 
   def length_bias(self) -> dict[str, float]:
     """Mean completion length of the generated samples, of the trained ones and of the dropped ones per reason;

@@ -82,7 +82,7 @@ class SamplerLoop:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
     coord = self.coord
     with coord.lock:
-      gid = coord.next_group(self.num_samplers)
+      gid, again = coord.next_group(self.num_samplers)
       try:
         prompt, meta = self.prompts(gid)
         room = self.sampler.engine.max_len
@@ -90,6 +90,7 @@ class SamplerLoop:
           raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
       except SkipPrompt as e:
         self.ledger.skipped_prompts += 1
+        coord.skipped_ids.append(gid)
         print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
         if self.trace is not None:
           self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
@@ -100,7 +101,7 @@ class SamplerLoop:
                           max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
       self.assembler.expect(gid, self.spec.group_size)
       coord.live.add(gid)
-      self.ledger.groups_admitted += 1
+      self.ledger.groups_admitted += not again  # a regenerated group was counted when it was first admitted
       return True
 
   def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:

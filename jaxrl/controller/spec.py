@@ -24,14 +24,18 @@ class RunRecord:
   next_group_id: int = 0  # data position: the next prompt index to admit
   pending_group_ids: list[int] = dataclasses.field(default_factory=list)  # admitted, not yet trained or dropped
   ledger: Ledger = dataclasses.field(default_factory=Ledger)
+  # Data positions below next_group_id that no sampler had admitted yet (the sampler processes of a job admit
+  # interleaved positions at their own pace): a resume admits them first, as new groups.
+  unadmitted_group_ids: list[int] = dataclasses.field(default_factory=list)
 
   def to_json(self) -> dict:
     return {"next_group_id": self.next_group_id, "pending_group_ids": sorted(self.pending_group_ids),
-            "ledger": self.ledger.to_json()}
+            "unadmitted_group_ids": sorted(self.unadmitted_group_ids), "ledger": self.ledger.to_json()}
 
   @classmethod
   def from_json(cls, d: dict) -> RunRecord:
-    return cls(d["next_group_id"], list(d["pending_group_ids"]), Ledger.from_json(d["ledger"]))
+    return cls(d["next_group_id"], list(d["pending_group_ids"]), Ledger.from_json(d["ledger"]),
+               list(d.get("unadmitted_group_ids", [])))  # absent from checkpoints written before it existed
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ SAMPLER_COUNTS = ("groups_admitted", "samples_generated", "tokens_generated", "s
 
 def merge_ledgers(learner: dict, samplers: Sequence[dict]) -> dict:
   """The job's ledger from the learner's and the sampler processes' own (json): the learner's sampler counts are
-  the base a resume starts from (samples_generated = trained + dropped then), the samplers add theirs."""
+  those of the checkpoint resumed from (the samplers' counts then), the samplers add what they counted since."""
   ledger = dict(learner)
   for key in SAMPLER_COUNTS:
     ledger[key] = learner[key] + sum(s[key] for s in samplers)

@@ -31,6 +31,7 @@ import numpy as np
 from jaxrl.controller.channels import Coordination
 from jaxrl.controller.queue import Stopped
 from jaxrl.controller.spec import RunRecord
+from jaxrl.controller.summary import SAMPLER_COUNTS, merge_ledgers
 from jaxrl.distributed import packets
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, copy_packet, save_local_shards
 from jaxrl.rollout import Rollout
@@ -213,19 +214,25 @@ class ReceivedWeights:
 
 class StoreCoordinator(Coordination):
   """The coordinator of one process of a job: counters in the store, written by the lead learner (shares asked,
-  updates skipped, the decision to go on) or by each sampler (its data position)."""
+  updates skipped, the decision to go on) or by each sampler (what it has admitted, its counts and costs).
 
-  def __init__(self, store, topology, record: RunRecord, num_steps: int, max_failures_in_a_row: int,
-               resumed_from: int | None = None, poll_s: float = 0.05):
+  Resume is exact in every topology: the lead's checkpoint record holds every group some sampler admitted and the
+  learners have not settled (trained or dropped) as pending, and the positions below the record's data position
+  that no sampler admitted yet as unadmitted; a resumed job's samplers admit both first (sampler_started)."""
+
+  def __init__(self, store, topology, record: RunRecord, num_steps: int, group_size: int,
+               max_failures_in_a_row: int, resumed_from: int | None = None, poll_s: float = 0.05):
     super().__init__(record, max_failures_in_a_row, resumed_from)
     self.store, self.topology, self.num_steps, self.poll_s = store, topology, num_steps, poll_s
+    self.group_size = group_size
     self.is_lead = topology.process_id == topology.lead
     self.num_samplers = len(topology.sampler_processes)
     self._rounds = 0  # learner loop iterations: the same on every learner process (they run in lock step)
     self._asks_made = 0  # the lead's asks so far (a job's asks start at 1, a resumed job's too: a new store)
+    self.settled: set[int] = set()  # lead: groups trained or dropped since this job started
+    self._resume: dict | None = None  # lead: where the samplers started (learner_started)
     # Sampler side: the lead's asks as the watcher thread last saw them (no store call in the sampler loop).
     self._asked = self._skipped = self._skipped_total = 0
-    self._published_position: int | None = None
 
   # learner side
   def go_on(self, version: int) -> bool:
@@ -256,59 +263,98 @@ class StoreCoordinator(Coordination):
 
   def ask(self) -> None:
     """The lead asks every sampler for its next share: a key per ask (asked/1, asked/2, ... numbered by the lead, the
-    only asker) holding the updates skipped so far, on which each sampler's watcher thread blocks. The coordination
-    service runs in the lead's process: each store call costs the learner's core ~0.5-0.7 ms, so one call an ask."""
+    only asker) holding the updates skipped so far and the admission bound (rl.max_staleness="auto"), on which each
+    sampler's watcher thread blocks. The coordination service runs in the lead's process: each store call costs the
+    learner's core ~0.5-0.7 ms, so one call an ask."""
     if self.is_lead:
       self._asks_made += 1
-      self.store.set(f"asked/{self._asks_made}", self._skipped_total)
+      self.store.set(f"asked/{self._asks_made}", {"skipped": self._skipped_total, "admit_k": self.admit_k})
 
   def update_skipped(self) -> None:
     if self.is_lead:
       self._skipped_total = self.store.incr("updates_skipped")
 
+  def settle(self, group_id: int) -> None:
+    super().settle(group_id)
+    self.settled.add(group_id)
+
   def learner_started(self, version: int, fresh: bool) -> None:
-    """Where the samplers start: past every group admitted before the checkpoint resumed from."""
-    if self.is_lead:
-      self.store.set("resume", {"next_group_id": self.record.next_group_id, "version": version, "fresh": fresh})
+    """Where the samplers start: each first generates again its part of the groups pending at the checkpoint
+    resumed from, then admits the positions no sampler had admitted, then new positions base + rank,
+    base + rank + samplers, ... (base: the record's data position rounded up to a multiple of the samplers)."""
+    if not self.is_lead:
+      return
+    num, record = self.num_samplers, self.record
+    base = -(-record.next_group_id // num) * num
+    unadmitted = sorted(record.unadmitted_group_ids) + list(range(record.next_group_id, base))
+    self.ledger.samples_regenerated += len(record.pending_group_ids) * self.group_size
+    self._resume = {"version": version, "fresh": fresh, "base": base, "admit_k": self.admit_k,
+                    "regenerate": [sorted(g for g in record.pending_group_ids if g % num == r) for r in range(num)],
+                    "unadmitted": [[g for g in unadmitted if g % num == r] for r in range(num)]}
+    self.store.set("resume", self._resume)
 
   def sampler_costs(self) -> list[dict]:
     """What every sampler posted last (a sampler that has posted nothing yet is left out)."""
-    posted = [self.store.try_get(f"sampler_costs/{r}") for r in range(self.num_samplers)]
-    return [d for d in posted if d is not None]
+    posted = [self.store.try_get(f"sampler/{r}") for r in range(self.num_samplers)]
+    return [d["costs"] for d in posted if d is not None]
 
   def checkpoint_record(self) -> dict:
-    """The record's data position is past every group any sampler has admitted (groups in flight are not generated
-    again after a resume: the samplers start there)."""
-    if self.is_lead:
-      positions = [self.store.try_get(f"next_group/{r}", 0) for r in range(self.num_samplers)]
-      with self.lock:
-        self.record.next_group_id = max(self.record.next_group_id, *positions)
-    return super().checkpoint_record()
+    """The lead's record (the one saved): admitted = the groups regenerated, the unadmitted positions some sampler
+    admitted and each sampler's new positions up to its last post; pending = admitted and not settled; unadmitted =
+    positions below the data position no sampler admitted. The ledger adds the samplers' counts of that same post
+    (every group the learners trained was sent after a post that counts it)."""
+    if not self.is_lead:
+      return super().checkpoint_record()  # only the lead's record is saved
+    num, resume = self.num_samplers, self._resume
+    posts = [(self.store.try_get(f"sampler/{r}") or {}).get("admitted") for r in range(num)]
+    with self.lock:
+      admitted, left, skipped, ends = set(), set(), set(), [resume["base"]]
+      for rank, post in enumerate(posts):
+        if post is None:  # admitted nothing yet
+          post = {"next": resume["base"] + rank, "left": resume["regenerate"][rank] + resume["unadmitted"][rank],
+                  "skipped": []}
+        admitted.update(range(resume["base"] + rank, post["next"], num))
+        left.update(post["left"])
+        skipped.update(post["skipped"])
+        ends.append(post["next"] - num + 1)  # past its last new position
+      regenerated = {g for part in resume["regenerate"] for g in part}
+      unadmitted = {g for part in resume["unadmitted"] for g in part}
+      admitted |= regenerated | (unadmitted - left)
+      self.record.next_group_id = max(ends)
+      gaps = (unadmitted & left) | (set(range(resume["base"], self.record.next_group_id)) - admitted)
+      done = self.settled | skipped
+      self.record.pending_group_ids = sorted(admitted - done)
+      self.record.unadmitted_group_ids = sorted(gaps - done)
+      out = self.record.to_json()
+    out["ledger"] = merge_ledgers(out["ledger"], [post["ledger"] for post in posts if post is not None])
+    return out
 
   # sampler side
-  def sampler_started(self, share: int) -> dict:
-    """Waits for the learners' resume point; this sampler's data positions are rank, rank + samplers, ... past it."""
+  def sampler_started(self) -> dict:
+    """Waits for the learners' resume point (learner_started): what this sampler admits first, and from where."""
     resume = self.store.get("resume", timeout_s=60.0)  # set before the first weights were published
-    num, rank = self.num_samplers, self.topology.sampler_rank
-    self.record.next_group_id = -(-resume["next_group_id"] // num) * num + rank
-    self.ledger.groups_admitted = resume["version"] * share  # as if it had admitted its share of each step
+    rank = self.topology.sampler_rank
+    self.record.next_group_id = resume["base"] + rank
+    self.regenerate, self.unadmitted = list(resume["regenerate"][rank]), list(resume["unadmitted"][rank])
+    self.admit_k = resume["admit_k"]
     threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks", daemon=True).start()
     return resume
 
   def _watch_asks(self) -> None:
     """Follows the lead's asks (asked/1, asked/2, ...) and wakes the sampler loop at each: its per-iteration
-    checks (shares asked, updates skipped) read these fields instead of two store round trips (~1 ms each on a
-    core the decode shares, 9% of the headline sampler's time)."""
+    checks (shares asked, updates skipped, the admission bound) read these fields instead of store round trips
+    (~1 ms each on a core the decode shares, 9% of the headline sampler's time)."""
     while not self.stop.is_set():
       try:
-        skipped = self.store.get(f"asked/{self._asked + 1}", timeout_s=20 * self.poll_s)
+        ask = self.store.get(f"asked/{self._asked + 1}", timeout_s=20 * self.poll_s)
       except TimeoutError:
         continue
       except Exception:
         if self.stop.is_set():  # the job is ending: the coordination service may already be gone
           return
         raise
-      self._skipped, self._asked = skipped, self._asked + 1  # skipped first: it goes with the ask it came with
+      # skipped and the bound first: they go with the ask they came with
+      self._skipped, self.admit_k, self._asked = ask["skipped"], ask["admit_k"], self._asked + 1
       self.wake()
 
   def shares_asked(self) -> int:
@@ -317,22 +363,13 @@ class StoreCoordinator(Coordination):
   def updates_skipped(self) -> int:
     return self._skipped
 
-  def post_sampler_costs(self, costs: dict) -> None:
-    self.store.set(f"sampler_costs/{self.topology.sampler_rank}", costs)
-
-  def next_group(self, stride: int) -> int:
-    gid = self.record.next_group_id
-    self.record.next_group_id += stride
-    return gid
-
   def sending(self, costs: dict) -> None:
-    """Before any group leaves this sampler: its data position (past every group it admitted, so a checkpoint's
-    position is past every group that can have been trained: checkpoint_record) and its costs. Once per send,
-    not once per admitted group and decode call (~1 ms a store call)."""
-    if self._published_position != self.record.next_group_id:
-      self._published_position = self.record.next_group_id
-      self.store.set(f"next_group/{self.topology.sampler_rank}", self._published_position)
-    self.post_sampler_costs(costs)
+    """Before any group leaves this sampler, one post (~1 ms a store call, so one a send): its costs, and what it
+    has admitted (its next new position, what it has yet to regenerate or admit, the prompts it skipped) with its
+    counts, one consistent snapshot (the sampler loop's thread admits, counts and sends): checkpoint_record."""
+    admitted = {"next": self.record.next_group_id, "left": self.regenerate + self.unadmitted,
+                "skipped": list(self.skipped_ids), "ledger": {k: getattr(self.ledger, k) for k in SAMPLER_COUNTS}}
+    self.store.set(f"sampler/{self.topology.sampler_rank}", {"costs": costs, "admitted": admitted})
 
 
 class Ferry:

@@ -7,6 +7,8 @@ JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; 
 [pN <seconds since launch>].
 When a process fails, the others get --grace_s to stop on their own (their watchdog does it within its heartbeat
 timeout), then are killed; the launcher exits with the first failure's status (128 + signal if it was killed).
+A job whose arguments name a --config is checked first, as each process would check it (jaxrl.distributed.cli): a
+bad flag or config ends the launcher with one line naming the key and exit status 2, before any process starts.
 A SIGTERM to the launcher is passed on to every process, as a cluster's preemption would signal each host: the job
 stops after the learners' current step with a checkpoint, and the launcher exits 143.
 
@@ -27,6 +29,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from jaxrl.distributed import cli
 
 
 def free_ports(n: int) -> list[int]:
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--cpu_affinity", default="",
                       help='pin processes to cores: "split" (equal shares in process order) or "0-3;4-7" (per process)')
   opts = parser.parse_args(argv[:split])
+  if cli.has_config(argv[split + 1 :]) or "--config_help" in argv:  # a bad config: one line, exit 2, no process
+    cli.preflight("jaxrl.launch", argv[split + 1 :], [opts.devices_per_process] * opts.num_processes)
   try:  # bad options raise before any process starts
     return launch(opts.num_processes, argv[split + 1 :], devices_per_process=opts.devices_per_process,
                   module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s, cpu_affinity=opts.cpu_affinity)

@@ -35,6 +35,7 @@ class LearnerProcess:
 
   def _learn(self) -> None:
     loop, coord = self.loop, self.coord
+    loop.log_start("sync" if loop.spec.max_staleness == 0 else "pipeline")
     coord.learner_started(loop.version, fresh=coord.progress.resumed_from is None)
     loop.weights.publish(loop.state.params, loop.version)
     coord.guarded("learner", loop.run)
@@ -49,6 +50,8 @@ class LearnerProcess:
   def close(self) -> None:
     if self.loop.metrics is not None:
       self.loop.metrics.close()
+    if self.loop.trace is not None:
+      self.loop.trace.close()
 
   def summary(self) -> dict[str, Any]:
     coord, loop = self.coord, self.loop
@@ -82,7 +85,7 @@ class SamplerProcess:
     except Stopped:
       return  # the transfer thread failed; run() raises its error
     self.loop = self.make_loop(first)
-    resume = coord.sampler_started(self.loop.share)
+    resume = coord.sampler_started()
     if self.evaluate is not None and resume["fresh"]:
       self.evals["eval_before"] = self.evaluate(first.params, first.version)
     coord.guarded("sampler", self.loop.run, self.poll_s)

@@ -7,6 +7,7 @@ stop reasons) goes through the store that `jax.distributed.initialize` already r
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -65,6 +66,11 @@ class Topology:
     for d in sampler:
       replicas.setdefault(d.process_index, []).append(d)
     return cls(process_id, tuple(learner), tuple(tuple(v) for _, v in sorted(replicas.items())))
+
+  def devices_per_process(self) -> list[int]:
+    """Each process's device count, in process order (what config.validate_job checks a config against)."""
+    devices = [*self.learner_devices, *(d for replica in self.sampler_devices for d in replica)]
+    return [n for _, n in sorted(collections.Counter(d.process_index for d in devices).items())]
 
   @property
   def learner_processes(self) -> tuple[int, ...]:

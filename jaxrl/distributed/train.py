@@ -8,8 +8,9 @@ processes); every later process is one sampler replica on its own devices, with 
 sampler.max_slots per replica. The lead learner (the first learner process) writes workdir/metrics.jsonl and
 workdir/summary.json. The learner processes checkpoint the train state together (each its own shards) into
 workdir/checkpoints, which all of them must see; the same command on a workdir with a checkpoint resumes from it
-(on the same or another split). Groups in flight at the checkpoint are not generated again: the samplers resume
-past every group admitted before it.
+(on the same or another split). Groups in flight at the checkpoint are generated again first, as single-host
+jaxrl-train does: every admitted group is trained once or dropped with its reason (summary.json counts the samples
+a resume discarded and regenerated).
 
 SIGTERM on any process (a preempted TPU VM, a Slurm time limit) stops the whole job after the learners' current
 step, with a checkpoint: every process exits with status 143 and the same command resumes. A second SIGTERM gets
@@ -40,7 +41,7 @@ from jaxrl.controller.data import evaluate_policy
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.controller.spec import RunRecord
-from jaxrl.distributed import runtime
+from jaxrl.distributed import cli, runtime
 from jaxrl.distributed.channels import (
   Ferry,
   Inbox,
@@ -54,6 +55,7 @@ from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
+from jaxrl.metrics import TraceWriter
 from jaxrl.models import hf
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
@@ -65,22 +67,11 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   workdir = Path(workdir)
   lead = topology.process_id == topology.lead
   config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
-  if c.mesh.num_devices not in (-1, len(jax.devices())):
-    raise config_lib.ConfigError(f"config: mesh.num_devices={c.mesh.num_devices}: a multi-process run uses every "
-                                 f"device of the job ({len(jax.devices())}); set it to -1")
+  config_lib.validate_job(c, topology.devices_per_process())
   model_cfg, tokenizer, path = build_lib.model_source(c)
   abstract = hf.abstract_params(model_cfg)[1]
-  replicas = []
-  for devices in topology.sampler_devices:
-    try:
-      replicas.append(sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices))
-    except ValueError as e:
-      raise config_lib.ConfigError(f"config: mesh.sampler_axes on a sampler replica of {len(devices)} device(s) "
-                                   f"(one process): {e}") from None
+  replicas = [sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices) for devices in topology.sampler_devices]
   num_samplers = len(replicas)
-  if c.rl.groups_per_step % num_samplers:
-    raise config_lib.ConfigError(f"config: rl.groups_per_step={c.rl.groups_per_step} does not split evenly over the "
-                                 f"{num_samplers} sampler replicas (each admits its share of every step)")
   try:
     routes = [WeightRoute(abstract, sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES),
                           source_devices(topology.learner_devices, mesh.size, rank))
@@ -88,8 +79,6 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   except ValueError as e:
     raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
   spec = build_lib.run_spec(c)
-  if spec.auto_staleness is not None:  # sampler processes would not hear of k's changes
-    raise config_lib.ConfigError("config: rl.max_staleness='auto' is single-host only (jaxrl-train)")
   log = TransferLog(store)
   ferry_args = (topology, store, log, routes, c.sampler.max_len)
 
@@ -97,7 +86,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
     task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)
     rank = topology.sampler_rank
     engine = build_lib.build_engine(c, model_cfg, replicas[rank])
-    coord = StoreCoordinator(store, topology, RunRecord(), spec.num_steps, spec.max_failures_in_a_row, poll_s=poll_s)
+    coord = StoreCoordinator(store, topology, RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
+                             poll_s=poll_s)
     outbox = Outbox(store, log, rank, spec.queue_groups, c.sampler.max_len, topology.sampler_devices[rank][0],
                     coord.stop, poll_s)
     received = ReceivedWeights()
@@ -127,7 +117,6 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   checkpointer = build_lib.open_checkpointer(c, workdir, processes=topology.learner_processes, primary=topology.lead)
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
   resumed = checkpointer.restored_step  # the newest checkpoint that verifies
-  record.pending_group_ids = []  # not generated again: the samplers start past every group admitted before
   batch_sh = batch_shardings(learner.batch_sharding)
 
   publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir)
@@ -138,15 +127,15 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, key, lambda b: jax.device_put(b, batch_sh))
   publisher.compile(state.params)
   store.barrier("learners_compiled", topology.learner_processes)
-  metrics = None
-  if lead:
-    if c.log.trace:
-      print("jaxrl: log.trace is single-host only; a multi-process run writes no trace.jsonl", file=sys.stderr)
+  metrics = trace = None
+  if lead:  # the lead learner's loop sees every step, drop and checkpoint of the job
     metrics = build_lib.open_metrics(c, workdir, resumed)
-  coord = StoreCoordinator(store, topology, record, spec.num_steps, spec.max_failures_in_a_row, resumed, poll_s)
+    trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
+  coord = StoreCoordinator(store, topology, record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
+                           resumed, poll_s)
   inbox = Inbox(num_samplers, coord.stop, store if lead else None, poll_s)
   loop = LearnerLoop(spec, train_step=step, state=state, rollouts=inbox, weights=publisher, coord=coord,
-                     num_samplers=num_samplers, checkpointer=checkpointer, metrics=metrics)
+                     num_samplers=num_samplers, checkpointer=checkpointer, metrics=metrics, trace=trace)
   ferry = Ferry(*ferry_args, coord, inbox=inbox, publisher=publisher, dump_dir=dump_dir)
   return LearnerProcess(loop, coord, ferry, log)
 
@@ -196,60 +185,49 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
 
 
 def main(argv=None):
-  from absl import app, flags
-  from ml_collections import config_flags
+  from absl import flags
 
   flags_def = flags.FLAGS
-  config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py[:arg]", lock_config=True)
-  flags.DEFINE_string("workdir", None, "run folder (shared by all processes, or the lead's): metrics, summary")
-  flags.DEFINE_float("heartbeat_timeout_s", 10.0, "a process silent this long stops the job, on every process")
-  flags.DEFINE_bool("dump_weights", False, "save every version's params, as sent by the learner and as received "
-                    "by each sampler, to workdir/weights (for bitwise checks)")
-  flags.mark_flags_as_required(["config", "workdir"])
-
-  def _main(argv):
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    # JAX's own heartbeat abort is the backstop, well after the watchdog's.
-    runtime.initialize(heartbeat_timeout_s=int(3 * flags_def.heartbeat_timeout_s) + 10)
-    store = runtime.Store()
-    c = flags_def.config
-    me = jax.process_index()
-    try:
-      topology = runtime.Topology.split(c.mesh.sampler_devices, jax.devices(), me)
-    except ValueError as e:
-      print(f"jaxrl: process {me}: config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}", file=sys.stderr)
-      hard_exit(2)
-    watchdog = Watchdog(store, me, topology.name, jax.process_count(),
-                        timeout_s=flags_def.heartbeat_timeout_s).start()
-    workdir = Path(flags_def.workdir)
-    # The store is written from a thread, not from inside the signal handler.
-    stop = lambda name: threading.Thread(target=request_job_stop, args=(store, name), name="jaxrl-stop-request",
-                                         daemon=True).start()
-    message = f"jaxrl: process {me}: {{name}}: the job stops after the learners' current step, with a checkpoint"
-    try:
-      with summary_lib.stop_on_signals(stop, (signal.SIGTERM,), message):
-        summary = train(c, workdir, topology, store,
-                        dump_dir=workdir / "weights" if flags_def.dump_weights else None)
-    except BaseException as e:  # noqa: BLE001 - any failure stops the whole job, on every process
-      traceback.print_exc()
-      watchdog.wait_for_cause()  # returns only if no other process is dead or failed first
-      first_line = (str(e).splitlines() or [""])[0]
-      reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
-      watchdog.stop_job(reason)
-      print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
-      watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError)) else EXIT_FAILED)
-    watchdog.close()
-    jax.distributed.shutdown()
-    if me == topology.lead:
-      print(json.dumps(summary, indent=2, default=str))
-    stopped_by = summary.get("stopped_by")
-    if stopped_by:
-      print(f"jaxrl: process {me}: stopped by {stopped_by}; the learners saved a checkpoint; the same command "
-            "resumes the job", file=sys.stderr, flush=True)
-      sys.exit(summary_lib.exit_status(stopped_by))
-
-  app.run(_main, argv=argv)
+  cli.define_flags(flags_def)
+  config_lib.parse_cli("jaxrl.distributed.train", argv)  # bad flags end here with one line, before any work
+  # JAX's own heartbeat abort is the backstop, well after the watchdog's.
+  runtime.initialize(heartbeat_timeout_s=int(3 * flags_def.heartbeat_timeout_s) + 10)
+  store = runtime.Store()
+  c = flags_def.config
+  me = jax.process_index()
+  try:
+    topology = runtime.Topology.split(c.mesh.sampler_devices, jax.devices(), me)
+  except ValueError as e:
+    print(f"jaxrl: process {me}: config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}", file=sys.stderr)
+    hard_exit(2)
+  watchdog = Watchdog(store, me, topology.name, jax.process_count(),
+                      timeout_s=flags_def.heartbeat_timeout_s).start()
+  workdir = Path(flags_def.workdir)
+  # The store is written from a thread, not from inside the signal handler.
+  stop = lambda name: threading.Thread(target=request_job_stop, args=(store, name), name="jaxrl-stop-request",
+                                       daemon=True).start()
+  message = f"jaxrl: process {me}: {{name}}: the job stops after the learners' current step, with a checkpoint"
+  try:
+    with summary_lib.stop_on_signals(stop, (signal.SIGTERM,), message):
+      summary = train(c, workdir, topology, store,
+                      dump_dir=workdir / "weights" if flags_def.dump_weights else None)
+  except BaseException as e:  # noqa: BLE001 - any failure stops the whole job, on every process
+    traceback.print_exc()
+    watchdog.wait_for_cause()  # returns only if no other process is dead or failed first
+    first_line = (str(e).splitlines() or [""])[0]
+    reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
+    watchdog.stop_job(reason)
+    print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
+    watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError)) else EXIT_FAILED)
+  watchdog.close()
+  jax.distributed.shutdown()
+  if me == topology.lead:
+    print(json.dumps(summary, indent=2, default=str))
+  stopped_by = summary.get("stopped_by")
+  if stopped_by:
+    print(f"jaxrl: process {me}: stopped by {stopped_by}; the learners saved a checkpoint; the same command "
+          "resumes the job", file=sys.stderr, flush=True)
+    sys.exit(summary_lib.exit_status(stopped_by))
 
 
 if __name__ == "__main__":

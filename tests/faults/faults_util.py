@@ -171,6 +171,12 @@ def replay(events: list[dict]) -> tuple[list[dict], list[tuple[dict, dict]]]:
   return kept, rolled_back
 
 
+def groups_per_step(events: list[dict]) -> list[list[int]]:
+  """The groups each applied step of a run's history trained (sorted), in step order."""
+  kept, _ = replay(events)
+  return [sorted({s[0] for s in e["samples"]}) for e in kept if e["event"] == "train" and e["applied"]]
+
+
 def check_history(events: list[dict], summary: dict, group_size: int) -> dict[str, int]:
   """Asserts that a run's history (across kills) trained no sample twice and accounts for every group: trained,
   dropped with a reason, skipped, or pending (in flight) at the final checkpoint. Returns its counts."""
@@ -193,12 +199,14 @@ def check_history(events: list[dict], summary: dict, group_size: int) -> dict[st
   final = kept[-1]
   assert final["event"] == "end", "the last attempt did not end cleanly"
   pending = set(final["pending"])
-  outcomes = [set(trained_groups), set(dropped_groups), skipped, pending]
+  unadmitted = set(final["unadmitted"])  # positions no sampler reached yet (a job's samplers interleave)
+  outcomes = [set(trained_groups), set(dropped_groups), skipped, pending, unadmitted]
   assert sum(map(len, outcomes)) == len(set().union(*outcomes)), "a group has two outcomes"
   assert set().union(*outcomes) == set(range(final["next_group_id"])), "a group was lost"
   for e, start in rolled_back:  # a kill undid this step: its groups are generated and trained again
     for g in {s[0] for s in e["samples"]}:
-      assert g in start["regenerate"] or g >= start["next_group_id"], f"group {g} was trained, then forgotten"
+      assert g in start["regenerate"] or g in start["unadmitted"] or g >= start["next_group_id"], (
+          f"group {g} was trained, then forgotten")
   led = summary["ledger"]
   assert led["samples_trained"] == len(trained)
   assert {k: v for k, v in led["dropped"].items() if v} == dict(dropped)
@@ -206,6 +214,7 @@ def check_history(events: list[dict], summary: dict, group_size: int) -> dict[st
   regenerated = sum(len(e["regenerate"]) for e in kept if e["event"] == "start")
   assert led["samples_regenerated"] == regenerated * group_size
   assert led["groups_admitted"] == len(trained_groups) + len(dropped_groups) + len(pending)
-  assert led["samples_generated"] == led["samples_trained"] + sum(dropped.values()) + summary["samples_in_flight"]
+  assert led["samples_generated"] == (led["samples_trained"] + sum(dropped.values()) + summary["samples_in_flight"]
+                                     + led["samples_discarded_at_resume"])
   return {"attempts": sum(e["event"] == "start" for e in events), "trained": len(trained),
           "rolled_back_steps": len(rolled_back), "regenerated_groups": regenerated}

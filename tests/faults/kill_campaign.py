@@ -1,9 +1,10 @@
 """Kill campaign: SIGKILLs tiny runs at random points (inside sampling, training, weight publish, checkpoint save or
 held-out eval, as tests/faults/kill_probe.py reports them) in each topology asked for, resumes each run with the
 same command until it finishes, and checks that every run finished its steps and accounts for every rollout
-(generated = trained + counted drops + in flight at the end; single-host: no sample trained twice, every group
-trained, dropped, skipped or pending, from the trace). Sync runs must equal an uninterrupted run bit for bit (the
-final checkpoint's array checksums). Writes the tally as JSON and, with --docs, into docs/RELIABILITY.md.
+(generated = trained + counted drops + discarded at resume + in flight at the end; no sample trained twice, every
+group trained, dropped, skipped or pending, from the trace, in every topology) and that every step trained the
+groups of an uninterrupted run of the same seed and topology. Sync runs must equal an uninterrupted run bit for bit
+(the final checkpoint's array checksums). Writes the tally as JSON and, with --docs, into docs/RELIABILITY.md.
 
   JAX_NUM_CPU_DEVICES=8 python tests/faults/kill_campaign.py --topologies=sync,pipeline,mp2+2 --kills=20 --docs
 
@@ -30,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
-from faults_util import CHILD_ENV, check_history, read_trace  # noqa: E402
+from faults_util import CHILD_ENV, check_history, groups_per_step, read_trace  # noqa: E402
 
 from jaxrl.integrity import MARKER  # noqa: E402
 
@@ -76,7 +77,7 @@ class Topology:
               *flags, "--config.log.trace=True"]
     return [sys.executable, "-m", "jaxrl.distributed.launch", f"--num_processes={self.learners + self.samplers}",
             "--devices_per_process=1", "--module=kill_probe", "--grace_s=60", "--",
-            "--config=configs/tiny.py", f"--workdir={workdir}", *flags,
+            "--config=configs/tiny.py", f"--workdir={workdir}", *flags, "--config.log.trace=True",
             f"--config.mesh.sampler_devices={self.samplers}", "--heartbeat_timeout_s=5"]
 
   def _dropped(self) -> tuple[str, ...]:
@@ -107,6 +108,7 @@ def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Pat
   the n-th time (or lets it finish if it never is). The outcome."""
   shutil.rmtree(probe_dir, ignore_errors=True)
   probe_dir.mkdir(parents=True)
+  logged = log.stat().st_size if log.exists() else 0
   with open(log, "ab") as f:
     proc = subprocess.Popen(topo.command(workdir, overrides), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
   start = time.monotonic()
@@ -130,23 +132,31 @@ def _attempt(topo: Topology, workdir: Path, log: Path, env: dict, probe_dir: Pat
     out["code"] = proc.wait()
     out["hung"] = True
   out["committed_after"] = (_committed(workdir) or [None])[-1]
+  with open(log, "rb") as f:
+    f.seek(logged)
+    # The launcher's ports were free when it picked them, then taken (by another job, or a socket the kill left):
+    # the job could not start; the campaign starts it again.
+    out["port_taken"] = out["code"] != 0 and not out.get("killed") and b"Address already in use" in f.read()
   return out
 
 
-def _check_run(topo: Topology, workdir: Path, reference: dict | None) -> dict:
-  """Asserts a finished run's counts; returns them."""
+def _check_run(topo: Topology, workdir: Path, reference: dict) -> dict:
+  """Asserts a finished run's counts and history (every topology writes the trace); returns them, with whether
+  each step trained the groups of the uninterrupted run and (sync) its final arrays equal that run's."""
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["steps"] == STEPS, f"{workdir}: {summary['steps']} steps of {STEPS}"
   led = summary["ledger"]
   dropped = sum(led["dropped"].values())
-  unaccounted = led["samples_generated"] - led["samples_trained"] - dropped - summary["samples_in_flight"]
+  unaccounted = (led["samples_generated"] - led["samples_trained"] - dropped - led["samples_discarded_at_resume"]
+                 - summary["samples_in_flight"])
   counts = {"trained": led["samples_trained"], "dropped": dropped, "in_flight": summary["samples_in_flight"],
-            "unaccounted": unaccounted}
-  if not topo.multi:
-    counts.update(check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=4))
-  if reference is not None:
+            "discarded_at_resume": led["samples_discarded_at_resume"], "unaccounted": unaccounted}
+  events = read_trace(workdir / "trace.jsonl")
+  counts.update(check_history(events, summary, group_size=4))
+  counts["same_steps_as_uninterrupted"] = groups_per_step(events) == reference["steps"]
+  if topo.name == "sync":
     final = json.loads((workdir / "checkpoints" / str(STEPS) / MARKER).read_text())["arrays"]
-    counts["equals_uninterrupted"] = final == reference
+    counts["equals_uninterrupted"] = final == reference["arrays"]
   return counts
 
 
@@ -169,13 +179,13 @@ def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int 
   shutil.rmtree(base, ignore_errors=True)
   base.mkdir(parents=True)
   env = _env(base / "probe", cache or out / "xla_cache", topo.multi)
-  reference = None
-  if topo.name == "sync":  # the uninterrupted run the killed ones must equal
-    ref = _attempt(topo, base / "reference", base / "reference.log", env, base / "probe", None, {})
-    assert ref["code"] == 0, (base / "reference.log").read_text()[-3000:]
-    reference = json.loads((base / "reference" / "checkpoints" / str(STEPS) / MARKER).read_text())["arrays"]
+  # The uninterrupted run the killed ones must equal: the groups of every step (and in sync mode every array).
+  ref = _attempt(topo, base / "reference", base / "reference.log", env, base / "probe", None, {})
+  assert ref["code"] == 0, (base / "reference.log").read_text()[-3000:]
+  reference = {"steps": groups_per_step(read_trace(base / "reference" / "trace.jsonl")),
+               "arrays": json.loads((base / "reference" / "checkpoints" / str(STEPS) / MARKER).read_text())["arrays"]}
   tally = {"topology": topo.name, "kills": 0, "resumes": 0, "runs": 0, "attempts": [], "runs_checked": [],
-           "phases": {}, "unaccounted": 0, "failures": []}
+           "phases": {}, "unaccounted": 0, "failures": [], "ports_taken": 0}
   t0 = time.monotonic()
   while tally["kills"] < kills:
     workdir = base / f"run{tally['runs']}"
@@ -190,6 +200,9 @@ def campaign(topo: Topology, kills: int, out: Path, seed: int = 0, per_run: int 
         tally["kills"] += 1
         tally["phases"][a["phase"]] = tally["phases"].get(a["phase"], 0) + 1
         in_run += 1
+        continue
+      if a["port_taken"]:
+        tally["ports_taken"] += 1
         continue
       if a["code"] != 0:
         tally["failures"].append({"run": tally["runs"], **a})
@@ -214,17 +227,22 @@ def _finish(tally: dict, t0: float) -> dict:
   tally["seconds"] = round(time.monotonic() - t0)
   if any("equals_uninterrupted" in r for r in tally["runs_checked"]):
     tally["equal_to_uninterrupted"] = sum(r["equals_uninterrupted"] for r in tally["runs_checked"])
+  tally["same_steps_as_uninterrupted"] = sum(r["same_steps_as_uninterrupted"] for r in tally["runs_checked"])
   return tally
 
 
 def _docs_table(tallies: list[dict], load: str) -> str:
-  rows = ["| topology | kills (by phase) | resumes | runs finished | rollouts unaccounted | equal to uninterrupted "
-          "| failures | minutes |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  rows = ["| topology | kills (by phase) | resumes | runs finished | rollouts unaccounted | samples discarded at "
+          "resume (regenerated) | every step's groups as uninterrupted | arrays equal to uninterrupted | failures "
+          "| minutes |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for t in tallies:
     phases = ", ".join(f"{k} {v}" for k, v in sorted(t["phases"].items()))
     equal = f"{t['equal_to_uninterrupted']} of {t['runs']}" if "equal_to_uninterrupted" in t else "n/a (scheduling)"
+    discarded = sum(r["discarded_at_resume"] for r in t["runs_checked"])
+    regenerated = sum(r["regenerated_groups"] for r in t["runs_checked"])
     rows.append(f"| {t['topology']} | {t['kills']} ({phases}) | {t['resumes']} | {t['runs']} | {t['unaccounted']} | "
-                f"{equal} | {len(t['failures'])} | {t['seconds'] / 60:.1f} |")
+                f"{discarded} ({regenerated} groups) | {t['same_steps_as_uninterrupted']} of {t['runs']} | {equal} | "
+                f"{len(t['failures'])} | {t['seconds'] / 60:.1f} |")
   return "\n".join(rows) + f"\n\nLoad when measured (`uptime`): {load}\n"
 
 
@@ -262,7 +280,8 @@ def main(argv=None) -> int:
     Path(opts.json).write_text(json.dumps({"load": load, "tallies": tallies}, indent=1))
     if opts.docs:
       write_docs(tallies, load)
-  return 1 if any(t["failures"] or t["unaccounted"] for t in tallies) else 0
+  return 1 if any(t["failures"] or t["unaccounted"] or t["same_steps_as_uninterrupted"] < t["runs"]
+                  for t in tallies) else 0
 
 
 if __name__ == "__main__":
