@@ -221,9 +221,12 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, setup: StepSe
   per_row["adv"] = token_advantages(setup.loss, rewards_B, batch)
   valid_B = batch.sample_mask_B > 0
   rewards_ok = jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
-  update = functools.partial(one_update, setup, split_minibatches(setup, per_row, k), state.version, rewards_ok)
+  # The updates' mini-batches in the order they run, scanned over as inputs: a loop that indexes the mini-batches
+  # itself (closing over them) deadlocked XLA:CPU's collectives when the sampler ran beside it (tests/test_e2e.py).
   order = minibatch_order(rng, setup.num_minibatches, setup.num_epochs)
-  (after, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), order)
+  updates = jax.tree.map(lambda x: jnp.take(x, order, axis=0), split_minibatches(setup, per_row, k))
+  update = functools.partial(one_update, setup, state.version, rewards_ok)
+  (after, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), updates)
   v0 = state.version
   state, per_update, reasons = commit(setup, state, after, per_update)
   metrics = _summarise(per_update, batch, v0, valid_B, setup.staleness_bins)
@@ -322,11 +325,10 @@ def minibatch_order(rng: jax.Array, num_minibatches: int, num_epochs: int) -> ja
   return jax.vmap(lambda key: jax.random.permutation(key, num_minibatches))(keys).reshape(-1)
 
 
-def one_update(setup: StepSetup, minibatches: dict, v0: jax.Array, rewards_ok: jax.Array, carry, j: jax.Array):
-  """One optimizer update over mini-batch j (its micro-batches accumulated in order); skipped, and why, if its loss
+def one_update(setup: StepSetup, v0: jax.Array, rewards_ok: jax.Array, carry, mini: dict):
+  """One optimizer update over a mini-batch (its micro-batches accumulated in order); skipped, and why, if its loss
   or gradient is not finite, a reward is not, or it has no tokens."""
   state, n_applied = carry
-  mini = jax.tree.map(lambda x: x[j], minibatches)
   # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
   v_now = v0 + n_applied / setup.updates_per_step
   grads, loss, stats = _gradients(setup, state.params, mini, v0, v_now)
