@@ -15,6 +15,7 @@ import inspect
 from jaxrl.envs.arithmetic import ArithmeticTask
 from jaxrl.envs.calculator import CalculatorTask
 from jaxrl.envs.countdown import CountdownTask
+from jaxrl.envs.dataset import DatasetTask
 from jaxrl.envs.env import Env, EnvTask, Turn
 from jaxrl.envs.episodes import Episodes
 from jaxrl.envs.guess import GuessTask
@@ -27,8 +28,8 @@ from jaxrl.envs.target_token import TargetTokenTask
 from jaxrl.envs.task import EVAL, TRAIN, Example, Task
 from jaxrl.envs.token_turns import TokenTurnsTask
 
-TASKS = {t.name: t for t in (ArithmeticTask, CalculatorTask, CountdownTask, GuessTask, JsonlTask, ReasoningGymTask,
-                              TargetTokenTask, TokenTurnsTask)}
+TASKS = {t.name: t for t in (ArithmeticTask, CalculatorTask, CountdownTask, DatasetTask, GuessTask, JsonlTask,
+                              ReasoningGymTask, TargetTokenTask, TokenTurnsTask)}
 
 
 def make_task(name: str, seed: int = 0, **kwargs) -> Task:
@@ -46,8 +47,9 @@ def make_task(name: str, seed: int = 0, **kwargs) -> Task:
 
 
 __all__ = [
-    "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "CalculatorTask", "ChatTemplateError", "CountdownTask", "Env",
-    "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError", "JsonlTask", "Prompt", "PromptRenderer",
-    "ReasoningGymTask", "RewardResult", "RewardRunner", "RewardStats", "SkipExample", "TargetTokenTask", "Task", "TokenTurnsTask", "Turn",
+    "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "CalculatorTask", "ChatTemplateError", "CountdownTask", "DatasetTask",
+    "Env", "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError", "JsonlTask", "Prompt", "PromptRenderer",
+    "ReasoningGymTask", "RewardResult", "RewardRunner", "RewardStats", "SkipExample", "TargetTokenTask", "Task",
+    "TokenTurnsTask", "Turn",
     "get_reward", "load_jsonl", "make_task", "register_reward", "reward_names", "reward_spec",
 ]
