@@ -187,7 +187,12 @@ SETTINGS = (
     Int("eval.num_examples", 0, 0, "held-out examples scored greedily before and after training (0: none)"),
     Int("eval.max_new_tokens", 16, 1, "completion budget of each greedy eval answer"),
 
-    Bool("log.tensorboard", True, "TensorBoard event files in workdir/tb (metrics.jsonl is always written)"),
+    # Every step's scalars go to each backend under the same names: "jsonl" (workdir/metrics.jsonl, required),
+    # "tensorboard" (workdir/tb), "wandb", "mlflow" (optional extra `trackers`; see jaxrl/trackers.py)
+    Setting("log.backends", ("jsonl", "tensorboard"), "experiment trackers (jaxrl.trackers.BACKENDS), jsonl included"),
+    Setting("log.project", "jaxrl", "tracker project (wandb project, MLflow experiment)"),
+    Setting("log.run_name", "", "tracker run name (\"\": the workdir's name)"),
+    Bool("log.tensorboard", True, "False drops \"tensorboard\" from log.backends (the older switch, still honoured)"),
     Bool("log.progress", True, "one progress line per learner step on stderr"),
     Bool("log.trace", False, "workdir/trace.jsonl: which samples each step trained, drops, skips, checkpoints "
          "(debugging)"),
