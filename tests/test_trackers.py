@@ -75,13 +75,14 @@ def trackers(monkeypatch, tmp_path):
   return logged, mlflow
 
 
-def test_a_run_sends_every_metric_to_every_backend_under_the_same_names(tmp_path, trackers):
+def test_a_run_sends_every_metric_to_every_backend_under_the_same_names(tmp_path, trackers, capfd):
   wandb_logged, mlflow = trackers
   c = override(tiny.get_config("sync"), num_steps=2, **{
       "mesh.num_devices": 2, "mesh.sampler_devices": 1, "log.progress": False, "log.project": "jaxrl-tests",
       "log.run_name": "tiny-sync", "log.backends": ("jsonl", "tensorboard", "wandb", "mlflow")})
   summary = train(c, tmp_path)
   assert summary["steps"] == 2
+  assert "wandb" not in capfd.readouterr().err  # wandb's banner and run summary stay off the console
   jsonl = {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time")}
            for r in read_jsonl(tmp_path / "metrics.jsonl")}
   assert sorted(jsonl) == [1, 2] and len(jsonl[1]) > 20
