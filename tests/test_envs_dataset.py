@@ -10,13 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from flax import nnx
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tiny_hf import hf_folder
 
 from jaxrl.config import override
 from jaxrl.envs import EVAL, TRAIN, make_task
-from jaxrl.models import Decoder, ModelConfig, hf
 from jaxrl.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
@@ -113,25 +110,6 @@ def test_a_hub_name_fails_at_once_without_a_route_to_the_hub(monkeypatch):
   assert time.monotonic() - t0 < 5
 
 
-WORDS = ["<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "What", "is", "+", "*", "?", "Answer", ":",
-         *"0123456789"]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def _hf_folder(path: Path) -> Path:
-  """A tiny random model as a HF folder with a word-level tokenizer (other words are <unk>)."""
-  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.add_special_tokens(WORDS[:5])
-  tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
-  tokenizer.chat_template = TEMPLATE
-  tokenizer.save_pretrained(path.parent / "tokenizer")
-  cfg = ModelConfig.tiny(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, max_position_embeddings=64, eos_token_ids=(2,))
-  hf.save_params(path, cfg, nnx.split(Decoder(cfg, nnx.Rngs(0)))[1], path.parent / "tokenizer")
-  return path
-
 
 def test_a_run_trains_on_the_shipped_jsonl_and_a_parquet_file_with_a_reward_per_data_source(tmp_path, monkeypatch):
   from jaxrl import train as train_lib
@@ -139,7 +117,7 @@ def test_a_run_trains_on_the_shipped_jsonl_and_a_parquet_file_with_a_reward_per_
   rows = [{**r, "data_source": "lighteval/MATH"} for r in _verl_rows(24)]
   pq.write_table(pa.Table.from_pylist(rows), tmp_path / "math.parquet")
   c = override(tiny.get_config("sync"), **{
-      "model.source": str(_hf_folder(tmp_path / "model")), "task.name": "dataset", "num_steps": 2,
+      "model.source": str(hf_folder(tmp_path / "model")), "task.name": "dataset", "num_steps": 2,
       "mesh.num_devices": 2, "mesh.sampler_devices": 1, "sampler.max_len": 48, "rl.seq_len": 48,
       "sampler.max_new_tokens": 8, "task.max_prompt_tokens": 40, "rl.groups_per_step": 4, "eval.num_examples": 4,
       "eval.max_new_tokens": 8, "log.tensorboard": False, "log.progress": False})

@@ -1,10 +1,18 @@
 """reasoning-gym task: held-out split by hashed question (not by seed), its own scorer, run sandboxed."""
 
-import pytest
+import importlib.util
+from pathlib import Path
 
-from jaxrl.envs import EVAL, RewardRunner, make_task
+import pytest
+from tiny_hf import hf_folder
+
+from jaxrl.config import override
+from jaxrl.envs import EVAL, PromptRenderer, RewardRunner, make_task
 from jaxrl.envs.records import question_key
 from jaxrl.envs.task import key_hash
+from jaxrl.train import train
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _questions(task, n_train):
@@ -67,3 +75,36 @@ def test_scores_with_the_datasets_own_scorer_in_a_sandbox_even_against_hostile_c
   assert [r.value for r in results[:5]] == [1.0, 0.0, 0.0, 0.0, 0.0]
   assert not results[5].ok and results[5].reason == "cpu_limit"
   assert not marker.exists()
+
+
+def _reasoning_config():
+  spec = importlib.util.spec_from_file_location("reasoning", REPO / "configs" / "reasoning.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_the_reasoning_configs_prompts_fit_with_smollm2s_tokenizer(smollm2_dir):
+  from transformers import AutoTokenizer
+
+  c = _reasoning_config()
+  task = make_task(c.task.name, c.seed, **c.task.kwargs.to_dict())
+  render = PromptRenderer(AutoTokenizer.from_pretrained(smollm2_dir), c.task.max_prompt_tokens)
+  examples = task.eval_examples(c.eval.num_examples) + [task.prompt(i) for i in range(256)]
+  lengths = [len(render(e).tokens) for e in examples]  # SkipExample if one were over max_prompt_tokens
+  assert max(lengths) + c.sampler.max_new_tokens <= c.sampler.max_len
+  assert {e.meta["source_dataset"] for e in examples} == {"basic_arithmetic"}
+
+
+def test_the_reasoning_config_trains_two_steps_at_tiny_sizes(tmp_path):
+  """configs/reasoning.py as it is but for the model (a tiny one with a word-level tokenizer) and its sizes: the
+  reasoning-gym prompts, sandboxed scoring, packing and both evaluations run end to end."""
+  c = override(_reasoning_config(), **{
+      "model.source": str(hf_folder(tmp_path / "model")), "num_steps": 2, "task.kwargs.size": 100,
+      "sampler.max_new_tokens": 16, "sampler.max_len": 80, "rl.seq_len": 80, "eval.num_examples": 4,
+      "eval.max_new_tokens": 16, "log.progress": False, "log.backends": ("jsonl",)})
+  summary = train(c, tmp_path / "run")
+  led = summary["ledger"]
+  assert summary["steps"] == 2 and led["samples_trained"] == 2 * 16 and not led["reward_failures"]
+  change = summary["eval_accuracy_change"]  # a random model: every answer wrong, judged 0 by the scorer
+  assert change == {"before": 0.0, "after": 0.0, "n_before": 4, "n_after": 4, "z": 0.0}

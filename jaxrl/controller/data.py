@@ -119,7 +119,8 @@ def evaluate_policy(engine, task, score, params, version: int, *, num_examples: 
   """(summary, rollouts): greedy completions of the task's first `num_examples` held-out examples, scored.
 
   The summary has the examples scored (those the prompt renderer skips are left out), the version, the mean reward
-  and, for rewards that mark right answers, the accuracy and the number correct."""
+  and, for rewards that mark right answers, the accuracy, the number correct and the number judged right or wrong
+  (all scored examples, but for graded rewards only those scored 0 or 1)."""
   sampler = Sampler(engine, params, version, seed=seed, eos_token_ids=eos_token_ids, detokenize=detokenize)
   greedy = SamplingParams(greedy=True)
   n = 0
@@ -142,4 +143,5 @@ def evaluate_policy(engine, task, score, params, version: int, *, num_examples: 
   if correct:
     out["accuracy"] = float(np.mean(correct))
     out["num_correct"] = int(np.sum(correct))
+    out["num_judged"] = len(correct)
   return out, rollouts
