@@ -8,6 +8,7 @@ own settings (WANDB_MODE=offline, WANDB_API_KEY, MLFLOW_TRACKING_URI, ...) come 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import uuid
 from collections.abc import Mapping
@@ -86,7 +87,11 @@ class Mlflow:
   def __init__(self, workdir: Path, project: str, run_name: str, config: Mapping[str, Any]):
     mlflow = _import("mlflow", "mlflow")
     if not os.environ.get("MLFLOW_TRACKING_URI"):
+      # No server named: the run's folder is the store. MLflow 3 keeps its file store (the only local store
+      # mlflow-skinny has; sqlite needs the full package) behind this opt-in.
+      os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
       mlflow.set_tracking_uri((workdir / "mlruns").resolve().as_uri())
+    logging.getLogger("mlflow.tracking.fluent").setLevel(logging.WARNING)  # "Creating a new experiment" at INFO
     mlflow.set_experiment(project)
     self._run = mlflow.start_run(run_name=run_name)
     mlflow.log_params(flat(config))

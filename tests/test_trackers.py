@@ -1,6 +1,7 @@
 """Experiment trackers: a run's every metric reaches metrics.jsonl, TensorBoard, wandb (offline, the real package)
 and MLflow (a stand-in module: the package is too heavy for the test extra) under the same names."""
 
+import os
 import struct
 import sys
 import types
@@ -62,6 +63,7 @@ def trackers(monkeypatch, tmp_path):
   """WANDB_MODE=offline with wandb's logged dicts recorded; a fake mlflow module."""
   monkeypatch.setenv("WANDB_MODE", "offline")
   monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+  monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
   logged = {}
   real_log = wandb.sdk.wandb_run.Run.log
 
@@ -100,6 +102,7 @@ def test_a_run_sends_every_metric_to_every_backend_under_the_same_names(tmp_path
   assert names == ["set_tracking_uri", "set_experiment", "start_run", "log_params", "end_run"]
   assert mlflow.calls[0][1] == (tmp_path / "mlruns").resolve().as_uri() and mlflow.calls[1][1] == "jaxrl-tests"
   assert mlflow.calls[2][1] == "tiny-sync" and mlflow.calls[3][1]["rl.group_size"] == "4"
+  assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"  # MLflow 3 refuses a file store without it
 
 
 def test_bad_backends_name_the_setting(tmp_path, monkeypatch):
