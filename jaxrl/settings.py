@@ -95,8 +95,9 @@ SETTINGS = (
     Setting("mesh.learner_axes", dict(fsdp=-1, tensor=1), "learner mesh axes, -1: the rest"),
     Setting("mesh.sampler_axes", dict(data=-1, tensor=1), "sampler mesh axes, -1: the rest"),
 
-    Setting("task.name", "target_token", '"target_token", "arithmetic", "countdown" or "gsm8k" (local JSONL); '
-            'multi-turn envs: "calculator", "guess", "token_turns" (jaxrl.envs.env)'),
+    Setting("task.name", "target_token", '"target_token", "arithmetic", "countdown", "gsm8k" (local JSONL), '
+            '"reasoning_gym" or "dataset" (parquet / JSONL / hub; optional extras); multi-turn envs: "calculator", '
+            '"guess", "token_turns" (jaxrl.envs.env)'),
     Setting("task.kwargs", {}, "task-specific options (digits, ops, path, ...)"),
     Setting("task.reward", "", 'reward fn name in the registry; "" uses the task\'s own'),
     Real("task.reward_timeout_s", 5.0, positive, "> 0",

@@ -1,5 +1,7 @@
 """math-verify reward: symbolic equivalences, long completions, and where it runs (a sandboxed worker)."""
 
+import sys
+
 import pytest
 
 from jaxrl.envs import RewardRunner, reward_spec
@@ -41,3 +43,14 @@ def test_runs_sandboxed_in_a_worker_main_thread_and_a_bad_reference_is_a_counted
   assert runner.stats.failures["error"] == before + 1
   [result] = runner.score([("", r"\boxed{2}", {})])
   assert not result.ok and "needs meta['answer']" in result.error
+
+
+def test_without_the_extra_the_reward_names_what_to_install(monkeypatch):
+  from jaxrl.envs import rewards
+
+  monkeypatch.delitem(rewards._REGISTRY, "math_verify")
+  monkeypatch.delitem(sys.modules, "jaxrl.envs.math_verify_reward")
+  monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed
+  with pytest.raises(ValueError, match=r"reward 'math_verify' needs an optional package \(pip install "
+                                       r"'jaxrl\[math\]'\)"):
+    reward_spec("math_verify")

@@ -1,6 +1,7 @@
 """reasoning-gym task: held-out split by hashed question (not by seed), its own scorer, run sandboxed."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,10 @@ def test_the_reasoning_config_trains_two_steps_at_tiny_sizes(tmp_path):
   assert summary["steps"] == 2 and led["samples_trained"] == 2 * 16 and not led["reward_failures"]
   change = summary["eval_accuracy_change"]  # a random model: every answer wrong, judged 0 by the scorer
   assert change == {"before": 0.0, "after": 0.0, "n_before": 4, "n_after": 4, "z": 0.0}
+
+
+def test_without_the_extra_the_task_names_what_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # not installed
+  with pytest.raises(ValueError, match=r"needs the optional package reasoning-gym \(pip install "
+                                       r"'jaxrl\[reasoning\]'\)"):
+    make_task("reasoning_gym", dataset="chain_sum")
