@@ -113,7 +113,7 @@ TRACKERS = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow}
 def check_backends(backends) -> tuple[str, ...]:
   """The backends as a tuple; a ValueError naming log.backends when they are not a subset of BACKENDS with
   "jsonl" (the run's own record: resuming and the summary read it)."""
-  if isinstance(backends, str) or not all(isinstance(b, str) for b in backends):
+  if not isinstance(backends, (tuple, list)) or not all(isinstance(b, str) for b in backends):
     raise ValueError(f"log.backends must be a tuple of names from {BACKENDS} (got {backends!r})")
   unknown = sorted(set(backends) - set(BACKENDS))
   if unknown:

@@ -112,8 +112,9 @@ def test_bad_backends_name_the_setting(tmp_path, monkeypatch):
       validate(override(tiny.get_config(), **{"log.backends": backends}))
     with pytest.raises(ValueError, match=match):
       MetricsWriter(tmp_path, backends=backends)
-  with pytest.raises(ValueError, match="log.backends must be a tuple of names"):
-    MetricsWriter(tmp_path, backends="jsonl")
+  for backends in ("jsonl", None, ("jsonl", 1)):
+    with pytest.raises(ValueError, match="log.backends must be a tuple of names"):
+      MetricsWriter(tmp_path, backends=backends)
   monkeypatch.setitem(sys.modules, "mlflow", None)  # not installed
   with pytest.raises(ValueError, match=r"'mlflow', which needs the optional package mlflow \(pip install "
                                        r"'jaxrl\[trackers\]'\)"):
