@@ -20,7 +20,11 @@ def get_config(arg: str | None = None):
   c.num_steps = 30
   c.model.source = "smollm2"
   c.task.name = "reasoning_gym"
-  c.task.kwargs.dataset = "basic_arithmetic"  # "Calculate 47 - 8." (binary score: accuracy is the mean reward)
+  c.task.kwargs.dataset = "basic_arithmetic"  # "Calculate 47 - 8."; 1 for the exact answer, partial credit for
+  # an answer that contains it (accuracy counts the samples scored 0 or 1)
+  # SmolLM2-135M reasons in prose ("4 + 7 equals 11.") and ignores the <answer> tags the system prompt asks for
+  # (greedy: 0/128 held out with answer_from="tag"): take its final answer as jaxrl's gsm8k-style tasks do
+  c.task.kwargs.answer_from = "final"
   # Two terms of one or two digits, + and - only: the 135M model gets some right, so groups carry a signal
   c.task.kwargs.config = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
                               allow_parentheses=False, allow_negation=False)

@@ -8,6 +8,7 @@ import pytest
 from tiny_hf import hf_folder
 
 from jaxrl.config import override
+from jaxrl.controller.summary import two_proportion_z
 from jaxrl.envs import EVAL, PromptRenderer, RewardRunner, make_task
 from jaxrl.envs.records import question_key
 from jaxrl.envs.task import key_hash
@@ -53,6 +54,8 @@ def test_weighted_mix_and_bad_options_name_the_key():
     make_task("reasoning_gym", dataset="chain_sum", config={"bogus": 1})
   with pytest.raises(ValueError, match=r"task.kwargs.config has \['chain_sum'\], which are not in the mix"):
     make_task("reasoning_gym", dataset={"basic_arithmetic": 1}, config={"chain_sum": {}})
+  with pytest.raises(ValueError, match=r"task.kwargs.answer_from must be one of \('tag', 'final'\)"):
+    make_task("reasoning_gym", dataset="chain_sum", answer_from="last")
   with pytest.raises(ValueError, match="task.kwargs.size must be an int >= 2"):
     make_task("reasoning_gym", dataset="chain_sum", size=0)
 
@@ -70,12 +73,22 @@ def test_scores_with_the_datasets_own_scorer_in_a_sandbox_even_against_hostile_c
       f"<answer>open('{marker}', 'w').write('x')</answer>",
       "<answer>max(__import__('itertools').count())</answer>",  # burns CPU: the sandbox's CPU limit kills it
   ]
+  # answer_from="final": a model that reasons in prose is read as jaxrl's gsm8k-style tasks read it
+  sums = [make_task("reasoning_gym", dataset="basic_arithmetic", size=20, answer_from=a).prompt(0).reward_meta
+          for a in ("tag", "final")]
+  prose = f"Adding them up, the result equals {sums[0]['answer']}."
+  tagged = f"<answer>{sums[0]['answer']}</answer>"
+  extra = [("", prose, sums[0]), ("", prose, sums[1]), ("", tagged, sums[1]), ("", f"<answer>= {sums[0]['answer']}"
+                                                                                    "</answer>", sums[0])]
   with RewardRunner("reasoning_gym", timeout_s=10, workers=1) as runner:
     assert runner.sandbox is not None and runner.isolation == "process"
-    results = runner.score([("", c, meta) for c in completions])
+    results = runner.score([("", c, meta) for c in completions] + extra)
   assert [r.value for r in results[:5]] == [1.0, 0.0, 0.0, 0.0, 0.0]
   assert not results[5].ok and results[5].reason == "cpu_limit"
   assert not marker.exists()
+  # basic_arithmetic's own scorer: exact 1, partial credit for an answer containing the right one
+  assert [r.value for r in results[6:9]] == [0.0, 1.0, 1.0]
+  assert results[9].value == pytest.approx(len(sums[0]["answer"]) / len(f"= {sums[0]['answer']}"))
 
 
 def _reasoning_config():
@@ -107,8 +120,12 @@ def test_the_reasoning_config_trains_two_steps_at_tiny_sizes(tmp_path):
   summary = train(c, tmp_path / "run")
   led = summary["ledger"]
   assert summary["steps"] == 2 and led["samples_trained"] == 2 * 16 and not led["reward_failures"]
-  change = summary["eval_accuracy_change"]  # a random model: every answer wrong, judged 0 by the scorer
-  assert change == {"before": 0.0, "after": 0.0, "n_before": 4, "n_after": 4, "z": 0.0}
+  before, after = summary["eval_before"], summary["eval_after"]
+  assert before["num_examples"] == after["num_examples"] == 4
+  assert summary["eval_accuracy_change"] == {  # graded scores: n counts the examples scored 0 or 1
+      "before": before["accuracy"], "after": after["accuracy"], "n_before": before["num_judged"],
+      "n_after": after["num_judged"], "z": round(two_proportion_z(before["num_correct"], before["num_judged"],
+                                                                  after["num_correct"], after["num_judged"]), 3)}
 
 
 def test_without_the_extra_the_task_names_what_to_install(monkeypatch):

@@ -13,6 +13,7 @@ from typing import Any
 import reasoning_gym  # noqa: F401 - imported before confinement, see above
 from reasoning_gym.utils import extract_answer
 
+from jaxrl.envs import answers
 from jaxrl.envs.reasoning_gym_task import build_dataset
 from jaxrl.envs.rewards import need, register_reward
 
@@ -24,8 +25,11 @@ def _dataset(spec_json: str):
 
 @register_reward("reasoning_gym", sandbox=True)  # scorers parse the model's text with sympy (parse_expr runs code)
 def reasoning_gym_score(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
-  """The dataset's score_answer of the completion's last <answer>...</answer> (None when there is none)."""
+  """The dataset's score_answer of the completion's answer: its last <answer>...</answer>, or with
+  meta["answer_from"] == "final" jaxrl's final-answer extraction (None when there is none)."""
   spec = need(meta, "reasoning_gym", "reasoning_gym", "the dataset spec")
   entry = need(meta, "entry", "reasoning_gym", "the reasoning-gym item")
   dataset = _dataset(json.dumps(spec, sort_keys=True))
-  return float(dataset.score_answer(extract_answer(completion), entry))
+  final = meta.get("answer_from", "tag") == "final"
+  return float(dataset.score_answer(answers.extract_answer(completion) if final else extract_answer(completion),
+                                    entry))

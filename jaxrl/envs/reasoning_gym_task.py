@@ -6,8 +6,11 @@
 The task's records are items 0..size-1 of `reasoning_gym.create_dataset(dataset, seed, size, **config)` (a weighted
 mix is reasoning-gym's "composite" dataset). Items of a generator at seed s+1 are its items at seed s shifted by
 one, so a second seed is no held-out split: the split is jaxrl's hash of the question (jaxrl.envs.records). The
-reward is the dataset's own `score_answer` on the completion's last <answer>...</answer>, run in a sandboxed worker
-(jaxrl.envs.reasoning_gym_reward): several scorers parse the model's text with sympy, which can run code.
+reward is the dataset's own `score_answer` on the completion's answer, run in a sandboxed worker
+(jaxrl.envs.reasoning_gym_reward): several scorers parse the model's text with sympy, which can run code. The
+answer is the last <answer>...</answer> (answer_from="tag", reasoning-gym's convention) or, for models too small to
+keep to the tags, jaxrl's final-answer extraction (answer_from="final": a tag, \\boxed{}, "####", "Answer: x", else
+the last number; jaxrl.envs.answers).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ EXTRA = "pip install 'jaxrl[reasoning]'"
 # Chain of thought, then the answer in the tags the reward reads.
 SYSTEM = ("Think through the problem step by step, then give only the final answer between <answer> and </answer>, "
           "for example <answer>42</answer>.")
+
+
+ANSWER_FROM = ("tag", "final")
 
 
 def import_reasoning_gym():
@@ -76,9 +82,12 @@ class ReasoningGymTask(RecordsTask):
   reward = "reasoning_gym"
 
   def __init__(self, seed: int = 0, *, dataset: str | Mapping[str, float], config: Mapping[str, Any] | None = None,
-               size: int = 1000, eval_fraction: float = 0.05, system: str = SYSTEM):
+               size: int = 1000, eval_fraction: float = 0.05, system: str = SYSTEM, answer_from: str = "tag"):
     if isinstance(size, bool) or not isinstance(size, int) or size < 2:
       raise ValueError(f"reasoning_gym: task.kwargs.size must be an int >= 2 (got {size!r})")
+    if answer_from not in ANSWER_FROM:
+      raise ValueError(f"reasoning_gym: task.kwargs.answer_from must be one of {ANSWER_FROM} (got {answer_from!r})")
+    self.answer_from = answer_from
     self.spec = dataset_spec(dataset, config, int(seed), size)
     json.dumps(self.spec)  # the spec travels to reward workers; a config that is not plain data fails here
     self.system = system
@@ -89,7 +98,7 @@ class ReasoningGymTask(RecordsTask):
     return record["question"]
 
   def example(self, split: str, index: int, record) -> Example:
-    meta = {"reasoning_gym": self.spec, "entry": record,
+    meta = {"reasoning_gym": self.spec, "entry": record, "answer_from": self.answer_from,
             "source_dataset": record["metadata"].get("source_dataset", self.spec["name"])}
     return Example(index, split, user_message(record["question"], self.system), answer=str(record["answer"]),
                    meta=meta)
