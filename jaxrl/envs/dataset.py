@@ -119,11 +119,9 @@ class DatasetTask(RecordsTask):
     self.prompt_key, self.answer_key, self.source_key = prompt_key, answer_key, data_source_key
     self.system, self.instruction = system, instruction
     if hub:
-      self.origin = f"hub:{hub}"
       train = self._records(hub_rows(hub, hub_config, split), f"{hub}[{split}]")
       heldout = self._records(hub_rows(hub, hub_config, eval_split), f"{hub}[{eval_split}]") if eval_split else None
     else:
-      self.origin = ",".join(str(p) for p in _files(train_files, "train_files"))
       train = [r for p in _files(train_files, "train_files") for r in self._records(read_rows(p), str(p))]
       heldout = ([r for p in _files(eval_files, "eval_files") for r in self._records(read_rows(p), str(p))]
                  if eval_files else None)
