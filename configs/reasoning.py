@@ -9,6 +9,11 @@ run in a sandboxed worker (jaxrl/envs/reasoning_gym_reward.py). Greedy held-out 
 after training, with the two-proportion z of the change (summary.json: eval_accuracy_change). The held-out
 problems are chosen by hashing their question (jaxrl/envs/records.py), never by a second generator seed. Sized like
 configs/default.py for a 2-core CPU: one virtual CPU device per role.
+
+Measured (shared 2-core CPU, ~200 s per step; stopped by SIGTERM after 6 of 30 steps, the checkpoint evaluated with
+jaxrl-generate): greedy held-out accuracy 21/127 -> 8/127, z = -2.57. The policy grew verbose (mean completion 46
+-> 82 of 96 tokens) and its last number stopped being the answer: not yet a config that learns. Next to try: ask
+for an explicit final line ("Answer: <number>", which answer_from="final" reads first), a lower learning rate.
 """
 
 from jaxrl import config as config_lib
