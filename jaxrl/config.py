@@ -134,6 +134,7 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
        f"sampler.num_pages={s.num_pages} pages of {s.page_size} cannot hold one sample of max_len={s.max_len}")
   _validate_objective(c)
   _validate_model_and_task(c, need, get)
+  _validate_log(need, get)
   _validate_mesh(c, need, get, num_devices)
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % c.rl.num_minibatches == 0,
@@ -243,6 +244,18 @@ def _validate_model_and_task(c, need, get) -> None:
        "HF folder, or a token-level task (target_token)")
   need(isinstance(get("task.kwargs"), ml_collections.ConfigDict), "task.kwargs must be a ConfigDict")
   need(isinstance(get("task.reward"), str), f"task.reward must be a reward name (got {c.task.reward!r})")
+
+
+def _validate_log(need, get) -> None:
+  from jaxrl.trackers import check_backends
+
+  try:
+    check_backends(get("log.backends"))
+  except ValueError as e:
+    raise ConfigError(f"config: {e}") from None
+  for key in ("log.project", "log.run_name"):
+    need(isinstance(get(key), str), f"{key} must be a string (got {get(key)!r})")
+  need(get("log.project"), "log.project must not be empty")
 
 
 def _validate_mesh(c, need, get, num_devices: int | None) -> None:

@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL (one record per learner step), TensorBoard event files, and a live progress line."""
+"""Metrics sinks: JSONL (one record per learner step), the experiment trackers of log.backends (jaxrl.trackers:
+TensorBoard, wandb, MLflow), and a live progress line."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jaxrl.trackers import TRACKERS, check_backends
 
 PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
                  ("ess_frac", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
@@ -27,23 +31,30 @@ def _scalar(v: Any) -> float | None:
 
 
 class MetricsWriter:
-  """Writes scalars per step to workdir/metrics.jsonl and TensorBoard; prints a one-line summary."""
+  """Writes scalars per step to workdir/metrics.jsonl and each tracker of `backends`; prints a one-line summary."""
 
-  def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, progress: bool = True,
-               total_steps: int | None = None, resume_step: int | None = None):
-    """resume_step: the run restarts from this step (0: from scratch), so records after it in an existing
-    metrics.jsonl (logged before a crash, about to be logged again) are removed; None appends to the file as is."""
+  def __init__(self, workdir: str | os.PathLike, *, backends: Sequence[str] = ("jsonl", "tensorboard"),
+               project: str = "jaxrl", run_name: str = "", config: Mapping[str, Any] | None = None,
+               progress: bool = True, total_steps: int | None = None, resume_step: int | None = None):
+    """backends: from jaxrl.trackers.BACKENDS, "jsonl" included; project, run_name ("": the workdir's name) and
+    config (the run's settings) go to the trackers that keep them. resume_step: the run restarts from this step
+    (0: from scratch), so records after it in an existing metrics.jsonl (logged before a crash, about to be logged
+    again) are removed; None appends to the file as is."""
     self.workdir = Path(workdir)
     self.workdir.mkdir(parents=True, exist_ok=True)
+    backends = check_backends(backends)
     path = self.workdir / "metrics.jsonl"
     if resume_step is not None and path.exists():
       _truncate_after(path, resume_step)
     self._jsonl = open(path, "a", buffering=1)
-    self._tb = None
-    if tensorboard:
-      from tensorboardX import SummaryWriter
-
-      self._tb = SummaryWriter(str(self.workdir / "tb"))
+    run_name = run_name or self.workdir.resolve().name
+    self._trackers = []
+    try:
+      for name in (b for b in backends if b != "jsonl"):
+        self._trackers.append(TRACKERS[name](self.workdir, project, run_name, config or {}))
+    except BaseException:
+      self.close()
+      raise
     self._progress = progress
     self._total = total_steps
     self._t0 = time.monotonic()
@@ -59,9 +70,8 @@ class MetricsWriter:
         scalars[k] = s
     record = {"step": step, "time": time.time(), **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
     self._jsonl.write(json.dumps(record) + "\n")
-    if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(k, v, step)
+    for tracker in self._trackers:
+      tracker.log(step, scalars)
     if self._progress:
       total = f"/{self._total}" if self._total else ""
       parts = [f"{short} {scalars[k]:.3g}" for k, short in PROGRESS_KEYS if k in scalars]
@@ -69,13 +79,14 @@ class MetricsWriter:
       print(f"[step {step}{total} {elapsed:6.1f}s] " + "  ".join(parts), file=sys.stderr, flush=True)
 
   def write_histogram(self, step: int, name: str, values) -> None:
-    if self._tb is not None and len(values):
-      self._tb.add_histogram(name, np.asarray(values), step)
+    if len(values):
+      for tracker in self._trackers:
+        tracker.histogram(step, name, np.asarray(values))
 
   def close(self) -> None:
     self._jsonl.close()
-    if self._tb is not None:
-      self._tb.close()
+    for tracker in self._trackers:
+      tracker.close()
 
 
 def _truncate_after(path: Path, step: int) -> None:

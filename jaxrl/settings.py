@@ -105,8 +105,9 @@ SETTINGS = (
     Setting("mesh.learner_axes", dict(fsdp=-1, tensor=1), "learner mesh axes, -1: the rest"),
     Setting("mesh.sampler_axes", dict(data=-1, tensor=1), "sampler mesh axes, -1: the rest"),
 
-    Setting("task.name", "target_token", '"target_token", "arithmetic", "countdown" or "gsm8k" (local JSONL); '
-            'multi-turn envs: "calculator", "guess", "token_turns" (jaxrl.envs.env)'),
+    Setting("task.name", "target_token", '"target_token", "arithmetic", "countdown", "gsm8k" (local JSONL), '
+            '"reasoning_gym" or "dataset" (parquet / JSONL / hub; optional extras); multi-turn envs: "calculator", '
+            '"guess", "token_turns" (jaxrl.envs.env)'),
     Setting("task.kwargs", {}, "task-specific options (digits, ops, path, ...)"),
     Setting("task.reward", "", 'reward fn name in the registry; "" uses the task\'s own'),
     Real("task.reward_timeout_s", 5.0, positive, "> 0",
@@ -198,7 +199,12 @@ SETTINGS = (
     Int("eval.num_examples", 0, 0, "held-out examples scored greedily before and after training (0: none)"),
     Int("eval.max_new_tokens", 16, 1, "completion budget of each greedy eval answer"),
 
-    Bool("log.tensorboard", True, "TensorBoard event files in workdir/tb (metrics.jsonl is always written)"),
+    # Every step's scalars go to each backend under the same names: "jsonl" (workdir/metrics.jsonl, required),
+    # "tensorboard" (workdir/tb), "wandb", "mlflow" (optional extra `trackers`; see jaxrl/trackers.py)
+    Setting("log.backends", ("jsonl", "tensorboard"), "experiment trackers (jaxrl.trackers.BACKENDS), jsonl included"),
+    Setting("log.project", "jaxrl", "tracker project (wandb project, MLflow experiment)"),
+    Setting("log.run_name", "", "tracker run name (\"\": the workdir's name)"),
+    Bool("log.tensorboard", True, "False drops \"tensorboard\" from log.backends (the older switch, still honoured)"),
     Bool("log.progress", True, "one progress line per learner step on stderr"),
     Bool("log.trace", False, "workdir/trace.jsonl: which samples each step trained, drops, skips, checkpoints "
          "(debugging)"),

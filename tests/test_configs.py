@@ -11,7 +11,7 @@ import pytest
 from jaxrl import config as config_lib
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_CONFIGS = ["tiny", "default", "calculator", "guess"]
+TRAIN_CONFIGS = ["tiny", "default", "calculator", "guess", "reasoning"]
 
 
 def _load(name):
@@ -118,7 +118,7 @@ def test_every_cli_module_imports_next_to_the_others():
   assert out.stdout.strip() == f"imported {len(modules)}"
 
 
-@pytest.mark.parametrize("name", ["default", "calculator", "guess"])
+@pytest.mark.parametrize("name", ["default", "calculator", "guess", "reasoning"])
 def test_config_has_the_held_out_examples_its_eval_asks_for(name):
   """A task too small for eval.num_examples is a ConfigError at build (build_task), before any params load."""
   from jaxrl.envs import make_task

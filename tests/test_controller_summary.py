@@ -46,6 +46,22 @@ def test_run_summary_fields_and_stop_reason():
   assert summary.exit_status("SIGTERM") == 143 and summary.exit_status("SIGINT") == 130
 
 
+def test_held_out_accuracy_change_and_its_two_proportion_z():
+  assert summary.two_proportion_z(16, 64, 32, 64) == pytest.approx(0.25 / (0.375 * 0.625 * 2 / 64) ** 0.5)
+  assert round(summary.two_proportion_z(16, 64, 32, 64), 3) == 2.921
+  assert summary.two_proportion_z(32, 64, 16, 64) == -summary.two_proportion_z(16, 64, 32, 64)
+  assert summary.two_proportion_z(0, 10, 0, 20) == 0.0  # nothing varies
+  before = {"accuracy": 0.25, "num_correct": 16, "num_judged": 64}
+  out = summary.run_summary("sync", version=2, ledger=_ledger(), staleness=[], samples_in_flight=0, busy={},
+                            resumed_from=None, eval_before=before,
+                            eval_after={"accuracy": 0.5, "num_correct": 30, "num_judged": 60})
+  assert out["eval_accuracy_change"] == {"before": 0.25, "after": 0.5, "n_before": 64, "n_after": 60,
+                                         "z": round(summary.two_proportion_z(16, 64, 30, 60), 3)}
+  no_accuracy = summary.run_summary("sync", version=2, ledger=_ledger(), staleness=[], samples_in_flight=0, busy={},
+                                    resumed_from=None, eval_before=before, eval_after={"reward_mean": 0.1})
+  assert "eval_accuracy_change" not in no_accuracy
+
+
 def test_stop_on_signals_asks_once_then_restores_the_previous_handler(capsys):
   asked, previous = [], signal.getsignal(signal.SIGUSR1)
   seen = []

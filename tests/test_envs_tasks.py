@@ -106,7 +106,7 @@ def test_target_token_prompts():
 
 
 def test_make_task_errors():
-  known = "arithmetic, calculator, countdown, gsm8k, guess, target_token, token_turns"
+  known = "arithmetic, calculator, countdown, dataset, gsm8k, guess, reasoning_gym, target_token, token_turns"
   with pytest.raises(ValueError, match=f"unknown task 'nope'; known: {known}"):
     make_task("nope")
   with pytest.raises(ValueError, match=r"unknown options \['digts'\]"):

@@ -24,19 +24,19 @@ def test_jsonl_and_tensorboard(tmp_path, capsys):
 
 
 def test_a_resumed_run_replaces_the_records_after_its_checkpoint(tmp_path):
-  w = MetricsWriter(tmp_path, tensorboard=False, progress=False)
+  w = MetricsWriter(tmp_path, backends=("jsonl",), progress=False)
   for step in range(1, 6):
     w.write(step, {"reward_mean": step / 10})
   w.close()
   with open(tmp_path / "metrics.jsonl", "a") as f:
     f.write('{"step": 6, "rew')  # a line a SIGKILL cut short
-  w = MetricsWriter(tmp_path, tensorboard=False, progress=False, resume_step=3)  # resumed from the step-3 checkpoint
+  w = MetricsWriter(tmp_path, backends=("jsonl",), progress=False, resume_step=3)  # resumed from the step-3 checkpoint
   for step in range(4, 7):
     w.write(step, {"reward_mean": step})
   w.close()
   recs = read_jsonl(tmp_path / "metrics.jsonl")
   assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
   assert [r["reward_mean"] for r in recs] == [0.1, 0.2, 0.3, 4, 5, 6]
-  MetricsWriter(tmp_path, tensorboard=False, progress=False, resume_step=0).close()  # from scratch: nothing kept
+  MetricsWriter(tmp_path, backends=("jsonl",), progress=False, resume_step=0).close()  # from scratch: nothing kept
   assert read_jsonl(tmp_path / "metrics.jsonl") == []
-  MetricsWriter(tmp_path / "new", tensorboard=False, progress=False, resume_step=2).close()  # no file yet: fine
+  MetricsWriter(tmp_path / "new", backends=("jsonl",), progress=False, resume_step=2).close()  # no file yet: fine

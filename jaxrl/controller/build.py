@@ -229,7 +229,9 @@ def open_checkpointer(c, workdir: Path, **kw) -> Checkpointer:
 
 
 def open_metrics(c, workdir: Path, resumed_from: int | None) -> MetricsWriter:
-  return MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress, total_steps=c.num_steps,
+  backends = [b for b in c.log.backends if c.log.tensorboard or b != "tensorboard"]
+  return MetricsWriter(workdir, backends=backends, project=c.log.project, run_name=c.log.run_name,
+                       config=c.to_dict(), progress=c.log.progress, total_steps=c.num_steps,
                        resume_step=resumed_from or 0)
 
 

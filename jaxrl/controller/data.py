@@ -12,7 +12,18 @@ from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExam
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Sampler
 
-ACCURACY_REWARDS = ("exact_answer", "countdown", "episode")  # rewards that are 1 exactly when the answer is right
+# Rewards that are 1 exactly when the answer is right, and 0 otherwise: every sample counts toward accuracy
+ACCURACY_REWARDS = ("exact_answer", "countdown", "episode", "math_verify")
+# Graded scores in [0, 1] (some reasoning-gym scorers give partial credit): a sample counts toward accuracy only
+# when its score is 0 or 1
+GRADED_REWARDS = ("reasoning_gym",)
+
+
+def is_correct(reward: str, value: float) -> bool | None:
+  """Whether a scored sample is right; None when its reward does not say."""
+  if reward in ACCURACY_REWARDS or reward in GRADED_REWARDS and value in (0.0, 1.0):
+    return value >= 1.0
+  return None
 
 
 def make_prompt_source(c, tokenizer, model_cfg):
@@ -49,11 +60,19 @@ def example_meta(task, example, prompt) -> dict[str, Any]:
 
 
 class Scorer:
-  """Fills `reward` of every rollout of a group through an isolating RewardRunner."""
+  """Fills `reward` of every rollout of a group through isolating RewardRunners: the run's reward, and those a
+  task's rows select by data source (`task.rewards`, meta "reward"), each started before the run."""
 
   def __init__(self, c, task, tokenizer):
     self.reward_name = c.task.reward or task.reward
-    self.runner = RewardRunner(self.reward_name, timeout_s=c.task.reward_timeout_s)
+    names = sorted({self.reward_name, *getattr(task, "rewards", {}).values()})
+    self.runners: dict[str, RewardRunner] = {}
+    try:
+      for name in names:
+        self.runners[name] = RewardRunner(name, timeout_s=c.task.reward_timeout_s)
+    except BaseException:
+      self.close()
+      raise
     self.tokenizer = tokenizer
     self.episodes = getattr(task, "episodes", None)
 
@@ -64,15 +83,21 @@ class Scorer:
     items = [(r.meta["prompt_text"], self._text(r.completion_tokens),
               {**r.meta["reward_meta"], "completion_ids": r.completion_tokens.tolist(),
                "episode": r.meta.get("episode")}) for r in group]
-    for r, res in zip(group, self.runner.score(items), strict=True):
-      r.reward = res.value
-      if not res.ok:
-        r.meta["reward_error"] = f"{res.reason}: {res.error}"
-      elif self.reward_name in ACCURACY_REWARDS:
-        r.meta["correct"] = res.value >= 1.0
+    by_reward: dict[str, list[int]] = {}
+    for i, r in enumerate(group):
+      by_reward.setdefault(r.meta["reward_meta"].get("reward", self.reward_name), []).append(i)
+    for name, rows in by_reward.items():
+      for i, res in zip(rows, self.runners[name].score([items[i] for i in rows]), strict=True):
+        r = group[i]
+        r.reward = res.value
+        if not res.ok:
+          r.meta["reward_error"] = f"{res.reason}: {res.error}"
+        elif (correct := is_correct(name, res.value)) is not None:
+          r.meta["correct"] = correct
 
   def close(self) -> None:
-    self.runner.close()
+    for runner in self.runners.values():
+      runner.close()
     if self.episodes is not None:
       self.episodes.close()
 
@@ -94,7 +119,8 @@ def evaluate_policy(engine, task, score, params, version: int, *, num_examples: 
   """(summary, rollouts): greedy completions of the task's first `num_examples` held-out examples, scored.
 
   The summary has the examples scored (those the prompt renderer skips are left out), the version, the mean reward
-  and, for rewards that mark right answers, the accuracy and the number correct."""
+  and, for rewards that mark right answers, the accuracy, the number correct and the number judged right or wrong
+  (all scored examples, but for graded rewards only those scored 0 or 1)."""
   sampler = Sampler(engine, params, version, seed=seed, eos_token_ids=eos_token_ids, detokenize=detokenize)
   greedy = SamplingParams(greedy=True)
   n = 0
@@ -117,4 +143,5 @@ def evaluate_policy(engine, task, score, params, version: int, *, num_examples: 
   if correct:
     out["accuracy"] = float(np.mean(correct))
     out["num_correct"] = int(np.sum(correct))
+    out["num_judged"] = len(correct)
   return out, rollouts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import sys
 import threading
@@ -53,7 +54,25 @@ def run_summary(mode: str, *, version: int, ledger: dict, staleness: Sequence[in
          "staleness_mean": float(np.mean(staleness)) if len(staleness) else 0.0, "busy": busy, **extra}
   if stopped_by is not None:
     out["stopped_by"] = stopped_by
+  before, after = extra.get("eval_before", {}), extra.get("eval_after", {})
+  if "accuracy" in before and "accuracy" in after:
+    out["eval_accuracy_change"] = accuracy_change(before, after)
   return out
+
+
+def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> float:
+  """z of the change from k1/n1 to k2/n2 right answers (pooled two-proportion test); 0 when nothing varies."""
+  p = (k1 + k2) / (n1 + n2)
+  se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
+  return (k2 / n2 - k1 / n1) / se if se > 0 else 0.0
+
+
+def accuracy_change(before: dict, after: dict) -> dict[str, float]:
+  """Greedy held-out accuracy before and after training, and the two-proportion z of the change (|z| > 1.96:
+  significant at 5%, two-sided)."""
+  k1, n1, k2, n2 = before["num_correct"], before["num_judged"], after["num_correct"], after["num_judged"]
+  return {"before": k1 / n1, "after": k2 / n2, "n_before": n1, "n_after": n2,
+          "z": round(two_proportion_z(k1, n1, k2, n2), 3)}
 
 
 def write_summary(workdir: Path, summary: dict) -> None:

@@ -15,19 +15,21 @@ import inspect
 from jaxrl.envs.arithmetic import ArithmeticTask
 from jaxrl.envs.calculator import CalculatorTask
 from jaxrl.envs.countdown import CountdownTask
+from jaxrl.envs.dataset import DatasetTask
 from jaxrl.envs.env import Env, EnvTask, Turn
 from jaxrl.envs.episodes import Episodes
 from jaxrl.envs.guess import GuessTask
 from jaxrl.envs.jsonl import JsonlError, JsonlTask, load_jsonl
 from jaxrl.envs.prompts import ChatTemplateError, Prompt, PromptRenderer, SkipExample
+from jaxrl.envs.reasoning_gym_task import ReasoningGymTask
 from jaxrl.envs.rewards import get_reward, register_reward, reward_names, reward_spec
 from jaxrl.envs.runner import RewardResult, RewardRunner, RewardStats
 from jaxrl.envs.target_token import TargetTokenTask
 from jaxrl.envs.task import EVAL, TRAIN, Example, Task
 from jaxrl.envs.token_turns import TokenTurnsTask
 
-TASKS = {t.name: t for t in (ArithmeticTask, CalculatorTask, CountdownTask, GuessTask, JsonlTask, TargetTokenTask,
-                              TokenTurnsTask)}
+TASKS = {t.name: t for t in (ArithmeticTask, CalculatorTask, CountdownTask, DatasetTask, GuessTask, JsonlTask,
+                              ReasoningGymTask, TargetTokenTask, TokenTurnsTask)}
 
 
 def make_task(name: str, seed: int = 0, **kwargs) -> Task:
@@ -45,8 +47,9 @@ def make_task(name: str, seed: int = 0, **kwargs) -> Task:
 
 
 __all__ = [
-    "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "CalculatorTask", "ChatTemplateError", "CountdownTask", "Env",
-    "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError", "JsonlTask", "Prompt", "PromptRenderer",
-    "RewardResult", "RewardRunner", "RewardStats", "SkipExample", "TargetTokenTask", "Task", "TokenTurnsTask", "Turn",
+    "EVAL", "TASKS", "TRAIN", "ArithmeticTask", "CalculatorTask", "ChatTemplateError", "CountdownTask", "DatasetTask",
+    "Env", "EnvTask", "Episodes", "Example", "GuessTask", "JsonlError", "JsonlTask", "Prompt", "PromptRenderer",
+    "ReasoningGymTask", "RewardResult", "RewardRunner", "RewardStats", "SkipExample", "TargetTokenTask", "Task",
+    "TokenTurnsTask", "Turn",
     "get_reward", "load_jsonl", "make_task", "register_reward", "reward_names", "reward_spec",
 ]

@@ -2,10 +2,8 @@
 
 The whole file is checked when the task is built, before any work starts: bad lines are reported with the file
 name and line numbers, and either fail the build (on_error="raise") or are skipped and counted ("skip").
-Training order: a seeded permutation of the training records per epoch; position i is record
-perm_{i // n}[i % n]. Held out: the round(eval_fraction * questions) (at least one) distinct questions with the
-smallest salted hashes, or a separate eval file; a question never appears on both sides, duplicates included
-(questions compare case-folded, whitespace collapsed).
+Training order and the held-out split follow jaxrl.envs.records: a seeded permutation per epoch; the questions with
+the smallest hashes held out, or a separate eval file; a question never on both sides, duplicates included.
 """
 
 from __future__ import annotations
@@ -14,11 +12,11 @@ import dataclasses
 import functools
 import json
 import os
-import random
 from pathlib import Path
 
 from jaxrl.envs.answers import numbers, parse_number
-from jaxrl.envs.task import EVAL, TRAIN, Example, Task, check_index, key_hash, user_message
+from jaxrl.envs.records import RecordsTask
+from jaxrl.envs.task import EVAL, Example, user_message
 
 MAX_LISTED_ERRORS = 10
 
@@ -99,11 +97,7 @@ def load_jsonl(path: str | os.PathLike, *, on_error: str = "raise", question_fie
   return records, errors
 
 
-def _key(question: str) -> str:
-  return " ".join(question.split()).casefold()
-
-
-class JsonlTask(Task):
+class JsonlTask(RecordsTask):
   """Word problems with numeric final answers, read from `path` (and `eval_path`, if given)."""
 
   name = "gsm8k"
@@ -113,51 +107,23 @@ class JsonlTask(Task):
                eval_fraction: float = 0.05, on_error: str = "raise", question_field: str = "question",
                answer_field: str = "answer", system: str = "",
                instruction: str = "Solve the problem step by step, then give the final answer after '####'."):
-    self.seed, self.system, self.instruction = int(seed), system, instruction
+    self.system, self.instruction = system, instruction
     self.path = Path(path)
     load = functools.partial(load_jsonl, on_error=on_error, question_field=question_field, answer_field=answer_field)
     records, self.skipped = load(self.path)
     self.skipped_eval: list[tuple[int, str]] = []
+    heldout = None
+    self.eval_path = self.path
     if eval_path is not None:
       self.eval_path = Path(eval_path)
       heldout, self.skipped_eval = load(self.eval_path)
-      keys = {_key(r.question) for r in heldout}
-    else:
-      if not 0 < eval_fraction < 1:
-        raise ValueError(f"gsm8k: eval_fraction must be in (0, 1) (got {eval_fraction})")
-      self.eval_path = self.path
-      questions = sorted({_key(r.question) for r in records}, key=key_hash)
-      keys = set(questions[: max(1, round(eval_fraction * len(questions)))])
-      heldout = [r for r in records if _key(r.question) in keys]
-    self.train = [r for r in records if _key(r.question) not in keys]
-    unique = {}  # one eval example per question: duplicates would weigh a problem twice
-    for r in heldout:
-      unique.setdefault(_key(r.question), r)
-    self.heldout = list(unique.values())
+    super().__init__(seed, records, heldout, eval_fraction)
     self.overlap_removed = len(records) - len(self.train) if eval_path is not None else 0
-    self._cached: tuple[int, list[int]] = (-1, [])
-    if not self.train:
-      raise ValueError(f"gsm8k: no training records left in {self.path} after holding out {len(keys)} question(s)")
 
-  def _example(self, split: str, index: int, r: Record, source: Path) -> Example:
+  def question(self, record: Record) -> str:
+    return record.question
+
+  def example(self, split: str, index: int, r: Record) -> Example:
     text = r.question + (f"\n\n{self.instruction}" if self.instruction else "")
     return Example(index, split, user_message(text, self.system), answer=r.answer,
-                   meta={"source": str(source), "line": r.line})
-
-  def _order(self, epoch: int) -> list[int]:
-    cached = self._cached  # positions arrive in order: one shuffle per epoch
-    if cached[0] != epoch:
-      order = list(range(len(self.train)))
-      random.Random(f"{self.seed}/epoch/{epoch}").shuffle(order)
-      self._cached = cached = (epoch, order)
-    return cached[1]
-
-  def prompt(self, index: int) -> Example:
-    epoch, pos = divmod(check_index(index), len(self.train))
-    return self._example(TRAIN, index, self.train[self._order(epoch)[pos]], self.path)
-
-  def eval_examples(self, n: int) -> list[Example]:
-    if check_index(n) > len(self.heldout):
-      raise ValueError(f"gsm8k: {n} eval examples asked, {len(self.heldout)} held out; raise eval_fraction or "
-                       f"pass eval_path")
-    return [self._example(EVAL, j, r, self.eval_path) for j, r in enumerate(self.heldout[:n])]
+                   meta={"source": str(self.eval_path if split == EVAL else self.path), "line": r.line})

@@ -5,6 +5,7 @@ ids. Fns registered with inline=True are fast and trusted: the RewardRunner call
 Any other fn (a user's) runs in a worker process with a timeout; one registered with sandbox=True (it treats the
 model's text as code, like the countdown expression reward) in a sandboxed one (jaxrl.envs.sandbox). A name of
 the form "package.module:function" imports that function (registering it if the module uses the decorator).
+Rewards of optional extras (OPTIONAL_REWARDS) are registered when their module is first asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class RewardSpec:
 
 
 _REGISTRY: dict[str, RewardSpec] = {}
+# name -> (module that registers it, the extra that installs what it imports)
+OPTIONAL_REWARDS = {"reasoning_gym": ("jaxrl.envs.reasoning_gym_reward", "reasoning"),
+                    "math_verify": ("jaxrl.envs.math_verify_reward", "math")}
 
 
 def _qualname(fn) -> str:
@@ -50,11 +54,17 @@ def register_reward(name: str, *, inline: bool = False, sandbox: bool = False) -
 
 
 def reward_names() -> list[str]:
-  return sorted(_REGISTRY)
+  return sorted(set(_REGISTRY) | set(OPTIONAL_REWARDS))
 
 
 def reward_spec(name: str) -> RewardSpec:
   """The registered spec of `name`, or of a "module:function" path (imported; never inline)."""
+  if name in OPTIONAL_REWARDS and name not in _REGISTRY:
+    module, extra = OPTIONAL_REWARDS[name]
+    try:
+      importlib.import_module(module)
+    except ImportError as e:
+      raise ValueError(f"reward {name!r} needs an optional package (pip install 'jaxrl[{extra}]'): {e}") from None
   if name in _REGISTRY:
     return _REGISTRY[name]
   if ":" in name:
@@ -78,7 +88,7 @@ def get_reward(name: str) -> RewardFn:
   return reward_spec(name).fn
 
 
-def _need(meta: Mapping[str, Any], key: str, reward: str, what: str):
+def need(meta: Mapping[str, Any], key: str, reward: str, what: str):
   if key not in meta:
     raise KeyError(f"reward {reward!r} needs meta[{key!r}] ({what}); meta has {sorted(meta)}")
   return meta[key]
@@ -87,7 +97,7 @@ def _need(meta: Mapping[str, Any], key: str, reward: str, what: str):
 @register_reward("exact_answer", inline=True)
 def exact_answer(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
   """1 if the completion's final answer (explicit form, else its last number) equals meta["answer"]."""
-  reference = _need(meta, "answer", "exact_answer", "the reference answer")
+  reference = need(meta, "answer", "exact_answer", "the reference answer")
   return float(answers.answers_match(answers.extract_answer(completion), str(reference)))
 
 
@@ -100,8 +110,8 @@ def answer_format(prompt: str, completion: str, meta: Mapping[str, Any]) -> floa
 @register_reward("countdown", sandbox=True)  # evaluates an expression the model wrote
 def countdown_reward(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
   """1 if the proposed expression uses the given numbers at most once each and equals the target."""
-  numbers = _need(meta, "numbers", "countdown", "the given numbers")
-  target = _need(meta, "target", "countdown", "the target")
+  numbers = need(meta, "numbers", "countdown", "the given numbers")
+  target = need(meta, "target", "countdown", "the target")
   expression = countdown.extract_expression(completion)
   return float(expression is not None and countdown.check_solution(expression, numbers, target) is None)
 
@@ -109,7 +119,7 @@ def countdown_reward(prompt: str, completion: str, meta: Mapping[str, Any]) -> f
 @register_reward("target_token", inline=True)
 def target_token(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
   """Fraction of completion token ids in meta["target_ids"] (0 for an empty completion)."""
-  ids = _need(meta, "completion_ids", "target_token", "the completion's token ids")
-  targets = set(int(t) for t in _need(meta, "target_ids", "target_token", "the rewarded token ids"))
+  ids = need(meta, "completion_ids", "target_token", "the completion's token ids")
+  targets = set(int(t) for t in need(meta, "target_ids", "target_token", "the rewarded token ids"))
   ids = [int(t) for t in ids]
   return sum(t in targets for t in ids) / len(ids) if ids else 0.0

@@ -67,6 +67,9 @@ def _bad_values() -> dict[str, st.SearchStrategy]:
                                             {"fsdp": -1, "tensor": -1}, {"fsdp": 0, "tensor": 1},
                                             {"fsdp": "x", "tensor": 1}, {}]),
       "mesh.sampler_axes": st.sampled_from([{"data": 5, "tensor": 1}, {"data": -1, "tensor": 3}, {}]),
+      "log.backends": st.sampled_from([("tensorboard",), ("jsonl", "comet"), "jsonl", ("jsonl", 1), None]),
+      "log.project": st.one_of(NOT_STR, st.just("")),
+      "log.run_name": NOT_STR,
   })
   return bad
 
