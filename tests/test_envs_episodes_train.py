@@ -19,7 +19,10 @@ EPISODES = {"task.name": "token_turns", "sampler.max_len": 64, "rl.seq_len": 64,
             "log.tensorboard": False, "log.progress": False, "eval.num_examples": 0}
 
 
-@pytest.mark.parametrize("mode, steps, kv", [("sync", 3, "dense"), ("pipeline", 8, "dense"), ("pipeline", 8, "paged")])
+# 16 pipeline steps: over 8, the reward's rise was 0.09-0.24 across mini-batch draws of the same seed (a rise > 0.2
+# had held on one lucky draw; measured 2026-12-06 with the learner of be9f593 and of issue 30 alike).
+@pytest.mark.parametrize("mode, steps, kv", [("sync", 3, "dense"), ("pipeline", 16, "dense"),
+                                             ("pipeline", 16, "paged")])
 def test_multi_turn_episodes_train(tmp_path, mode, steps, kv):
   c = override(tiny.get_config(mode), **EPISODES, num_steps=steps, **{"sampler.kv": kv})
   summary = train(c, tmp_path)

@@ -66,6 +66,7 @@ class Scorer:
   def __init__(self, c, task, tokenizer):
     self.reward_name = c.task.reward or task.reward
     names = sorted({self.reward_name, *getattr(task, "rewards", {}).values()})
+    self.episodes = getattr(task, "episodes", None)  # before the runners: a runner that fails to start closes both
     self.runners: dict[str, RewardRunner] = {}
     try:
       for name in names:
@@ -74,7 +75,6 @@ class Scorer:
       self.close()
       raise
     self.tokenizer = tokenizer
-    self.episodes = getattr(task, "episodes", None)
 
   def _text(self, ids: np.ndarray) -> str:
     return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -79,7 +79,8 @@ def test_component_exception_stops_the_run_with_its_traceback_and_a_checkpoint(m
 def test_a_raising_reward_fn_drops_its_group_and_the_run_goes_on(tmp_path, monkeypatch):
   built = inject(monkeypatch)
   summary = train_lib.train(tiny_config("pipeline", task__reward="faults_rewards:flaky"), tmp_path)
-  runner = built["run"].controller.sampler_loop.score.runner
+  score = built["run"].controller.sampler_loop.score
+  runner = score.runners[score.reward_name]
   assert runner.isolation == "process"
   led = summary["ledger"]
   failed_groups = led["dropped"]["reward_failed"] // 4
