@@ -2,10 +2,10 @@
 one way the train step applies an update (`apply_update`).
 
 `make_optimizer` returns an `AdamW`, an optax GradientTransformation with the values and the state layout (which
-checkpoints hold) of optax's chain(clip_by_global_norm, adamw), whose `update` is written so that XLA updates params
-and both moments in place when it runs inside `apply_update`: through optax's chain XLA:CPU recomputes each new
-moment inside the parameter update from the old one, so it copies both moments first, and it materialises the
-clipped gradients (docs/BENCHMARKS.md, "The main job's memory").
+checkpoints hold) of optax's chain(clip_by_global_norm, adamw), plus `update_if`, the same update with the skip
+inside, which `apply_update` uses so that XLA updates params and both moments in place: through optax's chain XLA:CPU
+recomputes each new moment inside the parameter update from the old one, so it copies both moments first, and it
+materialises the clipped gradients (docs/BENCHMARKS.md, "The main job's memory").
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ def _decayed(params):
 
 
 def apply_update(optimizer: optax.GradientTransformation, grads, opt_state, params, ok: jax.Array):
-  """(params, opt_state) after one update of any optax transformation where `ok`, else both as they were (not
-  computed at all: NaN gradients are harmless). A conditional, not a select of old and new: XLA then writes the
-  new params and optimizer state over the donated old ones (a select needs both alive: a copy of every moment)."""
-
-  def update(args):
-    params, opt_state = args
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return jax.lax.cond(ok, update, lambda args: args, (params, opt_state))
+  """(params, opt_state) after one update of any optax transformation where `ok`, else both as they were (NaN
+  gradients are harmless). An optimizer with its own `update_if` (AdamW) skips inside each moment's update, in
+  place; any other is run and then selected against the old state, which keeps both alive (a copy of its state).
+  Not a lax.cond: with one around the update, a full test run aborted once on a deadlock of the learner mesh's
+  collectives on XLA:CPU (tests/test_e2e.py, sampler beside it); this is the program shape that never did."""
+  update_if = getattr(optimizer, "update_if", None)
+  if update_if is not None:
+    return update_if(grads, opt_state, params, ok)
+  updates, new_state = optimizer.update(grads, opt_state, params)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  return keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,15 @@ class AdamW:
     count = optax.safe_increment(adam.count)
     mu = jax.tree.map(lambda g, t: (1 - self.b1) * (g**1) + self.b1 * t, grads, adam.mu)
     nu = jax.tree.map(lambda g, t: (1 - self.b2) * (g**2) + self.b2 * t, grads, adam.nu)
+    updates = self._updates(params, mu, nu, count, sched.count)
+    state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), masked,
+             optax.ScaleByScheduleState(count=optax.safe_increment(sched.count)))
+    return updates, state if self.max_grad_norm is None else (clip_state, state)
+
+  def _updates(self, params, mu, nu, count, sched_count):
+    """AdamW's parameter updates from the new moments (count: the updates so far, this one included)."""
     bc1, bc2 = 1 - self.b1**count, 1 - self.b2**count
-    step_size = -self.schedule(sched.count)
+    step_size = -self.schedule(sched_count)
 
     def update(p, m, v, decay):
       u = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + 0.0) + self.eps)
@@ -74,10 +82,25 @@ class AdamW:
         u = u + self.weight_decay * p
       return jnp.array(step_size, u.dtype) * u
 
-    updates = jax.tree.map(update, params, mu, nu, _decayed(params))
-    state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), masked,
-             optax.ScaleByScheduleState(count=optax.safe_increment(sched.count)))
-    return updates, state if self.max_grad_norm is None else (clip_state, state)
+    return jax.tree.map(update, params, mu, nu, _decayed(params))
+
+  def update_if(self, grads, state, params, ok: jax.Array) -> tuple[Any, Any]:
+    """(params, state) after `update` and optax.apply_updates where `ok`, else both as they were: the skip inside
+    each moment's and each parameter's update, so that XLA writes them over the donated old ones."""
+    _, new_state = self.update(grads, state, params)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    clip_state, (adam, masked, sched) = state if self.max_grad_norm is not None else (None, state)
+    new_adam, _, new_sched = new_state[1] if self.max_grad_norm is not None else new_state
+    mu = jax.tree.map(keep, new_adam.mu, adam.mu)
+    nu = jax.tree.map(keep, new_adam.nu, adam.nu)
+    # The parameter update reads the moments written above, not their inputs: without the barrier XLA recomputes
+    # them inside it from the old moments, which then have to be copied before they are overwritten.
+    mu, nu = jax.lax.optimization_barrier((mu, nu))
+    updates = self._updates(params, mu, nu, new_adam.count, sched.count)
+    params = jax.tree.map(lambda p, u: keep(jnp.asarray(p + u).astype(p.dtype), p), params, updates)
+    state = (optax.ScaleByAdamState(count=keep(new_adam.count, adam.count), mu=mu, nu=nu), masked,
+             optax.ScaleByScheduleState(count=keep(new_sched.count, sched.count)))
+    return params, state if self.max_grad_norm is None else (clip_state, state)
 
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0, end_lr_ratio: float = 0.0,
