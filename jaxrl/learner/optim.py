@@ -57,19 +57,32 @@ class AdamW:
     return self.chain.init(params)
 
   def update(self, grads, state, params) -> tuple[Any, Any]:
-    clip_state, (adam, masked, sched) = state if self.max_grad_norm is not None else (None, state)
+    count, mu, nu = self._moments(grads, state)
+    _, (adam, masked, sched) = self._parts(state)
+    updates = self._updates(params, mu, nu, count, sched.count)
+    return updates, self._state(state, optax.ScaleByAdamState(count=count, mu=mu, nu=nu), masked,
+                                optax.safe_increment(sched.count))
+
+  def _parts(self, state):
+    """(clip state or None, (adam, masked, schedule)) of an optimizer state."""
+    return state if self.max_grad_norm is not None else (None, state)
+
+  def _state(self, old, adam, masked, sched_count):
+    clip_state, _ = self._parts(old)
+    new = (adam, masked, optax.ScaleByScheduleState(count=sched_count))
+    return new if self.max_grad_norm is None else (clip_state, new)
+
+  def _moments(self, grads, state):
+    """(count, mu, nu) after this update: the gradients clipped (multiplied by max_norm / norm), then Adam's."""
+    _, (adam, _, _) = self._parts(state)
     if self.max_grad_norm is not None:
       g_norm = optax.tree.norm(grads)
       trigger = jnp.squeeze(g_norm < self.max_grad_norm)
       scale = jnp.where(trigger, 1.0, self.max_grad_norm / g_norm)
       grads = jax.tree.map(lambda t: t * scale.astype(t.dtype), grads)
-    count = optax.safe_increment(adam.count)
     mu = jax.tree.map(lambda g, t: (1 - self.b1) * (g**1) + self.b1 * t, grads, adam.mu)
     nu = jax.tree.map(lambda g, t: (1 - self.b2) * (g**2) + self.b2 * t, grads, adam.nu)
-    updates = self._updates(params, mu, nu, count, sched.count)
-    state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), masked,
-             optax.ScaleByScheduleState(count=optax.safe_increment(sched.count)))
-    return updates, state if self.max_grad_norm is None else (clip_state, state)
+    return optax.safe_increment(adam.count), mu, nu
 
   def _updates(self, params, mu, nu, count, sched_count):
     """AdamW's parameter updates from the new moments (count: the updates so far, this one included)."""
@@ -87,21 +100,18 @@ class AdamW:
   def update_if(self, grads, state, params, ok: jax.Array) -> tuple[Any, Any]:
     """(params, state) after `update` and optax.apply_updates where `ok`, else both as they were: the skip inside
     each moment's and each parameter's update, so that XLA writes them over the donated old ones."""
-    _, new_state = self.update(grads, state, params)
+    count, mu, nu = self._moments(grads, state)
+    _, (adam, masked, sched) = self._parts(state)
     keep = lambda new, old: jnp.where(ok, new, old)
-    clip_state, (adam, masked, sched) = state if self.max_grad_norm is not None else (None, state)
-    new_adam, _, new_sched = new_state[1] if self.max_grad_norm is not None else new_state
-    mu = jax.tree.map(keep, new_adam.mu, adam.mu)
-    nu = jax.tree.map(keep, new_adam.nu, adam.nu)
+    mu = jax.tree.map(keep, mu, adam.mu)
+    nu = jax.tree.map(keep, nu, adam.nu)
     # The parameter update reads the moments written above, not their inputs: without the barrier XLA recomputes
     # them inside it from the old moments, which then have to be copied before they are overwritten.
     mu, nu = jax.lax.optimization_barrier((mu, nu))
-    updates = self._updates(params, mu, nu, new_adam.count, sched.count)
+    updates = self._updates(params, mu, nu, count, sched.count)
     params = jax.tree.map(lambda p, u: keep(jnp.asarray(p + u).astype(p.dtype), p), params, updates)
-    state = (optax.ScaleByAdamState(count=keep(new_adam.count, adam.count), mu=mu, nu=nu), masked,
-             optax.ScaleByScheduleState(count=keep(new_sched.count, sched.count)))
-    return params, state if self.max_grad_norm is None else (clip_state, state)
-
+    adam = optax.ScaleByAdamState(count=keep(count, adam.count), mu=mu, nu=nu)
+    return params, self._state(state, adam, masked, keep(optax.safe_increment(sched.count), sched.count))
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0, end_lr_ratio: float = 0.0,
                    weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
