@@ -52,9 +52,9 @@ def _abstract_savable(abstract_state):
 def _state_handler(compress: bool, multiprocessing: ocp.options.MultiprocessingOptions):
   """Orbax's StandardCheckpointHandler, its arrays written with or without zstd compression.
 
-  Compressed, TensorStore holds each array's compressed chunks in host memory until the save is written: the main
-  job's 1.6 GB TrainState added 1.3-1.4 GB to peak RSS during a save (0.1 GB uncompressed) and took twice as long,
-  to save 20% of the disk (docs/BENCHMARKS.md, "The main job's memory"). Either kind restores with either setting."""
+  Compressed, TensorStore holds each array's compressed chunks in host memory until the save is written: a save's
+  peak RSS grows by about the compressed state and the save takes longer, for a modest saving of disk
+  (docs/BENCHMARKS.md, the main job's memory). Either kind restores with either setting."""
   handler = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
   # It does not pass use_compression on: its PyTree handler is replaced by one that does (the same class stays
   # registered for StandardSave / StandardRestore; tests/test_checkpoint_compression.py checks what lands on disk).

@@ -38,7 +38,7 @@ def _bits_u32(x):
 
 
 # Elements summed at a time. Over a whole array XLA:CPU materialised the uint32 bits and the weighted product: two
-# array-sized temporaries per leaf, 3.2 GB for the main job's 1.6 GB state (the peak of each save).
+# array-sized temporaries per leaf (twice the state: the peak of each save).
 BLOCK = 1 << 20
 
 

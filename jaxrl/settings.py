@@ -156,7 +156,7 @@ SETTINGS = (
     Int("rl.logprob_chunk", 0, 0, "> 0: log-probs computed this many positions at a time (no [B, L, V] logits)"),
     # Gradient accumulation by size: each update's rows are run in the fewest chunks of at most this many rows per
     # learner device (per row bucket; the same update up to summation order). Bounds activation memory; on
-    # XLA:CPU chunks of <= 6 rows of 128 tokens stay in the core's cache (1.6x faster there). 0: one chunk
+    # XLA:CPU small chunks stay in the core's cache (docs/BENCHMARKS.md). 0: one chunk
     Int("rl.microbatch_rows", 0, 0, "rows per gradient-accumulation chunk per device at most (0: whole update)"),
     # k: a group admitted at sampler version v is trained by step v + k, late or not (nothing is dropped for
     # staleness): every trained token has staleness <= k, in learner steps (pipeline mode; sync is k = 0). "auto":
@@ -192,8 +192,8 @@ SETTINGS = (
 
     Int("checkpoint.every_steps", 5, 1, "save every N learner steps (and at the end)"),
     Int("checkpoint.max_to_keep", 2, 1, "older checkpoints are deleted"),
-    # zstd: ~20% less disk for weights, but a save holds the compressed state in host memory until written (+1.3 GB
-    # peak RSS for the main job) and takes about twice as long
+    # zstd: ~20% less disk for weights, but a save holds the compressed state in host memory until written (a higher
+    # peak RSS) and takes longer (docs/BENCHMARKS.md)
     Bool("checkpoint.compress", False, "zstd-compress the saved arrays"),
 
     Int("eval.num_examples", 0, 0, "held-out examples scored greedily before and after training (0: none)"),

@@ -58,7 +58,7 @@ class LearnerLoop:
   def run(self) -> None:
     """Asks one share ahead: step s's share is asked for as soon as step s - 1's is taken, so that the sampler side
     assembles and sends it while step s - 1 trains (asked only once step s - 1 is trained, the learner waited a
-    decode call plus the share's encoding and copy every step: 6-30 ms of a 40-60 ms headline pipeline step). Which
+    decode call plus the share's encoding and copy every step). Which
     groups a share holds does not depend on when it is asked (the deadlines decide; then completion order); a
     sampler that hears of a skipped update one ask late counts its next share one step later than the learner
     trains it, which only lowers its groups' staleness."""
@@ -125,7 +125,7 @@ class LearnerLoop:
     batch = self.spec.make_batch(samples, train_step)
     if self.checkpointer is not None:
       # A save still reading the state would keep it alive through this step, which donates it: a second state
-      # plus Orbax's host copy (+2.9 GB peak RSS for the main job; docs/BENCHMARKS.md "The main job's memory").
+      # plus Orbax's host copy (docs/BENCHMARKS.md, the main job's memory).
       self.checkpointer.wait()
     state, metrics = self.train_step(self.state, batch, jax.random.fold_in(self._base_key, train_step))
     applied = int(jax.device_get(state.version)) > step

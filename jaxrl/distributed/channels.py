@@ -58,7 +58,7 @@ class Inbox:
 
   def get(self, rank: int) -> list[Rollout]:
     """The next group from sampler `rank`. The lead counts what it takes in the store once its queue is empty (a
-    share arrives in one packet: one store call a share, not one a group, ~0.3 ms each on the learner's core) and
+    share arrives in one packet: one store call a share, not one a group: each call costs the learner's core) and
     before it waits, so a sampler waiting for room always sees every group taken."""
     q = self._qs[rank]
     while True:
@@ -116,8 +116,8 @@ class Outbox:
 
   def put_all(self, groups: list[list[Rollout]]) -> None:
     """The groups in packets of up to `capacity` groups: one cross-process copy and a few store calls for a whole
-    share (a packet per group cost the learner 20-40 ms a step of waiting on loopback: docs/BENCHMARKS.md, the
-    headline). Each chunk leaves `groups` once it is on its way."""
+    share (a packet per group made the learner wait on every group's round trip: docs/BENCHMARKS_HISTORY.md).
+    Each chunk leaves `groups` once it is on its way."""
     while groups:
       t0 = time.perf_counter()
       chunk = groups[: self.capacity]
@@ -265,7 +265,7 @@ class StoreCoordinator(Coordination):
     """The lead asks every sampler for its next share: a key per ask (asked/1, asked/2, ... numbered by the lead, the
     only asker) holding the updates skipped so far and the admission bound (rl.max_staleness="auto"), on which each
     sampler's watcher thread blocks. The coordination service runs in the lead's process: each store call costs the
-    learner's core ~0.5-0.7 ms, so one call an ask."""
+    learner's core time, so one call an ask."""
     if self.is_lead:
       self._asks_made += 1
       self.store.set(f"asked/{self._asks_made}", {"skipped": self._skipped_total, "admit_k": self.admit_k})
@@ -343,7 +343,7 @@ class StoreCoordinator(Coordination):
   def _watch_asks(self) -> None:
     """Follows the lead's asks (asked/1, asked/2, ...) and wakes the sampler loop at each: its per-iteration
     checks (shares asked, updates skipped, the admission bound) read these fields instead of store round trips
-    (~1 ms each on a core the decode shares, 9% of the headline sampler's time)."""
+    (each a round trip on a core the decode shares)."""
     while not self.stop.is_set():
       try:
         ask = self.store.get(f"asked/{self._asked + 1}", timeout_s=20 * self.poll_s)
@@ -364,7 +364,7 @@ class StoreCoordinator(Coordination):
     return self._skipped
 
   def sending(self, costs: dict) -> None:
-    """Before any group leaves this sampler, one post (~1 ms a store call, so one a send): its costs, and what it
+    """Before any group leaves this sampler, one post (a store call is a round trip): its costs, and what it
     has admitted (its next new position, what it has yet to regenerate or admit, the prompts it skipped) with its
     counts, one consistent snapshot (the sampler loop's thread admits, counts and sends): checkpoint_record."""
     admitted = {"next": self.record.next_group_id, "left": self.regenerate + self.unadmitted,
