@@ -127,6 +127,8 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
   need(k == "auto" or is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
   if k == "auto":
     auto_staleness(c)
+  need(c.mode != "auto" or k != "auto", "mode='auto' chooses the staleness bound itself (sync or the pipeline at "
+       "k = 1..auto.k_max): leave rl.max_staleness an int")
   s = c.sampler
   need(s.kv != "paged" or s.max_len % s.page_size == 0,
        f"sampler.max_len={s.max_len} must be a multiple of sampler.page_size={s.page_size} (sampler.kv='paged')")
@@ -152,6 +154,8 @@ def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int
     if not cond:
       raise ConfigError(f"config: {msg}")
 
+  need(c.mode != "auto", "mode='auto' runs in a single-host job only (its segments are resumed in one process): "
+       "use mode='pipeline' or 'sync' with the multi-process launcher")
   total = sum(devices_per_process)
   n, s = c.mesh.num_devices, c.mesh.sampler_devices
   need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any
 
-MODES = ("pipeline", "sync")
+MODES = ("pipeline", "sync", "auto")
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
@@ -86,7 +86,14 @@ positive = lambda v: v > 0  # noqa: E731
 SETTINGS = (
     Int("seed", 0, 0, "seeds params init (tiny), the learner's rng and every prompt's sampling key"),
     Choice("mode", "pipeline", MODES, '"pipeline": sampler and learner run at once; "sync": sample a batch, train, '
-           "repeat (the pipeline with max_staleness 0)"),
+           'repeat (the pipeline with max_staleness 0); "auto": measured segments, the mode and k that train the '
+           "most tokens/s (jaxrl/controller/auto.py)"),
+    # mode="auto": a sync segment measures the run's costs, the simulator predicts each candidate (sync, pipeline at
+    # k = 1..k_max), later segments run the best-scoring one (a measurement replaces its prediction)
+    Int("auto.measure_steps", 5, 4, 'mode="auto": steps of the first (sync) segment, which calibrates the model'),
+    Int("auto.recheck_steps", 8, 4, 'mode="auto": steps of every later segment (the choice is re-made after each)'),
+    Int("auto.k_max", 2, 1, 'mode="auto": the largest staleness bound it tries for the pipeline'),
+    Int("auto.warmup_steps", 1, 1, 'mode="auto": steps of each segment left out of its measurement (compilation)'),
     Int("num_steps", 20, 1, "learner steps (policy versions) to train for"),
 
     Setting("model.source", "tiny", '"tiny" (random ModelConfig.tiny), "smollm2" (fetched by jaxrl-assets), or a HF '

@@ -96,12 +96,44 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
 
   A signal in `stop_signals` (default SIGTERM, what a preempted TPU VM or a Slurm time limit sends; handled when
   called from the main thread) stops the run early after saving a checkpoint: the summary then has `stopped_by`
-  and fewer steps; the same call resumes it."""
+  and fewer steps; the same call resumes it. mode="auto" runs fixed-mode segments chosen by jaxrl.controller.auto."""
+  workdir = Path(workdir)
+  if c.mode != "auto":
+    summary, _ = _train_fixed(c, workdir, stop_signals)
+    summary_lib.write_summary(workdir, summary)
+    return summary
+  config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  from jaxrl.controller import auto
+  from jaxrl.metrics import read_jsonl
+
+  def run_segment(seg_c, first: bool, last: bool):
+    return _train_fixed(seg_c, workdir, stop_signals, evaluate_before=first, evaluate_after=last)
+
+  def records(start: int, end: int) -> list[dict]:
+    return [r for r in read_jsonl(workdir / "metrics.jsonl") if start < r["step"] <= end]
+
+  def context() -> dict:
+    model_cfg, tokenizer, _ = build_lib.model_source(c)
+    from jaxrl.controller.data import make_prompt_source
+
+    params = hf.abstract_params(model_cfg)[1]
+    devices = len(jax.devices()) if c.mesh.num_devices == -1 else c.mesh.num_devices
+    return dict(devices=devices, prompt_len=len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0]),
+                weight_bytes=float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))))
+
+  summary = auto.supervise(c, workdir, run_segment, records, context)
+  summary_lib.write_summary(workdir, summary)
+  return summary
+
+
+def _train_fixed(c, workdir: Path, stop_signals, *, evaluate_before: bool = True,
+                 evaluate_after: bool = True) -> tuple[dict[str, Any], list[int]]:
+  """One fixed-mode run to c.num_steps: (its summary, the completion lengths of the samples it trained)."""
   run = build(c, workdir)
   ctl = run.controller
   evals = {}
   try:
-    if c.eval.num_examples and run.resumed_from is None:
+    if evaluate_before and c.eval.num_examples and run.resumed_from is None:
       evals["eval_before"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
   except BaseException:  # (e.g. a task with fewer held-out examples than asked) nothing ran: close what was opened
     _close(run, score=True)
@@ -109,6 +141,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   hostmem.trim()  # what loading, compiling and the first evaluation freed, before the steps add theirs
   t0 = time.perf_counter()
   finished = False
+  evaluate_after = evaluate_after and bool(c.eval.num_examples)
   try:
     with summary_lib.stop_on_signals(ctl.request_stop, stop_signals,
                                      "jaxrl: {name}: stopping after the current step and saving a checkpoint"):
@@ -116,9 +149,9 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
     finished = ctl.stop_reason is None
   finally:
     ctl.finish()
-    _close(run, score=not (finished and c.eval.num_examples))  # a failed run closes its reward workers too
+    _close(run, score=not (finished and evaluate_after))  # a failed run closes its reward workers too
   train_seconds = time.perf_counter() - t0
-  if finished and c.eval.num_examples:
+  if finished and evaluate_after:
     evals["eval_after"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
     ctl.sampler_loop.score.close()
   summary = summary_lib.run_summary(c.mode, version=ctl.version, ledger=ctl.ledger.to_json(),
@@ -128,8 +161,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
                                     train_seconds=train_seconds, **evals)
   if getattr(run.task, "episodes", None) is not None:  # a multi-turn env task (the evals' episodes included)
     summary["episodes"] = run.task.episodes.stats()
-  summary_lib.write_summary(run.workdir, summary)
-  return summary
+  return summary, ctl.learner_loop.trained_lengths
 
 
 def _cpu_devices() -> None:

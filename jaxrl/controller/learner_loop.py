@@ -37,6 +37,7 @@ class LearnerLoop:
     if self.adaptive is not None:
       coord.admit_k = self.adaptive.k
     self.trained_staleness: list[int] = []  # per trained sample, for tests and histograms
+    self.trained_lengths: list[int] = []  # model tokens per trained sample (mode="auto" calibrates on them)
     self.busy = 0.0
     self.step_times: list[float] = []
     self._batch_groups: list[list[Rollout]] = []  # taken, not yet trained
@@ -151,6 +152,7 @@ class LearnerLoop:
         self.coord.progress.failed("update_skipped")
     if applied:
       self.trained_staleness += [step - r.min_version for r in samples]
+      self.trained_lengths += [r.num_model_tokens for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
     metrics["applied"] = applied
     rewards = np.array([r.reward for r in samples])

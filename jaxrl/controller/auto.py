@@ -1,0 +1,182 @@
+"""mode="auto": the run measures its own costs, asks the systems model which mode and staleness bound train the most
+tokens per second, runs that, and checks the choice against what it measures.
+
+A run is a sequence of segments, each a plain fixed-mode run resumed from the previous segment's checkpoint (exact
+resume: the same step, version, data position and rng; groups in flight at a segment's end are generated again and
+counted, never lost or trained twice). The first segment is synchronous (`auto.measure_steps` steps): its metrics
+calibrate the simulator (jaxrl.sim.runlog, the costs the run paid) on its own completion lengths, and the simulator
+predicts the trained tokens per second of sync and of the pipeline at every k in 1..`auto.k_max`. Every later
+segment (`auto.recheck_steps` steps) runs the candidate with the best score, where a candidate's score is what a
+segment of it measured, else what the simulator predicts from the newest calibration. So a prediction is tried once
+and a measurement replaces it: a pipeline that the model overrates is measured and abandoned, and the run is never
+slower than sync for longer than one segment. Each decision (its candidates' predicted and measured tokens/s, the
+one chosen) is appended to workdir/auto.json, which a resumed run reads back, and lands in summary.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl.controller.summary import accuracy_change
+
+SYNC = ("sync", 0)
+
+
+def candidates(k_max: int) -> list[tuple[str, int]]:
+  """(mode, k) of every candidate: sync, and the pipeline at each bound 1..k_max."""
+  return [SYNC] + [("pipeline", k) for k in range(1, k_max + 1)]
+
+
+def name(candidate: tuple[str, int]) -> str:
+  mode, k = candidate
+  return "sync" if mode == "sync" else f"pipeline_k{k}"
+
+
+def choose(predicted: dict[str, float], measured: dict[str, float]) -> str:
+  """The candidate with the most trained tokens per second, each scored by its measurement where one exists, else
+  by its prediction; ties go to the first listed (sync first: it needs no staleness correction)."""
+  scores = {c: measured.get(c, p) for c, p in predicted.items()}
+  scores.update({c: m for c, m in measured.items() if c not in scores})
+  return max(scores, key=lambda c: (scores[c], -list(scores).index(c)))
+
+
+@dataclasses.dataclass
+class Segment:
+  """One stretch of an auto run in one fixed mode: steps (start, end], what was predicted and measured."""
+
+  start: int
+  end: int
+  choice: str
+  predicted: dict[str, float]  # candidate -> predicted trained tokens/s (from the previous segment's calibration)
+  measured_tokens_per_s: float | None = None  # this segment's own trained tokens/s (after its warm-up step)
+  predicted_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  measured_step_s: float | None = None
+
+
+def segment_config(c, candidate: tuple[str, int], end: int):
+  """The fixed-mode config of a segment ending at step `end`."""
+  mode, k = candidate
+  seg = copy.deepcopy(c)
+  with seg.unlocked():
+    seg.mode = mode
+    seg.rl.max_staleness = k
+    seg.num_steps = end
+  return seg
+
+
+def measure(records: list[dict], batch_size: int, warmup: int) -> tuple[float, float]:
+  """(trained completion tokens per second, seconds per step) of a segment's records after its warm-up steps."""
+  from jaxrl.sim import runlog
+
+  return 1.0 / runlog.seconds_per_token(records, warmup, batch_size), runlog.step_time_s(records, warmup)
+
+
+def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_len: int, weight_bytes: float,
+            warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+  """Trained tokens/s and step seconds of every candidate, from a calibration of `records` (a segment's metrics) on
+  the completion lengths its trained samples had."""
+  from jaxrl.sim import runlog
+  from jaxrl.sim.calibrate import fit_calibration
+  from jaxrl.sim.planner import RunDescription
+  from jaxrl.sim.planner import predict as predict_run
+
+  sampler_devices = c.mesh.sampler_devices
+  m, _ = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
+                             max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
+                             sampler_devices=sampler_devices, weight_bytes=weight_bytes)
+  cal = fit_calibration(m)
+  tokens, step_s = {}, {}
+  for cand in candidates(c.auto.k_max):
+    run = RunDescription(sampler_devices=sampler_devices, learner_devices=devices - sampler_devices,
+                         batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
+                         lengths=np.asarray(lengths), max_staleness=max(cand[1], 1), prompt_len=prompt_len,
+                         steps=max(c.auto.recheck_steps, 4), seed=c.seed, queue_groups=c.rl.queue_groups,
+                         seq_len=c.rl.seq_len, pack=c.rl.pack, max_segments=c.rl.max_segments,
+                         steps_per_call=c.sampler.steps_per_call, overlap_calls=1)
+    pred = predict_run(cal, run)
+    result = pred.sync if cand == SYNC else pred.pipeline
+    tokens[name(cand)], step_s[name(cand)] = float(result.tokens_per_s), float(result.step_time_s)
+  return tokens, step_s
+
+
+class AutoLog:
+  """workdir/auto.json: the segments decided so far (a resumed auto run continues from them)."""
+
+  def __init__(self, workdir: Path):
+    self.path = Path(workdir) / "auto.json"
+    self.segments = [Segment(**s) for s in json.loads(self.path.read_text())] if self.path.exists() else []
+
+  def append(self, segment: Segment) -> None:
+    self.segments.append(segment)
+    self.write()
+
+  def write(self) -> None:
+    self.path.write_text(json.dumps([dataclasses.asdict(s) for s in self.segments], indent=2))
+
+  def measured(self) -> dict[str, float]:
+    """The newest measurement of each candidate."""
+    return {s.choice: s.measured_tokens_per_s for s in self.segments if s.measured_tokens_per_s is not None}
+
+
+def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any], Any]],
+              segment_records: Callable[[int, int], list[dict]], context: Callable[[], dict]) -> dict[str, Any]:
+  """Runs an auto config to c.num_steps as fixed-mode segments; returns the last segment's summary with `auto`.
+
+  run_segment(config, first, last) trains one segment (first: evaluate before; last: evaluate after) and returns
+  (its summary, its trained completion lengths); segment_records(start, end) reads the metrics of steps
+  (start, end]; context() gives what a calibration needs (devices, prompt_len, weight_bytes)."""
+  log = AutoLog(workdir)
+  warmup = c.auto.warmup_steps
+  summary, predicted, step_pred, before = None, {}, {}, None
+  done = log.segments[-1].end if log.segments else 0
+  if log.segments and log.segments[-1].measured_tokens_per_s is None:
+    # A segment cut short: decided again from the same predictions, and run from the newest checkpoint on (its
+    # start, or later: its steps before the cut are not trained again)
+    cut = log.segments.pop()
+    done, predicted, step_pred = cut.start, cut.predicted, cut.predicted_step_s
+  elif log.segments:
+    predicted, step_pred = log.segments[-1].predicted, log.segments[-1].predicted_step_s
+  sync_lengths = None  # the lengths a sync segment trained: every generated sample, no length bias
+  while done < c.num_steps:
+    first = not log.segments
+    if first:
+      choice, length = "sync", c.auto.measure_steps
+    else:
+      choice, length = choose(predicted or {name(SYNC): 0.0}, log.measured()), c.auto.recheck_steps
+    end = min(done + length, c.num_steps)
+    if c.num_steps - end < warmup + 3:  # too short a tail to measure: fold it into this segment
+      end = c.num_steps
+    cand = next(x for x in candidates(c.auto.k_max) if name(x) == choice)
+    seg = Segment(start=done, end=end, choice=choice, predicted=predicted, predicted_step_s=step_pred)
+    log.append(seg)
+    summary, lengths = run_segment(segment_config(c, cand, end), first, end == c.num_steps)
+    before = summary.get("eval_before", before)
+    if "stopped_by" in summary:
+      break
+    if choice == "sync":
+      sync_lengths = lengths
+    records = segment_records(max(done, summary.get("resumed_from") or 0), end)  # this process's steps only
+    batch = c.rl.group_size * c.rl.groups_per_step
+    if len(records) >= warmup + 3:
+      seg.measured_tokens_per_s, seg.measured_step_s = measure(records, batch, warmup)
+      if end < c.num_steps:
+        predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup, **context())
+    else:
+      seg.measured_tokens_per_s = 0.0  # nothing to measure: recorded as run, never preferred
+    log.write()
+    done = end
+  summary = dict(summary or {})
+  summary["mode"] = "auto"
+  if before is not None:
+    summary["eval_before"] = before
+    if "accuracy" in before and "accuracy" in summary.get("eval_after", {}):
+      summary["eval_accuracy_change"] = accuracy_change(before, summary["eval_after"])
+  summary["auto"] = [dataclasses.asdict(s) for s in log.segments]
+  return summary

@@ -1,0 +1,127 @@
+"""mode="auto" (jaxrl/controller/auto.py): the choice rule, the segments it runs, resume, and a real tiny run whose
+segments switch mode without losing or repeating a sample."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from configs import tiny
+from jaxrl import config as config_lib
+from jaxrl.controller import auto
+from jaxrl.train import train
+
+
+def test_a_measurement_replaces_its_prediction():
+  predicted = {"sync": 10.0, "pipeline_k1": 15.0, "pipeline_k2": 14.0}
+  assert auto.choose(predicted, {}) == "pipeline_k1"
+  # k1 was tried and measured slower than sync: the next best prediction is tried, then sync wins on measurements
+  assert auto.choose(predicted, {"sync": 11.0, "pipeline_k1": 9.0}) == "pipeline_k2"
+  assert auto.choose(predicted, {"sync": 11.0, "pipeline_k1": 9.0, "pipeline_k2": 10.5}) == "sync"
+  assert auto.choose({"sync": 5.0, "pipeline_k1": 5.0}, {}) == "sync"  # a tie goes to sync
+
+
+def test_candidates_and_segment_configs():
+  assert [auto.name(x) for x in auto.candidates(2)] == ["sync", "pipeline_k1", "pipeline_k2"]
+  c = tiny.get_config()
+  c.mode = "auto"
+  seg = auto.segment_config(c, ("pipeline", 2), end=9)
+  assert (seg.mode, seg.rl.max_staleness, seg.num_steps) == ("pipeline", 2, 9)
+  assert (c.mode, c.num_steps) == ("auto", 12)  # the run's own config is untouched
+
+
+class _FakeRun:
+  """Segments that 'train' instantly; each candidate measures a fixed tokens/s; predictions are given."""
+
+  def __init__(self, c, tokens_per_s, predicted, stop_at=None):
+    self.c, self.tokens_per_s, self.predicted, self.stop_at = c, tokens_per_s, predicted, stop_at
+    self.segments = []
+
+  def run_segment(self, seg_c, first, last):
+    mode = "sync" if seg_c.mode == "sync" else f"pipeline_k{seg_c.rl.max_staleness}"
+    start = self.segments[-1][2] if self.segments else 0
+    self.segments.append((mode, start, seg_c.num_steps, first, last))
+    if self.stop_at is not None and seg_c.num_steps > self.stop_at:
+      return {"stopped_by": "SIGTERM"}, []
+    return {"eval_before": {"accuracy": 0.25, "num_correct": 4, "num_judged": 16}} if first else {}, [3, 4]
+
+  def records(self, start, end):
+    rate = self.tokens_per_s[self.segments[-1][0]]
+    return [{"step": s, "time": s / rate, "completion_len": 1.0} for s in range(start + 1, end + 1)]
+
+
+def _supervise(c, fake, workdir, monkeypatch):
+  monkeypatch.setattr(auto, "measure", lambda rs, batch, warmup: (1.0 / (rs[1]["time"] - rs[0]["time"]), 1.0))
+  monkeypatch.setattr(auto, "predict", lambda *a, **k: (dict(fake.predicted), {}))
+  return auto.supervise(c, workdir, fake.run_segment, fake.records, lambda: {})
+
+
+def test_supervisor_segments_follow_measurements(tmp_path, monkeypatch):
+  c = tiny.get_config()
+  c.mode, c.num_steps = "auto", 30
+  c.auto.measure_steps, c.auto.recheck_steps = 5, 6
+  # The model overrates k1; measured, k2 is best
+  fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1": 8.0, "pipeline_k2": 12.0},
+                  {"sync": 10.0, "pipeline_k1": 20.0, "pipeline_k2": 15.0})
+  summary = _supervise(c, fake, tmp_path, monkeypatch)
+  assert [(m, s, e) for m, s, e, _, _ in fake.segments] == [
+      ("sync", 0, 5), ("pipeline_k1", 5, 11), ("pipeline_k2", 11, 17), ("pipeline_k2", 17, 23),
+      ("pipeline_k2", 23, 30)]  # the last tail (1 step) is folded into the segment before it
+  assert [(f, la) for *_, f, la in fake.segments] == [(True, False)] + [(False, False)] * 3 + [(False, True)]
+  assert summary["mode"] == "auto" and summary["eval_before"]["accuracy"] == 0.25
+  assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k1", "pipeline_k2", "pipeline_k2",
+                                                   "pipeline_k2"]
+  assert summary["auto"][2]["measured_tokens_per_s"] == pytest.approx(12.0)
+  assert json.loads((tmp_path / "auto.json").read_text()) == summary["auto"]
+
+
+def test_a_stopped_auto_run_resumes_its_cut_segment(tmp_path, monkeypatch):
+  c = tiny.get_config()
+  c.mode, c.num_steps = "auto", 20
+  c.auto.measure_steps, c.auto.recheck_steps = 5, 8
+  rates = {"sync": 10.0, "pipeline_k1": 20.0, "pipeline_k2": 5.0}
+  fake = _FakeRun(c, rates, dict(rates), stop_at=5)
+  summary = _supervise(c, fake, tmp_path, monkeypatch)
+  assert "stopped_by" in summary and [s["end"] for s in summary["auto"]] == [5, 13]
+  assert summary["auto"][-1]["measured_tokens_per_s"] is None  # cut: not measured
+  fake2 = _FakeRun(c, rates, dict(rates))
+  fake2.segments = [("sync", 0, 5, True, False)]
+  summary = _supervise(c, fake2, tmp_path, monkeypatch)
+  assert [(m, s, e) for m, s, e, _, _ in fake2.segments[1:]] == [("pipeline_k1", 5, 13), ("pipeline_k1", 13, 20)]
+  assert [(s["start"], s["end"]) for s in summary["auto"]] == [(0, 5), (5, 13), (13, 20)]
+
+
+def test_auto_refuses_an_adaptive_bound_and_the_multi_process_launcher():
+  c = tiny.get_config()
+  c.mode, c.rl.max_staleness = "auto", "auto"
+  with pytest.raises(config_lib.ConfigError, match="mode='auto' chooses the staleness bound itself"):
+    config_lib.validate(c)
+  c.rl.max_staleness = 1
+  with pytest.raises(config_lib.ConfigError, match="single-host job only"):
+    config_lib.validate_job(c, [1, 1])
+
+
+def test_auto_run_switches_mode_without_losing_or_repeating_a_sample(tmp_path):
+  c = tiny.get_config()
+  c.mode, c.num_steps, c.log.trace = "auto", 9, True
+  c.auto.measure_steps, c.auto.recheck_steps = 5, 4
+  summary = train(c, tmp_path)
+  segments = summary["auto"]
+  assert [(s["start"], s["end"]) for s in segments] == [(0, 5), (5, 9)]
+  assert segments[0]["choice"] == "sync"
+  assert segments[1]["choice"] == auto.choose(segments[1]["predicted"], {"sync": segments[0]["measured_tokens_per_s"]})
+  assert set(segments[1]["predicted"]) == {"sync", "pipeline_k1", "pipeline_k2"}
+  assert all(s["measured_tokens_per_s"] > 0 for s in segments)
+  # The sample ledger: every sample trained once, groups contiguous from 0, every step's batch whole
+  events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+  trained = [tuple(s[:2]) for e in events if e.get("event") == "train" and e.get("applied") for s in e["samples"]]
+  batch = c.rl.group_size * c.rl.groups_per_step
+  assert len(trained) == len(set(trained)) == 9 * batch
+  groups = Counter(g for g, _ in trained)
+  assert sorted(groups) == list(range(9 * c.rl.groups_per_step)) and set(groups.values()) == {c.rl.group_size}
+  ledger = summary["ledger"]
+  assert ledger["samples_trained"] == 9 * batch and summary["steps"] == 9
+  assert ledger["samples_generated"] == (ledger["samples_trained"] + ledger["samples_discarded_at_resume"]
+                                         + sum(ledger["dropped"].values()) + summary["samples_in_flight"])
+  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert steps == list(range(1, 10))
