@@ -10,6 +10,9 @@ Each run is its own program, as a user runs it (configs/bench_headline.py[:workl
   sync:     python -m jaxrl.train --config.mode=sync  (JAX_NUM_CPU_DEVICES=2: a learner and a sampler device of one
             process, whose XLA thread pool spans every core; sync never runs them at once)
   pipeline: python -m jaxrl.distributed.launch --num_processes=2 --devices_per_process=1 --cpu_affinity=split
+  auto:     python -m jaxrl.train --config.mode=auto  (with --auto; one process as sync, its segments choose sync or
+            the single-process pipeline; measured over the whole run after warm-up: its sync measuring segment and
+            the restarts between segments count)
 An untimed first round of each mode fills a persistent compilation cache, so that no timed run compiles mid-run
 (a new packed-row bucket or KV-recompute length); then `rounds` rounds alternate which mode goes first. From every
 run's metrics.jsonl: seconds per trained (completion) token and per step (least-squares slope of step log times)
@@ -35,13 +38,14 @@ from bench.common import write_json
 
 ROOT = Path(__file__).parents[1]
 MODES = ("sync", "pipeline")
+AUTO = "auto"
 
 
 def command(mode: str, config: str, workdir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
   """(argv, extra environment) of one run of `mode`."""
   flags = [f"--config={config}", f"--workdir={workdir}", f"--config.num_steps={steps}"]
-  if mode == "sync":
-    return [sys.executable, "-m", "jaxrl.train", *flags, "--config.mode=sync"], {"JAX_NUM_CPU_DEVICES": "2"}
+  if mode in ("sync", AUTO):
+    return [sys.executable, "-m", "jaxrl.train", *flags, f"--config.mode={mode}"], {"JAX_NUM_CPU_DEVICES": "2"}
   return [sys.executable, "-m", "jaxrl.distributed.launch", "--num_processes=2", "--devices_per_process=1",
           "--cpu_affinity=split", "--timeout_s=900", "--", *flags], {}
 
@@ -75,7 +79,7 @@ def measure(c, mode: str, workdir: Path, warmup: int, devices: int = 2) -> dict[
              staleness_max=int(max(r["staleness_max"] for r in rs)),
              completion_len_mean=float(np.mean([r["completion_len"] for r in rs])),
              samples_dropped=int(records[-1]["samples_dropped"]))
-  if c.sampler.forced_lengths.median > 0:
+  if c.sampler.forced_lengths.median > 0 and mode != AUTO:
     cfg = config_lib.override(c.copy_and_resolve_references(), mode=mode)
     pred = from_run(cfg, workdir, devices=devices, warmup=warmup)
     out.update(predicted_step_s=pred["predicted_step_s"], prediction_error=pred["error"],
@@ -83,16 +87,17 @@ def measure(c, mode: str, workdir: Path, warmup: int, devices: int = 2) -> dict[
   return out
 
 
-def run_benchmark(workload: str, scratch: Path, rounds: int | None = None) -> dict[str, Any]:
+def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_auto: bool = False) -> dict[str, Any]:
   config = f"{ROOT / 'configs' / 'bench_headline.py'}:{workload}"
   c = _load(workload)
   warmup, rounds = c.bench.warmup_steps, rounds or c.bench.rounds
   cache = scratch / "compilation_cache"
   out: dict[str, Any] = dict(workload=workload, config=config, rounds=[], load_before=os.getloadavg())
-  for mode in MODES:  # fills the compilation cache (untimed)
+  modes = (*MODES, AUTO) if with_auto else MODES
+  for mode in modes:  # fills the compilation cache (untimed)
     out[f"{mode}_cache_fill_s"] = run(mode, config, scratch / f"fill-{mode}", c.num_steps, cache)
   for i in range(rounds):
-    order = MODES if i % 2 == 0 else MODES[::-1]  # neither mode always runs first
+    order = modes if i % 2 == 0 else modes[::-1]  # neither mode always runs first
     row: dict[str, Any] = dict(order=list(order))
     for mode in order:
       workdir = scratch / f"round{i}-{mode}"
@@ -100,13 +105,19 @@ def run_benchmark(workload: str, scratch: Path, rounds: int | None = None) -> di
       row[mode] = dict(wall_s=wall, **measure(c, mode, workdir, warmup))
     row.update(speedup_per_token=row["sync"]["s_per_token"] / row["pipeline"]["s_per_token"],
                speedup_per_step=row["sync"]["step_s"] / row["pipeline"]["step_s"], load_average=os.getloadavg())
+    if with_auto:  # auto's trained tokens/s over the better fixed mode's, and over sync's
+      best = min(row["sync"]["s_per_token"], row["pipeline"]["s_per_token"])
+      row.update(auto_vs_best=best / row[AUTO]["s_per_token"],
+                 auto_vs_sync=row["sync"]["s_per_token"] / row[AUTO]["s_per_token"])
     out["rounds"].append(row)
     print(_round_line(i, row), flush=True)
   med = lambda f: float(np.median([f(r) for r in out["rounds"]]))
   out["median"] = dict(speedup_per_token=med(lambda r: r["speedup_per_token"]),
                        speedup_per_step=med(lambda r: r["speedup_per_step"]),
-                       **{f"{m}_{k}": med(lambda r, m=m, k=k: r[m][k]) for m in MODES
+                       **{f"{m}_{k}": med(lambda r, m=m, k=k: r[m][k]) for m in modes
                           for k in ("s_per_token", "step_s", "sampler_idle", "learner_idle", "staleness_mean")})
+  if with_auto:
+    out["median"].update(auto_vs_best=med(lambda r: r["auto_vs_best"]), auto_vs_sync=med(lambda r: r["auto_vs_sync"]))
   if "prediction_error" in out["rounds"][0]["sync"]:
     out["median"].update({f"{m}_prediction_error": med(lambda r, m=m: r[m]["prediction_error"]) for m in MODES})
   out.update(load_after=os.getloadavg(), host=platform.node(), cores=sorted(os.sched_getaffinity(0)),
@@ -132,8 +143,9 @@ def _round_line(i: int, row: dict) -> str:
     pred = f", sim {r['prediction_error']:+.0%}" if "prediction_error" in r else ""
     parts.append(f"{m} {r['s_per_token'] * 1e3:.2f} ms/token {r['step_s']:.3f} s/step idle smp "
                  f"{r['sampler_idle']:.2f} lrn {r['learner_idle']:.2f} stale {r['staleness_mean']:.2f}{pred}")
+  auto = f", auto {row['auto_vs_best']:.2f}x the better fixed mode" if "auto_vs_best" in row else ""
   return (f"round {i}: " + "; ".join(parts) + f" -> {row['speedup_per_token']:.2f}x per token, "
-          f"{row['speedup_per_step']:.2f}x per step (load {row['load_average'][0]:.1f})")
+          f"{row['speedup_per_step']:.2f}x per step{auto} (load {row['load_average'][0]:.1f})")
 
 
 def report(out: dict) -> str:
@@ -142,7 +154,10 @@ def report(out: dict) -> str:
            f"{out['load_before'][0]:.1f} before, {out['load_after'][0]:.1f} after",
            f"median: pipeline vs colocated sync {md['speedup_per_token']:.2f}x per trained token, "
            f"{md['speedup_per_step']:.2f}x per step"]
-  for m in MODES:
+  if "auto_vs_best" in md:
+    lines.append(f"  auto: {md['auto_vs_best']:.2f}x the better fixed mode, {md['auto_vs_sync']:.2f}x sync, "
+                 "per trained token")
+  for m in [m for m in (*MODES, AUTO) if f"{m}_s_per_token" in md]:
     err = f"; simulator error {md[f'{m}_prediction_error']:+.1%}" if f"{m}_prediction_error" in md else ""
     lines.append(f"  {m}: {md[f'{m}_s_per_token'] * 1e3:.2f} ms per trained token, {md[f'{m}_step_s']:.3f} s per "
                  f"step, idle sampler {md[f'{m}_sampler_idle']:.2f} learner {md[f'{m}_learner_idle']:.2f}, staleness "
@@ -156,6 +171,7 @@ def main(argv=None):
   flags.DEFINE_string("workload", "", "configs/bench_headline.py argument: '' (forced long tail), 'test', 'smollm2'")
   flags.DEFINE_string("out", str(Path(__file__).parent / "results" / "headline.json"), "JSON results path")
   flags.DEFINE_integer("rounds", 0, "rounds of both modes (0: the config's bench.rounds)")
+  flags.DEFINE_bool("auto", False, "also run mode=auto each round (single process, as sync)")
   flags.DEFINE_string("keep", "", "a folder for the runs' workdirs, kept afterwards (default: a temporary one)")
 
   def _main(argv):
@@ -164,10 +180,10 @@ def main(argv=None):
     fl = flags.FLAGS
     if fl.keep:
       Path(fl.keep).mkdir(parents=True, exist_ok=True)
-      out = run_benchmark(fl.workload, Path(fl.keep), fl.rounds or None)
+      out = run_benchmark(fl.workload, Path(fl.keep), fl.rounds or None, fl.auto)
     else:
       with tempfile.TemporaryDirectory(prefix="jaxrl-headline-") as scratch:
-        out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None)
+        out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None, fl.auto)
     print(report(out))
     write_json(fl.out, out)
 
