@@ -14,12 +14,16 @@ into the base weights (an export, loadable as a plain model).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 # The projections LoRA can target, as "<module>.<name>", with the number of leading input axes of each weight.
 PROJECTIONS = {"attn.q_proj": 1, "attn.k_proj": 1, "attn.v_proj": 1, "attn.o_proj": 2,
@@ -122,4 +126,24 @@ def merged(params: nnx.State, cfg: LoRAConfig) -> nnx.State:
     new = jax.vmap(lambda w, a, b: merge_weight(w, a, b, cfg.scale))(flat[w_path].get_value(), a.get_value(),
                                                                      b.get_value())
     flat[w_path] = flat[w_path].replace(new)
+  return nnx.from_flat_state(flat)
+
+
+ADAPTERS_FILE = "lora_adapters.safetensors"
+
+
+def save_adapters(path: str | os.PathLike, adapters: nnx.State, cfg: LoRAConfig, base: str) -> None:
+  """The adapters alone as safetensors (one tensor per factor, named by its path in the params, the layer axis
+  first) with the LoRA settings and the base model's name in the file's metadata."""
+  tensors = {".".join(str(k) for k in key): np.asarray(jax.device_get(v.get_value()))
+             for key, v in nnx.to_flat_state(adapters)}
+  meta = {"lora": json.dumps(dataclasses.asdict(cfg)), "base": base}
+  save_file(tensors, str(path), metadata=meta)
+
+
+def load_adapters(path: str | os.PathLike, abstract: nnx.State) -> nnx.State:
+  """Adapters saved by save_adapters, into the structure of `abstract` (a LoRA model's adapters)."""
+  tensors = load_file(str(path))
+  flat = {key: v.replace(jnp.asarray(tensors[".".join(str(k) for k in key)]))
+          for key, v in nnx.to_flat_state(abstract)}
   return nnx.from_flat_state(flat)
