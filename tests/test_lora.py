@@ -52,8 +52,8 @@ def model(fresh):
   return graphdef, _small(adapters, 1, 0.3), _small(base, 0, 0.08)
 
 
-def _tokens(n=2, t=6):
-  tokens = (jnp.arange(n * t).reshape(n, t) * 7 + 3) % CFG.vocab_size
+def _tokens(n=2, t=6, vocab=CFG.vocab_size):
+  tokens = (jnp.arange(n * t).reshape(n, t) * 7 + 3) % vocab
   return tokens, jnp.broadcast_to(jnp.arange(t), (n, t)), jnp.ones((n, t), jnp.int32)
 
 
@@ -217,14 +217,27 @@ def test_a_bad_lora_setting_is_a_config_error_naming_it(fields, match):
     validate(c)
 
 
-def test_a_tiny_lora_run_trains_its_adapters_and_learns(tmp_path):
+def test_a_tiny_lora_run_learns_and_its_checkpoint_exports_merged(tmp_path):
+  """jaxrl-train with model.lora learns; load_policy puts the checkpoint's adapters on the config's base, and the
+  merged export reloads with that policy's logits."""
   from jaxrl.metrics import read_jsonl
+  from jaxrl.policy import export, load_policy
   from jaxrl.train import train
 
   c = override(tiny.get_config("sync"), **{"model.lora.enabled": True, "model.lora.rank": 4, "model.lora.alpha": 16.0,
                                           "optimizer.learning_rate": 0.1, "num_steps": 8, "log.tensorboard": False,
                                           "log.progress": False})
-  summary = train(c, tmp_path)
-  rewards = [r["reward_mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+  summary = train(c, tmp_path / "run")
+  rewards = [r["reward_mean"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
   assert summary["steps"] == 8 and len(rewards) == 8
   assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.4, rewards  # 0.02 -> 0.77 when written
+
+  policy = load_policy(c, tmp_path / "run", jax.devices()[:1])
+  assert policy.version == 8 and policy.model_cfg.lora is not None
+  adapters, base = lora.split(policy.params)
+  assert any(np.any(v.get_value()) for k, v in nnx.to_flat_state(adapters) if k[-1].endswith("_b"))  # trained
+  path = export(policy, tmp_path / "hf")
+  _, plain_graphdef, loaded = hf.load_params(path, policy.model_cfg.replace(lora=None))
+  tokens = _tokens(vocab=policy.model_cfg.vocab_size)
+  np.testing.assert_allclose(forward(plain_graphdef, loaded, *tokens), forward(policy.graphdef, policy.params, *tokens),
+                             rtol=0, atol=1e-5)

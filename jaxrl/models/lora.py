@@ -82,12 +82,14 @@ def attach(module: nnx.Module, group: str, cfg: LoRAConfig | None, rngs: nnx.Rng
 
 
 def weight(module: nnx.Module, attr: str, dtype) -> jax.Array:
-  """module.<attr> in `dtype`, with its adapters merged in if it has them: W + scale * A @ B."""
-  w = getattr(module, attr)[...]
+  """module.<attr> in `dtype`, with its adapters merged in if it has them: W + scale * A @ B, each factor cast to
+  `dtype` first. The sampler holds the base and receives the adapters already cast to its dtype: merging in that
+  dtype on both sides keeps its weights those the learner reads (master weights in float32, compute in bf16)."""
+  w = getattr(module, attr)[...].astype(dtype)
   a = getattr(module, attr + _A, None)
   if a is None:
-    return w.astype(dtype)
-  return merge_weight(w, a[...], getattr(module, attr + _B)[...], module.lora_scale).astype(dtype)
+    return w
+  return merge_weight(w, a[...].astype(dtype), getattr(module, attr + _B)[...].astype(dtype), module.lora_scale)
 
 
 def merge_weight(w, a, b, scale: float) -> jax.Array:
