@@ -174,6 +174,22 @@ def test_a_lora_step_trains_the_adapters_alone_as_a_dense_step_of_the_same_low_r
   assert sum(x.nbytes for x in moments) == 2 * sum(x.nbytes for x in factors.values())
 
 
+def test_the_kl_reference_is_the_initial_adapters_on_the_shared_base(model, fresh, sampler):
+  """kl_coef > 0: the reference is fresh adapters (B = 0) on the base the policy trains on, an adapter-sized copy;
+  the first step's KL to it is 0 (the policy starts there), the second's is not, and the reference stays put."""
+  graphdef, _, base = model
+  start = lora.split(fresh[1])[0]
+  sp = SamplingParams(temperature=1.0)
+  batch = make_batch(_rollouts(sampler, sp, seed=13), B, L)
+  step = make_train_step(graphdef, optax.sgd(1.0), LossConfig(sampling=sp, kl_coef=0.5), batch_size=B, seq_len=L)
+  state = init_train_state(start, optax.sgd(1.0), frozen=base, ref_params=jax.tree.map(jnp.copy, start))
+  assert sum(x.nbytes for x in jax.tree.leaves(state.ref_params)) < sum(x.nbytes for x in jax.tree.leaves(base)) / 4
+  state, first = step(state, batch, jax.random.key(0))
+  state, second = step(state, batch, jax.random.key(1))
+  assert abs(float(first["kl_ref"])) < 1e-7 < float(second["kl_ref"])
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state.ref_params, start))
+
+
 def test_checkpoint_holds_the_adapters_and_restores_them_onto_the_base(model, tmp_path):
   graphdef, adapters, base = model
   adamw = make_optimizer(1e-3)
