@@ -38,15 +38,20 @@ class SaveError(RuntimeError):
 
 
 def _savable(state):
-  """PRNG key arrays are stored as their raw key data."""
-  return state.replace(rng=jax.random.key_data(state.rng))
+  """PRNG key arrays are stored as their raw key data; a LoRA run's frozen base is not stored (it is the loaded
+  model the run started from: restore gives frozen=None and the caller puts the base back)."""
+  return _without_frozen(state.replace(rng=jax.random.key_data(state.rng)))
+
+
+def _without_frozen(state):
+  return state.replace(frozen=None) if getattr(state, "frozen", None) is not None else state
 
 
 def _abstract_savable(abstract_state):
   rng = abstract_state.rng
   data = jax.eval_shape(jax.random.key_data, rng)
   sharding = getattr(rng, "sharding", None)
-  return abstract_state.replace(rng=jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding))
+  return _without_frozen(abstract_state.replace(rng=jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)))
 
 
 def _state_handler(compress: bool, multiprocessing: ocp.options.MultiprocessingOptions):

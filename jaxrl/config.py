@@ -229,6 +229,7 @@ def _validate_objective(c) -> None:
 def _validate_model_and_task(c, need, get) -> None:
   from jaxrl.envs import TASKS
   from jaxrl.models import ModelConfig
+  from jaxrl.models.lora import LoRAConfig
 
   source = get("model.source")
   need(isinstance(source, str) and source, f"model.source must be 'tiny', 'smollm2' or a folder (got {source!r})")
@@ -241,6 +242,13 @@ def _validate_model_and_task(c, need, get) -> None:
       raise ConfigError(f"config: model.tiny: {e}") from None
   elif source != "smollm2":
     need(Path(source).is_dir(), f"model.source={source!r} is neither 'tiny', 'smollm2' nor a folder")
+  if get("model.lora.enabled"):
+    targets = get("model.lora.targets")
+    need(isinstance(targets, str), f"model.lora.targets must be a regular expression string (got {targets!r})")
+    try:
+      LoRAConfig(c.model.lora.rank, c.model.lora.alpha, targets)
+    except ValueError as e:
+      raise ConfigError(f"config: model.lora.targets: {e}") from None
   name = get("task.name")
   need(isinstance(name, str) and name in TASKS, f"task.name={name!r}; known: {sorted(TASKS)}")
   need(not (source == "tiny" and TASKS[name].text_prompts),

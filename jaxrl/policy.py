@@ -21,7 +21,7 @@ from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.build import abstract_train_state, base_params, model_source
-from jaxrl.models import ModelConfig, hf
+from jaxrl.models import ModelConfig, hf, lora
 
 
 @dataclasses.dataclass
@@ -64,12 +64,25 @@ def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Po
                                f"{c.model.source!r} and its optimizer: {e}") from e
   finally:
     checkpointer.close()
-  return Policy(cfg, graphdef, state.params, int(jax.device_get(state.version)), tokenizer, path, mesh, step)
+  params = state.params
+  if cfg.lora is not None:  # the checkpoint holds the adapters; the base is the config's model
+    params = lora.merge(lora.split(base_params(c, cfg, path, shardings_fn)[2])[1], params)
+  return Policy(cfg, graphdef, params, int(jax.device_get(state.version)), tokenizer, path, mesh, step)
 
 
 def export(policy: Policy, out: str | os.PathLike) -> Path:
-  """Writes the policy as a Hugging Face folder (atomically); the base model's tokenizer files go with it."""
-  return hf.save_params(Path(out).expanduser(), policy.model_cfg, policy.params, tokenizer_dir=policy.source_dir)
+  """Writes the policy as a Hugging Face folder (atomically); the base model's tokenizer files go with it. A LoRA
+  policy is written merged (W + scale * A @ B: a plain model) and its adapters alone beside it (lora.ADAPTERS_FILE,
+  named by the base model they apply to)."""
+  cfg, params = policy.model_cfg, policy.params
+  if cfg.lora is not None:
+    params = lora.merged(policy.params, cfg.lora)
+    cfg = cfg.replace(lora=None)
+  path = hf.save_params(Path(out).expanduser(), cfg, params, tokenizer_dir=policy.source_dir)
+  if policy.model_cfg.lora is not None:
+    base = str(policy.source_dir) if policy.source_dir is not None else "tiny"
+    lora.save_adapters(path / lora.ADAPTERS_FILE, lora.split(policy.params)[0], policy.model_cfg.lora, base)
+  return path
 
 
 def export_main(argv=None):

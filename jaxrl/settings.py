@@ -106,6 +106,12 @@ SETTINGS = (
     Choice("model.remat_policy", "nothing_saveable", REMAT_POLICIES, "what a remat block keeps"),
     Choice("model.train_attention", "auto", ("auto", *TRAIN_ATTENTION), "learner attention"),
     Int("model.scan_unroll", 1, 1, "layers per iteration of the layer scan (>= num_layers: unrolled)"),
+    Bool("model.lora.enabled", False, "train low-rank adapters on a frozen base model (jaxrl/models/lora.py); a "
+         "publish moves the adapters only"),
+    Int("model.lora.rank", 8, 1, "LoRA rank r of every adapter"),
+    Real("model.lora.alpha", 16.0, positive, "> 0", "LoRA scale numerator: adapters add (alpha / rank) * A @ B"),
+    Setting("model.lora.targets", r".*", "regular expression matched in full against the projections LoRA adapts: "
+            "attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj"),
 
     Setting("mesh.num_devices", -1, "devices used in all (-1: every device)"),
     Setting("mesh.sampler_devices", 4, "devices of the sampler submesh: a count, or a fraction of the pool in (0, 1)"),

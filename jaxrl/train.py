@@ -70,10 +70,12 @@ def build(c, workdir: str | Path) -> Run:
     train_step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed))
 
   engine = build_lib.build_engine(c, learner.model_config, meshes.sampler)
+  if state.frozen is not None:  # LoRA: the sampler holds the base once; publishes move the adapters
+    engine.hold_base(state.frozen)
   sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
-  publisher = WeightPublisher(engine.param_shardings, engine.dtype)
+  publisher = WeightPublisher(engine.publish_shardings, engine.dtype)
   controller = Pipeline(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                         prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
                         trace=trace, resumed_from=resumed_from)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
@@ -27,7 +28,8 @@ from jaxrl.learner import (
 )
 from jaxrl.learner.packing import pack_batch, row_buckets
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import ModelConfig, hf
+from jaxrl.models import ModelConfig, hf, lora
+from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
 from jaxrl.sampler.forced import ForcedLengths, LognormalLengths
@@ -39,7 +41,7 @@ def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
   dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
   overrides = dict(dtype=dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                    remat_policy=c.model.remat_policy, train_attention=c.model.train_attention,
-                   scan_unroll=c.model.scan_unroll)
+                   scan_unroll=c.model.scan_unroll, lora=lora_config(c))
   if c.model.source == "tiny":
     cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
     return cfg, None, None
@@ -54,15 +56,29 @@ def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
   return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
 
 
-def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
-  """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from."""
-  from jaxrl.models import init_params
+def lora_config(c) -> LoRAConfig | None:
+  """The adapters of c.model.lora, None when it is off."""
+  lo = c.model.lora
+  return LoRAConfig(lo.rank, lo.alpha, lo.targets) if lo.enabled else None
 
+
+def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
+  """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from. With
+  LoRA (cfg.lora) the base model's params (as without it) and fresh adapters (B = 0: the base model's outputs)."""
+  from jaxrl.models import Decoder, init_params
+
+  plain = cfg.replace(lora=None)
   if path is None:
-    graphdef, params = init_params(cfg, c.seed)
-    return cfg, graphdef, jax.device_put(params, shardings_fn(params))
-  abstract = hf.abstract_params(cfg)[1]
-  return hf.load_params(path, cfg, shardings=shardings_fn(abstract))
+    graphdef, params = init_params(plain, c.seed)
+    params = jax.device_put(params, shardings_fn(params))
+  else:
+    abstract = hf.abstract_params(plain)[1]
+    plain, graphdef, params = hf.load_params(path, plain, shardings=shardings_fn(abstract))
+  if cfg.lora is None:
+    return plain, graphdef, params
+  cfg = plain.replace(lora=cfg.lora)
+  graphdef, adapters = lora.init_adapters(lambda: Decoder(cfg, nnx.Rngs(c.seed)))
+  return cfg, graphdef, lora.merge(params, jax.device_put(adapters, shardings_fn(adapters)))
 
 
 def max_staleness(c) -> int:
@@ -135,9 +151,15 @@ def _with_ref(c) -> bool:
 
 
 def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
+  """The learner of a config; with LoRA its state trains the adapters (params) on the frozen base (frozen)."""
   model_cfg, graphdef, params = base_params(c, model_cfg, path, _param_shardings(mesh))
+  frozen = frozen_sh = None
+  if model_cfg.lora is not None:
+    params, frozen = lora.split(params)
+    frozen_sh = _param_shardings(mesh)(frozen)
   optimizer = run_optimizer(c)
-  state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh, with_ref=_with_ref(c))
+  state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh, with_ref=_with_ref(c),
+                                   frozen=frozen, frozen_shardings=frozen_sh)
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
   loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
   train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
@@ -145,13 +167,17 @@ def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunS
                                state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
                                logprob_chunk=c.rl.logprob_chunk, atomic=c.rl.atomic_step,
                                microbatch_rows=c.rl.microbatch_rows)
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh,
+  # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
+  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh, frozen=frozen,
                            ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
   return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)
 
 
 def abstract_train_state(c, abstract_params, mesh):
-  """The shapes and shardings of a run's TrainState on `mesh` (what a checkpoint of the run restores into)."""
+  """The shapes and shardings of a run's TrainState on `mesh` (what a checkpoint of the run restores into; with
+  LoRA the adapters' state, without the base: checkpoints leave it out)."""
+  if lora_config(c) is not None:
+    abstract_params = lora.split(abstract_params)[0]
   optimizer = run_optimizer(c)
   with_ref = _with_ref(c)
   state_sh = train_state_shardings(abstract_params, optimizer, _param_shardings(mesh)(abstract_params), mesh,
@@ -235,15 +261,16 @@ def open_metrics(c, workdir: Path, resumed_from: int | None) -> MetricsWriter:
                        resume_step=resumed_from or 0)
 
 
-def restore(checkpointer: Checkpointer, state, state_shardings) -> tuple[Any, RunRecord]:
-  """(state, run record) from the newest checkpoint, placed on `state_shardings`; (state, a new record) if none.
+def restore(checkpointer: Checkpointer, live, state_shardings) -> tuple[Any, RunRecord]:
+  """(state, run record) from the newest checkpoint, placed on `state_shardings`; (live, a new record) if none.
 
   Samples finished but not trained at the checkpoint are discarded, and counted so (samples_discarded_at_resume):
   their groups, pending in the record, are generated again in every topology."""
   if not checkpointer.all_steps():
-    return state, RunRecord()
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_shardings)
+    return live, RunRecord()
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), live, state_shardings)
   state, saved = checkpointer.restore(abstract)
+  state = state.replace(frozen=live.frozen)  # a LoRA run's base: the loaded model, never in a checkpoint
   record = RunRecord.from_json(saved)
   record.ledger.samples_discarded_at_resume += record.ledger.held_at_checkpoint()
   return state, record

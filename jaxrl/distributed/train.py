@@ -56,7 +56,7 @@ from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
 from jaxrl.metrics import TraceWriter
-from jaxrl.models import hf
+from jaxrl.models import hf, lora
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -70,6 +70,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   config_lib.validate_job(c, topology.devices_per_process())
   model_cfg, tokenizer, path = build_lib.model_source(c)
   abstract = hf.abstract_params(model_cfg)[1]
+  if model_cfg.lora is not None:  # a publish moves the adapters alone; each sampler holds the base
+    abstract = lora.split(abstract)[0]
   replicas = [sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices) for devices in topology.sampler_devices]
   num_samplers = len(replicas)
   try:
@@ -86,6 +88,9 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
     task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)
     rank = topology.sampler_rank
     engine = build_lib.build_engine(c, model_cfg, replicas[rank])
+    if model_cfg.lora is not None:
+      shardings_fn = lambda params: sharding.param_shardings(params, replicas[rank], sharding.SAMPLER_RULES)
+      engine.hold_base(lora.split(build_lib.base_params(c, model_cfg, path, shardings_fn)[2])[1])
     coord = StoreCoordinator(store, topology, RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                              poll_s=poll_s)
     outbox = Outbox(store, log, rank, spec.queue_groups, c.sampler.max_len, topology.sampler_devices[rank][0],

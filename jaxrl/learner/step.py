@@ -41,6 +41,7 @@ from jaxrl.learner.losses import MAX_STATS, MIN_STATS, aggregation_weights, poli
 from jaxrl.learner.optim import apply_update
 from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
+from jaxrl.models import lora
 from jaxrl.rollout import Batch
 
 LogitsFn = Callable[[object, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -247,8 +248,11 @@ def batch_arrays(batch: Batch) -> dict[str, jax.Array]:
           "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1)}
 
 
-def token_logprobs_of(setup: StepSetup, params, x: dict[str, jax.Array]):
-  """(logprobs, in_support, entropy) [B, L] of x's tokens under `params`, as the sampler drew them."""
+def token_logprobs_of(setup: StepSetup, params, x: dict[str, jax.Array], frozen=None):
+  """(logprobs, in_support, entropy) [B, L] of x's tokens under `params` (on top of the `frozen` ones, a LoRA
+  run's base: TrainState.frozen), as the sampler drew them."""
+  if frozen is not None:
+    params = lora.merge(frozen, params)
   params = _cast_floats(params, setup.compute_dtype)
   if setup.logprob_chunk:
     decoder = nnx.merge(setup.decoder, params)
@@ -263,11 +267,12 @@ def fixed_param_passes(setup: StepSetup, state: TrainState, per_row: dict, k: in
   reference), each with its support mask (a token outside it has probability 0 there)."""
   out = {}
   if setup.prox_pass:
-    out["prox"], out["prox_in_support"], _ = _chunked(setup, lambda x: token_logprobs_of(setup, state.params, x),
-                                                      per_row, k)
+    prox = lambda x: token_logprobs_of(setup, state.params, x, state.frozen)
+    out["prox"], out["prox_in_support"], _ = _chunked(setup, prox, per_row, k)
   if setup.ref_pass:
-    ref, out["ref_in_support"], _ = _chunked(setup, lambda x: token_logprobs_of(setup, state.ref_params, x),
-                                             per_row, k)
+    # A LoRA run's reference is its initial adapters (B = 0) on the shared base: exactly the base model.
+    ref = lambda x: token_logprobs_of(setup, state.ref_params, x, state.frozen)
+    ref, out["ref_in_support"], _ = _chunked(setup, ref, per_row, k)
     out["ref"] = jax.lax.stop_gradient(ref)
   return out
 
@@ -331,7 +336,7 @@ def one_update(setup: StepSetup, v0: jax.Array, rewards_ok: jax.Array, carry, mi
   state, n_applied = carry
   # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
   v_now = v0 + n_applied / setup.updates_per_step
-  grads, loss, stats = _gradients(setup, state.params, mini, v0, v_now)
+  grads, loss, stats = _gradients(setup, state.params, mini, v0, v_now, state.frozen)
   grad_norm = optax.tree.norm(grads)
   has_tokens = stats["tokens"] > 0
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -344,8 +349,9 @@ def one_update(setup: StepSetup, v0: jax.Array, rewards_ok: jax.Array, carry, mi
           {"loss": loss, "grad_norm": grad_norm, "applied": ok, **reasons, **stats})
 
 
-def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.Array):
-  """(float32 gradients, loss, stats) of one update: its K micro-batches' sums, the loss normalised over all."""
+def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.Array, frozen=None):
+  """(float32 gradients, loss, stats) of one update: its K micro-batches' sums, the loss normalised over all.
+  Gradients of `params` only: `frozen` (a LoRA run's base) is read, never differentiated."""
   k, rows, seq_len = mini["tokens"].shape
   weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len), mini["sample_mask"].reshape(k * rows, -1),
                                 setup.loss.aggregation, setup.loss.norm_length,
@@ -356,7 +362,7 @@ def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.A
     (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, x, w, v0, v_now)
     return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
 
-  micro_loss = functools.partial(_micro_loss, setup)
+  micro_loss = functools.partial(_micro_loss, setup, frozen=frozen)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   grads, (losses, stats) = jax.lax.scan(accumulate, zeros, (mini, weights))
   stats = {name: (jnp.max(v) if name in MAX_STATS else jnp.min(v) if name in MIN_STATS else jnp.sum(v))
@@ -364,10 +370,11 @@ def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.A
   return grads, losses.sum(), stats
 
 
-def _micro_loss(setup: StepSetup, params, x: dict, weights_BxL: jax.Array, v0: jax.Array, v_now: jax.Array):
-  """policy_objective of one micro-batch at `params`, with its anchor as LossConfig.proximal says."""
+def _micro_loss(setup: StepSetup, params, x: dict, weights_BxL: jax.Array, v0: jax.Array, v_now: jax.Array,
+                frozen=None):
+  """policy_objective of one micro-batch at `params` (on `frozen`), with its anchor as LossConfig.proximal says."""
   cfg = setup.loss
-  logp, in_support, entropy = token_logprobs_of(setup, params, x)
+  logp, in_support, entropy = token_logprobs_of(setup, params, x, frozen)
   prox = None
   if cfg.proximal == "recompute":
     prox = x["prox"] if setup.prox_pass else jax.lax.stop_gradient(logp)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.kernels import train_attention
+from jaxrl.models.lora import LoRAConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -54,6 +55,7 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
   architecture: str = "llama"
+  lora: LoRAConfig | None = None  # low-rank adapters on the targeted projections (jaxrl/models/lora.py)
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
+from jaxrl.models import lora
 from jaxrl.models.config import ModelConfig
 
 
@@ -163,12 +164,13 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(d, "head_dim", cfg, rngs)
       self.k_norm = RMSNorm(d, "head_dim", cfg, rngs)
+    lora.attach(self, "attn", cfg.lora, rngs)
 
   def __call__(self, x_BxTxE, positions_BxT, inv_freq, *, segment_ids_BxT=None, cache_kv=None):
     cfg, dt = self.cfg, x_BxTxE.dtype
-    q = jnp.einsum("bte,ehd->bthd", x_BxTxE, self.q_proj[...].astype(dt))
-    k = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.k_proj[...].astype(dt))
-    v = jnp.einsum("bte,ekd->btkd", x_BxTxE, self.v_proj[...].astype(dt))
+    q = jnp.einsum("bte,ehd->bthd", x_BxTxE, lora.weight(self, "q_proj", dt))
+    k = jnp.einsum("bte,ekd->btkd", x_BxTxE, lora.weight(self, "k_proj", dt))
+    v = jnp.einsum("bte,ekd->btkd", x_BxTxE, lora.weight(self, "v_proj", dt))
     if cfg.attention_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if cfg.qk_norm:
@@ -183,7 +185,7 @@ class Attention(nnx.Module):
     # Full sequence: causal by index within equal, non-zero segment ids (the learner's kernel per backend).
     impl = None if cfg.train_attention == "auto" else cfg.train_attention
     out = attention(q, k, v, segment_ids_BxT, impl, cfg.attention_block)
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), None
+    return jnp.einsum("bthd,hde->bte", out, lora.weight(self, "o_proj", dt)), None
 
   def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
     """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part.
@@ -207,7 +209,7 @@ class Attention(nnx.Module):
                             layout=pool.layout, impl=pool.attention, interpret=pool.interpret)
     out = out.reshape(s, c, kh * g, d)
     dt = q_SxCxKxGxD.dtype
-    return jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(dt)), new_cache
+    return jnp.einsum("bthd,hde->bte", out, lora.weight(self, "o_proj", dt)), new_cache
 
 
 class MLP(nnx.Module):
@@ -217,11 +219,12 @@ class MLP(nnx.Module):
     self.gate_proj = _param(rngs, (e, m), ("embed", "mlp"), cfg, fan_in=e)
     self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), cfg, fan_in=e)
     self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), cfg, fan_in=m)
+    lora.attach(self, "mlp", cfg.lora, rngs)
 
   def __call__(self, x):
     dt = x.dtype
-    gate = jax.nn.silu(x @ self.gate_proj[...].astype(dt))
-    return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
+    gate = jax.nn.silu(x @ lora.weight(self, "gate_proj", dt))
+    return (gate * (x @ lora.weight(self, "up_proj", dt))) @ lora.weight(self, "down_proj", dt)
 
 
 class Block(nnx.Module):

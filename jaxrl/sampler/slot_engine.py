@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxrl.models import KVCache, ModelConfig
+from jaxrl.models import KVCache, ModelConfig, lora
 from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
 from jaxrl.sampler import continuation, decode
@@ -72,6 +72,8 @@ class SlotEngine:
     self.buckets = prompt_buckets(min_bucket, max_len)
     self.graphdef, abstract = abstract_params(cfg)
     self.param_shardings = param_shardings(abstract, mesh, rules)
+    self.base = None  # a LoRA model's frozen base, held once (hold_base): placed params are then its adapters
+    self.publish_shardings = self.param_shardings  # of what place() takes: every param, or the adapters alone
     self._state_shardings = self.decode_state_shardings()
     self._result_shardings = ResultTokens(*(self._named("batch", None),) * 3, self._named("batch"), self._named())
     prefix_shardings = Prefix(self.kv_shardings(batch_axis=None), self._named(None), self._named())
@@ -112,8 +114,17 @@ class SlotEngine:
     raise ValueError(f"a prompt of {length} tokens does not fit the cache (max_len={self.max_len})")
 
   def place(self, params, version: int) -> Versioned:
-    """Puts params onto the sampler shardings in the engine's dtype (a no-op for arrays already there)."""
-    return transfer(params, version, self.param_shardings, self.dtype)
+    """Puts params onto the sampler shardings in the engine's dtype (a no-op for arrays already there). Holding a
+    LoRA base (hold_base), params are the adapters alone: only they move, and the result runs them on the base."""
+    moved = transfer(params, version, self.publish_shardings, self.dtype)
+    return moved if self.base is None else Versioned(lora.merge(self.base, moved.params), moved.version)
+
+  def hold_base(self, base) -> None:
+    """Keeps a LoRA model's frozen base params on the sampler (placed and cast once), so that an update moves only
+    the adapters (`publish_shardings`, what a publisher sends to)."""
+    adapters, frozen = lora.split(abstract_params(self.cfg)[1])
+    self.base = transfer(base, 0, param_shardings(frozen, self.mesh, self.rules), self.dtype).params
+    self.publish_shardings = param_shardings(adapters, self.mesh, self.rules)
 
   def init_decode_state(self) -> DecodeState:
     s, t = self.max_slots, self.max_len
