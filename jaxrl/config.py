@@ -191,8 +191,9 @@ def auto_staleness(c):
 def engine_kwargs(c: ml_collections.ConfigDict) -> dict:
   """Keyword arguments of the sampler's Engine from a (validated) config."""
   s = c.sampler
-  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype, kv=s.kv,
-              page_size=s.page_size, num_pages=s.num_pages or None, attention=s.attention)
+  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype,
+              weight_dtype=s.weight_dtype, kv=s.kv, page_size=s.page_size, num_pages=s.num_pages or None,
+              attention=s.attention)
 
 
 def _validate_objective(c) -> None:
