@@ -72,10 +72,15 @@ def model():
   return graphdef, jax.tree_util.tree_map_with_path(leaf, abstract)
 
 
+@functools.cache
+def _engine(kv):
+  return make_engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), kv=kv, max_slots=4, max_len=L,
+                     steps_per_call=4, min_bucket=8, weight_dtype="int8", **({"page_size": 8} if kv == "paged" else {}))
+
+
 @pytest.fixture(scope="module")
 def engine():
-  return make_engine(CFG, make_mesh({"data": 2, "tensor": 2}, jax.devices()[4:]), max_slots=4, max_len=L,
-                     steps_per_call=4, min_bucket=8, weight_dtype="int8")
+  return _engine("dense")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -84,12 +89,14 @@ def _learner_logprobs(graphdef, params, sampling, batch):
   return token_logprobs(logits, batch.tokens_BxL, sampling)[0]
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.6)],
-                         ids=str)
-def test_int8_sampler_logprobs_are_the_quantized_models(model, engine, sp):
+@pytest.mark.parametrize("kv, sp", [("dense", SamplingParams(temperature=1.0)),
+                                    ("dense", SamplingParams(temperature=0.7, top_p=0.6)),
+                                    ("paged", SamplingParams(temperature=0.7, top_p=0.6))], ids=str)
+def test_int8_sampler_logprobs_are_the_quantized_models(model, kv, sp):
   """The recorded behaviour log-prob of every sampled token equals a float recomputation over the dequantized
   weights (same temperature / top-p support), and differs from the float model's: mu is the model that sampled."""
   graphdef, params = model
+  engine = _engine(kv)
   sampler = Sampler(engine, params, seed=5)
   rng = np.random.default_rng(1)
   for g in range(B // 2):
