@@ -184,7 +184,7 @@ def transfer(params: Any, version: int, dst_shardings: Any, dtype=None, weight_d
   if version < 0:
     raise ValueError(f"policy version must be >= 0, got {version}")
   if weight_dtype == "int8":
-    params = quant.quantize_params(params, dtype)
+    params = params if quant.is_quantized(params) else quant.quantize_params(params, dtype)
   elif weight_dtype != "float":
     raise ValueError(f"weight_dtype must be one of {quant.WEIGHT_DTYPES} (got {weight_dtype!r})")
   elif dtype is not None:

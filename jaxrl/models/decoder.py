@@ -184,7 +184,7 @@ class Attention(nnx.Module):
     # Full sequence: causal by index within equal, non-zero segment ids (the learner's kernel per backend).
     impl = None if cfg.train_attention == "auto" else cfg.train_attention
     out = attention(q, k, v, segment_ids_BxT, impl, cfg.attention_block)
-    return quant.einsum("bthd,hde->bte", out, self.o_proj[...]), None
+    return quant.einsum("bthd,hde->bte", out, self.o_proj[...], dt), None
 
   def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
     """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part.
@@ -207,7 +207,8 @@ class Attention(nnx.Module):
       out = paged_attention(q_SxCxKxGxD, new_cache.k_pages, new_cache.v_pages, layer, table_SxM, positions_SxC,
                             layout=pool.layout, impl=pool.attention, interpret=pool.interpret)
     out = out.reshape(s, c, kh * g, d)
-    return quant.einsum("bthd,hde->bte", out, self.o_proj[...]), new_cache
+    dt = q_SxCxKxGxD.dtype
+    return quant.einsum("bthd,hde->bte", out, self.o_proj[...], dt), new_cache
 
 
 class MLP(nnx.Module):

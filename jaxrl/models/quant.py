@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl.settings import WEIGHT_DTYPES  # declared once, with the run config
 
-__all__ = ["CONTRACTED", "WEIGHT_DTYPES", "QuantizedWeight", "dequantize", "dequantize_params", "einsum", "matmul",
-           "quantize", "quantize_params", "quantized_shardings", "take"]
+__all__ = ["CONTRACTED", "WEIGHT_DTYPES", "QuantizedWeight", "dequantize", "dequantize_params", "einsum",
+           "is_quantized", "matmul", "quantize", "quantize_params", "quantized_shardings", "take"]
 
 # Contracted (input) axes of each quantized weight, counted from the end (a leading stacked-layers axis is kept):
 # the scale is per entry of the other axes, the einsum's output channels.
@@ -82,6 +82,12 @@ def _map_variables(fn, params, *more):
       params, *more, is_leaf=is_var)
 
 
+def is_quantized(params) -> bool:
+  """Whether a params tree holds QuantizedWeights (already placed by an int8 publish)."""
+  is_q = lambda x: isinstance(x, QuantizedWeight)
+  return any(map(is_q, jax.tree.leaves(params, is_leaf=is_q)))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def quantize_params(params, dtype=None) -> nnx.State:
   """The sampler's params: the CONTRACTED weights as QuantizedWeight (already quantized ones kept), the others cast
@@ -123,12 +129,13 @@ def _scaled(out, w: QuantizedWeight):
   return out * w.scale.astype(out.dtype)
 
 
-def einsum(spec: str, x, w, **kw):
-  """jnp.einsum(spec, x, w) in x's dtype; w a float array or a QuantizedWeight whose output channels end spec's
-  output."""
+def einsum(spec: str, x, w, dtype=None, **kw):
+  """jnp.einsum(spec, x, w) with w in dtype (None: x's); w a float array or a QuantizedWeight whose output channels
+  end spec's output."""
+  dtype = dtype or x.dtype
   if isinstance(w, QuantizedWeight):
-    return _scaled(jnp.einsum(spec, x, w.values.astype(x.dtype), **kw), w)
-  return jnp.einsum(spec, x, w.astype(x.dtype), **kw)
+    return _scaled(jnp.einsum(spec, x, w.values.astype(dtype), **kw), w)
+  return jnp.einsum(spec, x, w.astype(dtype), **kw)
 
 
 def matmul(x, w):
