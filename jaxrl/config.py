@@ -195,8 +195,9 @@ def auto_staleness(c):
 def engine_kwargs(c: ml_collections.ConfigDict) -> dict:
   """Keyword arguments of the sampler's Engine from a (validated) config."""
   s = c.sampler
-  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype, kv=s.kv,
-              page_size=s.page_size, num_pages=s.num_pages or None, attention=s.attention)
+  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype,
+              weight_dtype=s.weight_dtype, kv=s.kv, page_size=s.page_size, num_pages=s.num_pages or None,
+              attention=s.attention)
 
 
 def _validate_objective(c) -> None:
@@ -249,6 +250,9 @@ def _validate_model_and_task(c, need, get) -> None:
       LoRAConfig(c.model.lora.rank, c.model.lora.alpha, targets)
     except ValueError as e:
       raise ConfigError(f"config: model.lora.targets: {e}") from None
+    need(get("sampler.weight_dtype") != "int8",
+         "sampler.weight_dtype='int8' with model.lora.enabled is not supported: an int8 publish quantizes every "
+         "weight, a LoRA publish moves the adapters alone onto a float base")
   name = get("task.name")
   need(isinstance(name, str) and name in TASKS, f"task.name={name!r}; known: {sorted(TASKS)}")
   need(not (source == "tiny" and TASKS[name].text_prompts),

@@ -145,7 +145,7 @@ def train_times(train_step: Callable, state, rollouts: list[Rollout], seq_len: i
     times.append(time.perf_counter() - t0)
     if publish_to is not None:
       t0 = time.perf_counter()
-      moved = transfer(state.params, version, publish_to.param_shardings)
+      moved = transfer(state.params, version, publish_to.param_shardings, publish_to.dtype, publish_to.weight_dtype)
       _ready(publish_to.place(moved.params, version).params)
       publish.append(time.perf_counter() - t0)
   return times, publish, state
@@ -160,7 +160,7 @@ def transfer_s(params, engine, reps: int) -> tuple[float, float]:
   times = []
   for v in range(1, reps + 1):
     t0 = time.perf_counter()
-    moved = transfer(params, v, engine.param_shardings)
+    moved = transfer(params, v, engine.param_shardings, engine.dtype, engine.weight_dtype)
     placed = _ready(engine.place(moved.params, v).params)
     times.append(time.perf_counter() - t0)
   return statistics.median(times), float(sum(x.nbytes for x in jax.tree.leaves(placed)))

@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
 KV_LAYOUTS = ("dense", "paged")
+WEIGHT_DTYPES = ("float", "int8")  # the sampler's weights (jaxrl.models.quant)
 DECODE_ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")  # paged decode attention (kernels.paged_attention)
 TRAIN_ATTENTION = ("reference", "chunked", "cudnn", "splash")  # learner attention implementations
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
@@ -135,6 +136,11 @@ SETTINGS = (
     Int("sampler.steps_per_call", 8, 1, "decode steps per host round trip"),
     Choice("sampler.dtype", "auto", COMPUTE_DTYPES, 'sampler weights + KV cache ("auto": bf16 on TPU/GPU, f32 on '
            "CPU)"),
+    # "int8": q/k/v/o, gate/up/down and the head quantized per output channel when published (jaxrl/models/quant.py);
+    # behaviour log-probs come from that quantized model, and the learner (float weights) corrects the gap with its
+    # importance weights
+    Choice("sampler.weight_dtype", "float", WEIGHT_DTYPES, '"float": sampler weights in sampler.dtype; "int8": '
+           "weight-only int8 for decoding"),
     Int("sampler.max_new_tokens", 16, 1, "completion budget per sample"),
     Real("sampler.temperature", 1.0, positive, "> 0", "sampling temperature (the learner scores tokens at the same "
          "one)"),

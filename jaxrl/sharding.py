@@ -17,6 +17,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.models import quant
+
 # Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
 LEARNER_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
@@ -173,13 +175,18 @@ class Versioned:
   version: int
 
 
-def transfer(params: Any, version: int, dst_shardings: Any, dtype=None) -> Versioned:
-  """Moves params to another submesh's shardings (asynchronous dispatch), optionally casting the dtype first.
+def transfer(params: Any, version: int, dst_shardings: Any, dtype=None, weight_dtype: str = "float") -> Versioned:
+  """Moves params to another submesh's shardings (asynchronous dispatch), optionally casting the dtype first;
+  weight_dtype "int8": its large matmul weights quantized (jaxrl.models.quant; dst_shardings then of that layout).
 
   The cast happens on the source side, so that exactly the bytes the sampler will use are sent.
   """
   if version < 0:
     raise ValueError(f"policy version must be >= 0, got {version}")
-  if dtype is not None:
+  if weight_dtype == "int8":
+    params = params if quant.is_quantized(params) else quant.quantize_params(params, dtype)
+  elif weight_dtype != "float":
+    raise ValueError(f"weight_dtype must be one of {quant.WEIGHT_DTYPES} (got {weight_dtype!r})")
+  elif dtype is not None:
     params = jax.tree.map(lambda x: x.astype(dtype), params)
   return Versioned(jax.device_put(params, dst_shardings), int(version))

@@ -75,7 +75,7 @@ def build(c, workdir: str | Path) -> Run:
   sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
-  publisher = WeightPublisher(engine.publish_shardings, engine.dtype)
+  publisher = WeightPublisher(engine.publish_shardings, engine.dtype, weight_dtype=engine.weight_dtype)
   controller = Pipeline(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                         prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
                         trace=trace, resumed_from=resumed_from)

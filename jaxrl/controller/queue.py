@@ -102,16 +102,17 @@ class RolloutQueue:
 class WeightPublisher:
   """Holds the newest params for the sampler: the learner publishes, the sampler takes between decode steps."""
 
-  def __init__(self, dst_shardings, dtype=None, on_publish: Callable[[Versioned], None] | None = None):
+  def __init__(self, dst_shardings, dtype=None, on_publish: Callable[[Versioned], None] | None = None,
+               weight_dtype: str = "float"):
     self._dst = dst_shardings
-    self._dtype = dtype
+    self._dtype, self._weight_dtype = dtype, weight_dtype
     self._lock = threading.Lock()
     self._latest: Versioned | None = None
     self._on_publish = on_publish
     self.published = 0
 
   def publish(self, params, version: int) -> Versioned:
-    moved = transfer(params, version, self._dst, self._dtype)
+    moved = transfer(params, version, self._dst, self._dtype, self._weight_dtype)
     with self._lock:
       if self._latest is not None and version <= self._latest.version:
         raise ValueError(f"published version {version} is not newer than {self._latest.version}")

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
-from jaxrl.models import lora
+from jaxrl.models import lora, quant
 from jaxrl.models.config import ModelConfig
 
 
@@ -168,9 +168,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxE, positions_BxT, inv_freq, *, segment_ids_BxT=None, cache_kv=None):
     cfg, dt = self.cfg, x_BxTxE.dtype
-    q = jnp.einsum("bte,ehd->bthd", x_BxTxE, lora.weight(self, "q_proj", dt))
-    k = jnp.einsum("bte,ekd->btkd", x_BxTxE, lora.weight(self, "k_proj", dt))
-    v = jnp.einsum("bte,ekd->btkd", x_BxTxE, lora.weight(self, "v_proj", dt))
+    q = quant.einsum("bte,ehd->bthd", x_BxTxE, lora.weight(self, "q_proj", dt))
+    k = quant.einsum("bte,ekd->btkd", x_BxTxE, lora.weight(self, "k_proj", dt))
+    v = quant.einsum("bte,ekd->btkd", x_BxTxE, lora.weight(self, "v_proj", dt))
     if cfg.attention_bias:
       q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
     if cfg.qk_norm:
@@ -185,7 +185,7 @@ class Attention(nnx.Module):
     # Full sequence: causal by index within equal, non-zero segment ids (the learner's kernel per backend).
     impl = None if cfg.train_attention == "auto" else cfg.train_attention
     out = attention(q, k, v, segment_ids_BxT, impl, cfg.attention_block)
-    return jnp.einsum("bthd,hde->bte", out, lora.weight(self, "o_proj", dt)), None
+    return quant.einsum("bthd,hde->bte", out, lora.weight(self, "o_proj", dt), dt), None
 
   def _cached(self, q_SxCxKxGxD, k_SxCxKxD, v_SxCxKxD, positions_SxC, cache_kv):
     """Writes the new keys/values into this layer of the whole cache (in place) and attends over its live part.
@@ -209,7 +209,7 @@ class Attention(nnx.Module):
                             layout=pool.layout, impl=pool.attention, interpret=pool.interpret)
     out = out.reshape(s, c, kh * g, d)
     dt = q_SxCxKxGxD.dtype
-    return jnp.einsum("bthd,hde->bte", out, lora.weight(self, "o_proj", dt)), new_cache
+    return quant.einsum("bthd,hde->bte", out, lora.weight(self, "o_proj", dt), dt), new_cache
 
 
 class MLP(nnx.Module):
@@ -223,8 +223,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = x.dtype
-    gate = jax.nn.silu(x @ lora.weight(self, "gate_proj", dt))
-    return (gate * (x @ lora.weight(self, "up_proj", dt))) @ lora.weight(self, "down_proj", dt)
+    gate = jax.nn.silu(quant.matmul(x, lora.weight(self, "gate_proj", dt)))
+    return quant.matmul(gate * quant.matmul(x, lora.weight(self, "up_proj", dt)), lora.weight(self, "down_proj", dt))
 
 
 class Block(nnx.Module):
@@ -259,7 +259,8 @@ class Decoder(nnx.Module):
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, fan_in=cfg.hidden_size)
 
   def head(self) -> jax.Array:
-    """The [E, V] output projection (the tied embedding, transposed, or lm_head)."""
+    """The [E, V] output projection (the tied embedding, transposed, or lm_head); a quant.QuantizedWeight in an
+    int8 sampler's model."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
   def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *,
@@ -272,7 +273,7 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     if cache is None and segment_ids_BxT is None:
       raise ValueError("the full-sequence path needs segment_ids_BxT (0 marks padding)")
-    x = self.embed[...].astype(cfg.compute_dtype)[tokens_BxT]
+    x = quant.take(self.embed[...], tokens_BxT, cfg.compute_dtype)
     inv_freq = rope_inv_freq(cfg)
     graphdef, stacked = nnx.split(self.blocks)
     unroll = min(cfg.scan_unroll, cfg.num_layers)
@@ -306,7 +307,7 @@ class Decoder(nnx.Module):
     x = self.final_norm(x)
     if hidden and cache is None:
       return x
-    logits = jnp.einsum("bte,ev->btv", x, self.head().astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = quant.einsum("bte,ev->btv", x, self.head(), preferred_element_type=jnp.float32)
     if cache is None:
       return logits
     return logits, cache

@@ -82,13 +82,16 @@ def attach(module: nnx.Module, group: str, cfg: LoRAConfig | None, rngs: nnx.Rng
 
 
 def weight(module: nnx.Module, attr: str, dtype) -> jax.Array:
-  """module.<attr> in `dtype`, with its adapters merged in if it has them: W + scale * A @ B, each factor cast to
+  """module.<attr> with its adapters merged in if it has them: W + scale * A @ B in `dtype`, each factor cast to
   `dtype` first. The sampler holds the base and receives the adapters already cast to its dtype: merging in that
-  dtype on both sides keeps its weights those the learner reads (master weights in float32, compute in bf16)."""
-  w = getattr(module, attr)[...].astype(dtype)
+  dtype on both sides keeps its weights those the learner reads (master weights in float32, compute in bf16).
+  Without adapters the weight is returned as stored (a float array or an int8 jaxrl.models.quant.QuantizedWeight):
+  the read (quant.einsum / quant.matmul) casts or dequantizes it."""
+  w = getattr(module, attr)[...]
   a = getattr(module, attr + _A, None)
   if a is None:
     return w
+  w = w.astype(dtype)
   return merge_weight(w, a[...].astype(dtype), getattr(module, attr + _B)[...].astype(dtype), module.lora_scale)
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxrl.models import KVCache, ModelConfig, lora
+from jaxrl.models import KVCache, ModelConfig, lora, quant
 from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
 from jaxrl.sampler import continuation, decode
@@ -53,25 +53,30 @@ class SlotEngine:
 
   def __init__(self, cfg: ModelConfig, mesh, *, max_slots: int, max_len: int, steps_per_call: int = 8,
                min_bucket: int = 16, max_stop_ids: int = 8, rebuild_chunk: int = 128, dtype: str | None = None,
-               rules=SAMPLER_RULES):
+               weight_dtype: str = "float", rules=SAMPLER_RULES):
     """dtype: of the sampler's weights, activations and KV cache: "float32" | "bfloat16" | "auto" (bfloat16 on
     TPU/GPU, float32 on CPU, where XLA's float32 matmuls are exact and bfloat16 ones are not faster everywhere);
-    None: cfg.dtype. Prompts prefill in buckets of min_bucket, doubling, up to max_len; a recompute runs chunks
-    of rebuild_chunk positions."""
+    None: cfg.dtype. weight_dtype: "float" (the weights in dtype) or "int8" (the large matmul weights quantized
+    per output channel when placed, jaxrl.models.quant). Prompts prefill in buckets of min_bucket, doubling, up to
+    max_len; a recompute runs chunks of rebuild_chunk positions."""
     check_positive_ints(max_slots=max_slots, max_len=max_len, steps_per_call=steps_per_call, min_bucket=min_bucket,
                         max_stop_ids=max_stop_ids, rebuild_chunk=rebuild_chunk)
     if max_len < 2:
       raise ValueError(f"Engine: max_len must be >= 2 to hold a prompt token and a generated one (got {max_len})")
     dtype = compute_dtype_name(dtype, cfg, mesh)
+    if weight_dtype not in quant.WEIGHT_DTYPES:
+      raise ValueError(f"Engine: weight_dtype must be one of {quant.WEIGHT_DTYPES} (got {weight_dtype!r})")
     # Params are cast once when placed (not per step inside the decode program).
     cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    self.dtype = cfg.compute_dtype
+    self.dtype, self.weight_dtype = cfg.compute_dtype, weight_dtype
     self.cfg, self.mesh, self.rules = cfg, mesh, rules
     self.max_slots, self.max_len, self.steps_per_call = max_slots, max_len, steps_per_call
     self.max_stop_ids, self.rebuild_chunk = max_stop_ids, rebuild_chunk
     self.buckets = prompt_buckets(min_bucket, max_len)
     self.graphdef, abstract = abstract_params(cfg)
     self.param_shardings = param_shardings(abstract, mesh, rules)
+    if weight_dtype == "int8":
+      self.param_shardings = quant.quantized_shardings(self.param_shardings, abstract)
     self.base = None  # a LoRA model's frozen base, held once (hold_base): placed params are then its adapters
     self.publish_shardings = self.param_shardings  # of what place() takes: every param, or the adapters alone
     self._state_shardings = self.decode_state_shardings()
@@ -114,9 +119,10 @@ class SlotEngine:
     raise ValueError(f"a prompt of {length} tokens does not fit the cache (max_len={self.max_len})")
 
   def place(self, params, version: int) -> Versioned:
-    """Puts params onto the sampler shardings in the engine's dtype (a no-op for arrays already there). Holding a
-    LoRA base (hold_base), params are the adapters alone: only they move, and the result runs them on the base."""
-    moved = transfer(params, version, self.publish_shardings, self.dtype)
+    """Puts params onto the sampler shardings in the engine's dtype, quantized for weight_dtype "int8" (a no-op for
+    arrays already there). Holding a LoRA base (hold_base), params are the adapters alone: only they move, and the
+    result runs them on the base."""
+    moved = transfer(params, version, self.publish_shardings, self.dtype, self.weight_dtype)
     return moved if self.base is None else Versioned(lora.merge(self.base, moved.params), moved.version)
 
   def hold_base(self, base) -> None:
