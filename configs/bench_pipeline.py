@@ -47,6 +47,7 @@ def get_config(arg: str | None = None):
     c.bench.measured_steps = 6
     c.bench.profile_decode_calls = 3
     c.bench.profile_train_reps = 2
+    c.bench.repeats = 1
   elif arg:
     raise ValueError(f"configs/bench_pipeline.py: unknown argument {arg!r}; use '' or 'test'")
   return c

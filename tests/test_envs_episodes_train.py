@@ -20,9 +20,10 @@ EPISODES = {"task.name": "token_turns", "sampler.max_len": 64, "rl.seq_len": 64,
 
 
 # 16 pipeline steps: over 8, the reward's rise was 0.09-0.24 across mini-batch draws of the same seed (a rise > 0.2
-# had held on one lucky draw; measured 2026-12-06 with the learner of be9f593 and of issue 30 alike).
+# had held on one lucky draw; measured 2026-12-06 with the learner of be9f593 and of issue 30 alike). The paged run
+# checks the accounting over 4 steps (paged decoding equals dense token for token: test_envs_episodes.py).
 @pytest.mark.parametrize("mode, steps, kv", [("sync", 3, "dense"), ("pipeline", 16, "dense"),
-                                             ("pipeline", 16, "paged")])
+                                             ("pipeline", 4, "paged")])
 def test_multi_turn_episodes_train(tmp_path, mode, steps, kv):
   c = override(tiny.get_config(mode), **EPISODES, num_steps=steps, **{"sampler.kv": kv})
   summary = train(c, tmp_path)
@@ -34,6 +35,6 @@ def test_multi_turn_episodes_train(tmp_path, mode, steps, kv):
   assert stats["episodes"] >= episodes and stats["ends"] == {"done": stats["episodes"]}
   assert stats["env_steps"] == 3 * stats["episodes"] and not stats["env_failures"]  # three turns each
   assert summary["staleness_max"] == (0 if mode == "sync" else 1)
-  if mode == "pipeline":
+  if mode == "pipeline" and kv == "dense":
     rewards = [r["reward_mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.2, rewards
