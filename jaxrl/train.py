@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, sharding
+from jaxrl import hostmem, sharding, telemetry
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
@@ -74,9 +74,13 @@ def build(c, workdir: str | Path) -> Run:
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   publisher = WeightPublisher(engine.param_shardings, engine.dtype)
+  roofline = None
+  if c.log.telemetry:
+    roofline = telemetry.for_run(c, learner.model_config, learner_devices=meshes.learner.size,
+                                 sampler_devices=meshes.sampler.size, sampler_dtype=engine.dtype)
   controller = Pipeline(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                         prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
-                        trace=trace, resumed_from=resumed_from)
+                        trace=trace, resumed_from=resumed_from, telemetry=roofline)
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
              metrics, task, resumed_from, trace)
 

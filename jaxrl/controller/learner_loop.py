@@ -25,12 +25,14 @@ class LearnerLoop:
 
   def __init__(self, spec: RunSpec, *, train_step: Callable, state, rollouts: Rollouts, weights: Weights,
                coord: Coordination, num_samplers: int = 1, checkpointer=None, metrics=None,
-               on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None):
+               on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None,
+               telemetry: Callable[[dict], dict] | None = None):
     self.spec, self.train_step, self.state = spec, train_step, state
     self.rollouts, self.weights, self.coord = rollouts, weights, coord
     self.share = spec.groups_per_step // num_samplers  # each sampler's part of every step
     self.num_samplers = num_samplers
     self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
+    self.telemetry = telemetry  # step metrics -> roofline numbers (jaxrl.telemetry.Telemetry)
     # rl.max_staleness="auto": the admission bound moves within [k_min, k_max] from the measured drift; k_max
     # (spec.max_staleness) stays the hard bound checked at every train step.
     self.adaptive = None if spec.auto_staleness is None else AdaptiveStaleness(spec.auto_staleness)
@@ -178,6 +180,8 @@ class LearnerLoop:
     self.weights.publish(self.state.params, version)
     # Every sampler's cumulative costs (SamplerStats and loop busy time), for jaxrl-profile --from-run.
     metrics.update(publish_s=time.perf_counter() - t0, **sampler_metrics(self.coord.sampler_costs()))
+    if self.telemetry is not None:
+      metrics.update(self.telemetry(metrics))
     self.step_times.append(step_time)
     if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
       self.coord.admit_k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
