@@ -55,7 +55,10 @@ def _best(f, reps=3):
 def machine_limits():
   """Matmul peak per dtype (FLOP/s) and read bandwidth (bytes/s), measured now."""
   peak = {name: telemetry.matmul_flops(name, 2048, 5) for name in ("float32", "bfloat16")}
-  return peak, telemetry.read_bandwidth(512 * 2**20, 5)
+  x = jnp.ones((128 * 1024 * 1024,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  return peak, x.nbytes / _best(lambda: total(x), 5)
 
 
 def _merge_best(a, b):
