@@ -55,6 +55,7 @@ class Run:
 def build(c, workdir: str | Path) -> Run:
   workdir = Path(workdir)
   config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  config_lib.validate_data_files(c)
   model_cfg, tokenizer, path = build_lib.model_source(c)
   task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]

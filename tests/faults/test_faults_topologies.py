@@ -105,6 +105,14 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(topology, tmp_path):
            "rl.max_staleness=abc": "rl.max_staleness", "sampler.top_p=2": "sampler.top_p must be a number in (0, 1]"}
   runs = [(command(topology, tmp_path / "w") + [f"--config.{flag}"], message) for flag, message in cases.items()]
   runs.append((command(topology, tmp_path / "a-file" / "w"), "is not writable"))
+  # A missing data file: a model folder, so that the dataset task's text prompts pass (nothing reads it: the data is
+  # checked first), and the tiny config with the task set in a config file (its task.kwargs has no train_files).
+  missing, config = tmp_path / "no-such.jsonl", tmp_path / "dataset_config.py"
+  config.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'configs')!r})\nimport tiny\n\n\n"
+                    f"def get_config(arg=None):\n  c = tiny.get_config(arg)\n  c.model.source = {str(tmp_path)!r}\n"
+                    f"  c.task.name = 'dataset'\n  c.task.kwargs.train_files = {str(missing)!r}\n  return c\n")
+  args = [re.sub(r"^--config=configs/tiny.py", f"--config={config}", a) for a in command(topology, tmp_path / "w")]
+  runs.append((args, f"task.kwargs.train_files: no such file {missing}"))
   prog = "jaxrl-train" if topology == "single" else "jaxrl.launch"
   for args, message in runs:
     out = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
