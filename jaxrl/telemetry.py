@@ -126,8 +126,8 @@ def matmul_flops(dtype: str, n: int, reps: int) -> float:
 
 def read_bandwidth(nbytes: int, reps: int) -> float:
   """Bytes/s of reading a float32 matrix of about `nbytes` once, as a decode step reads its weights: a
-  matrix-vector product, best of `reps` (after a warm-up). (XLA:CPU sums an array on one thread: a sum read the
-  same 64 MiB 3x slower on the 2-core dev host.)"""
+  matrix-vector product, best of `reps` (after a warm-up). Not a sum: XLA:CPU runs one on a single thread, below
+  what the memory allows (docs/TELEMETRY.md)."""
   n = math.isqrt(nbytes // 4)
   m, v = jnp.ones((n, n), jnp.float32), jnp.ones((n,), jnp.float32)
   matvec = jax.jit(lambda m, v: m @ v)
@@ -136,7 +136,7 @@ def read_bandwidth(nbytes: int, reps: int) -> float:
 
 @functools.cache
 def measured_peak(dtype: str, n: int = 1024, read_bytes: int = 64 * 2**20, reps: int = 3) -> Peak:
-  """One device's matmul FLOP/s and read bandwidth, measured once per process (about 0.3 s on a 2-core host)."""
+  """One device's matmul FLOP/s and read bandwidth, measured once per process."""
   return Peak(matmul_flops(dtype, n, reps), read_bandwidth(read_bytes, reps),
               f"measured on {jax.devices()[0].device_kind} ({dtype} matmul {n}^3, {read_bytes >> 20} MiB matvec)")
 
