@@ -2,10 +2,10 @@
 fractions of the devices' peak (MFU: FLOP/s over peak FLOP/s; MBU: bytes/s over peak memory bandwidth).
 
 The work is counted from the model config, not read from XLA: model FLOPs (every projection, the output head and
-causal attention; no rematerialisation, elementwise ops or padding beyond the rows a step computes) and the
-fewest bytes the work must move (weights, KV cache and optimizer state; no activations). The peaks come from the
-systems model's table (jaxrl.sim.hardware) by `device_kind`; on a device not in it (a CPU) or on request they are
-measured once at start: a matmul and a read of a large array.
+causal attention; no rematerialisation, elementwise ops or masked-out attention; a learner batch's padding counts,
+the step computes it) and the fewest bytes the work must move (weights, KV cache and optimizer state; no
+activations). The peaks come from the systems model's table (jaxrl.sim.hardware) by `device_kind`; on a device
+not in it (a CPU) or on request they are measured once at start: a matmul and a matrix-vector product.
 """
 
 from __future__ import annotations
