@@ -57,6 +57,12 @@ class LearnerLoop:
     if self.trace is not None:
       self.trace({"event": event, **fields})
 
+  def _log_skips(self) -> None:
+    """Traces the prompts samplers of other processes skipped (a local sampler loop traces its own): before the
+    checkpoint or end event whose record counts them."""
+    for gid, reason in self.coord.skips_to_trace():
+      self._log("skip_prompt", group=gid, reason=reason)
+
   def run(self) -> None:
     """Asks one share ahead: step s's share is asked for as soon as step s - 1's is taken, so that the sampler side
     assembles and sends it while step s - 1 trains (asked only once step s - 1 is trained, the learner waited a
@@ -180,6 +186,7 @@ class LearnerLoop:
     self.weights.publish(self.state.params, version)
     # Every sampler's cumulative costs (SamplerStats and loop busy time), for jaxrl-profile --from-run.
     metrics.update(publish_s=time.perf_counter() - t0, **sampler_metrics(self.coord.sampler_costs()))
+    self._log_skips()
     if self.telemetry is not None:
       metrics.update(self.telemetry(metrics))
     self.step_times.append(step_time)
@@ -204,6 +211,7 @@ class LearnerLoop:
     if self.checkpointer.latest_step() == self.version:
       return
     record = self.coord.checkpoint_record()
+    self._log_skips()
     self._log("checkpoint", version=self.version, next_group_id=record["next_group_id"],
               pending=record["pending_group_ids"], unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
     self.checkpointer.save(self.version, self.state, record, force=force)
@@ -212,6 +220,7 @@ class LearnerLoop:
     """Saves the last good state, whatever stopped the run (an interrupted step never reaches the state)."""
     self.save_checkpoint(force=True)
     record = self.coord.checkpoint_record()
+    self._log_skips()
     self._log("end", version=self.version, next_group_id=record["next_group_id"], pending=record["pending_group_ids"],
               unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
 
