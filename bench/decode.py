@@ -29,7 +29,7 @@ import transformers
 from absl import app, flags
 
 from bench.decode_baseline import baseline_engine
-from jaxrl import assets
+from jaxrl import assets, telemetry
 from jaxrl.models import forward, hf
 from jaxrl.rollout import SamplingParams
 from jaxrl.sampler import Request, Sampler, make_engine, sampling_logprobs
@@ -54,12 +54,7 @@ def _best(f, reps=3):
 
 def machine_limits():
   """Matmul peak per dtype (FLOP/s) and read bandwidth (bytes/s), measured now."""
-  peak = {}
-  for name in ("float32", "bfloat16"):
-    a = jnp.ones((2048, 2048), name)
-    mm = jax.jit(lambda a: a @ a)
-    mm(a).block_until_ready()
-    peak[name] = 2 * 2048**3 / _best(lambda mm=mm, a=a: mm(a), 5)
+  peak = {name: telemetry.matmul_flops(name, 2048, 5) for name in ("float32", "bfloat16")}
   x = jnp.ones((128 * 1024 * 1024,), jnp.float32)
   total = jax.jit(jnp.sum)
   total(x).block_until_ready()

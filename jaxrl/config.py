@@ -145,6 +145,23 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
     _check_writable(Path(workdir))
 
 
+def validate_data_files(c: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the key if a local data file of task.name="dataset" is missing or of an unknown kind.
+  Checked by jaxrl-train and by a job's launcher, once for the processes it starts on its filesystem, before any
+  of them starts (each would report it); not by the job's processes themselves (a multi-host job's learner hosts
+  need not hold the data)."""
+  from jaxrl.envs.dataset import data_files
+
+  if c.task.name != "dataset":
+    return
+  for key in ("train_files", "eval_files"):
+    if c.task.kwargs.get(key):
+      try:
+        data_files(c.task.kwargs[key], key)
+      except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"config: {e}") from None
+
+
 def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int]) -> None:
   """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
   order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices

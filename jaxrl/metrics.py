@@ -19,7 +19,8 @@ from jaxrl.trackers import TRACKERS, check_backends
 
 PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
                  ("ess_frac", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
-                 ("learner_busy", "lrn"), ("step_time_s", "s/step"))
+                 ("learner_busy", "lrn"), ("step_time_s", "s/step"), ("learner_mfu", "mfu/l"),
+                 ("learner_mbu", "mbu/l"), ("sampler_mfu", "mfu/s"), ("sampler_mbu", "mbu/s"))
 
 
 def _scalar(v: Any) -> float | None:

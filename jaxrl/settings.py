@@ -15,6 +15,7 @@ COMPUTE_DTYPES = ("auto", *DTYPES)
 ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
 KV_LAYOUTS = ("dense", "paged")
 WEIGHT_DTYPES = ("float", "int8")  # the sampler's weights (jaxrl.models.quant)
+PEAK_MODES = ("auto", "measure")  # roofline telemetry's peak: the device table's (else measured), or measured
 DECODE_ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")  # paged decode attention (kernels.paged_attention)
 TRAIN_ATTENTION = ("reference", "chunked", "cudnn", "splash")  # learner attention implementations
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
@@ -225,6 +226,14 @@ SETTINGS = (
     Setting("log.run_name", "", "tracker run name (\"\": the workdir's name)"),
     Bool("log.tensorboard", True, "False drops \"tensorboard\" from log.backends (the older switch, still honoured)"),
     Bool("log.progress", True, "one progress line per learner step on stderr"),
+    # Roofline telemetry (jaxrl/telemetry.py): learner_/sampler_ flops_per_s, bytes_per_s, mfu, mbu per step, the
+    # peaks from the accelerator's datasheet (jaxrl.sim.hardware) or measured at start (a CPU, or log.peak="measure")
+    Bool("log.telemetry", True, "log each side's achieved FLOP/s and bytes/s and their fractions of peak (MFU/MBU)"),
+    Choice("log.peak", "auto", PEAK_MODES, '"auto": the device table\'s peak (measured for a device not in '
+           'it); "measure": a matmul and a read measured at start'),
+    Real("log.peak_flops", 0.0, lambda v: v >= 0, ">= 0", "per-device peak FLOP/s for MFU (0: from log.peak)"),
+    Real("log.peak_bandwidth", 0.0, lambda v: v >= 0, ">= 0", "per-device memory bandwidth, bytes/s, for MBU (0: "
+         "from log.peak)"),
     Bool("log.trace", False, "workdir/trace.jsonl: which samples each step trained, drops, skips, checkpoints "
          "(debugging)"),
 )

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, sharding
+from jaxrl import hostmem, sharding, telemetry
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
@@ -55,6 +55,7 @@ class Run:
 def build(c, workdir: str | Path) -> Run:
   workdir = Path(workdir)
   config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  config_lib.validate_data_files(c)
   model_cfg, tokenizer, path = build_lib.model_source(c)
   task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
@@ -76,9 +77,13 @@ def build(c, workdir: str | Path) -> Run:
   metrics = build_lib.open_metrics(c, workdir, resumed_from)
   trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
   publisher = WeightPublisher(engine.publish_shardings, engine.dtype, weight_dtype=engine.weight_dtype)
+  roofline = None
+  if c.log.telemetry:
+    roofline = telemetry.for_run(c, learner.model_config, learner_devices=meshes.learner.size,
+                                 sampler_devices=meshes.sampler.size, sampler_dtype=engine.dtype)
   controller = Pipeline(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                         prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
-                        trace=trace, resumed_from=resumed_from)
+                        trace=trace, resumed_from=resumed_from, telemetry=roofline)
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
              metrics, task, resumed_from, trace)
 

@@ -448,8 +448,10 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   assert [sampler1.next_group(2) for _ in range(5)] == [(5, True), (7, True), (9, False), (11, False), (13, False)]
 
   counts = {"groups_admitted": 2, "samples_generated": 8, "tokens_generated": 40, "skipped_prompts": 1}
-  store.set("sampler/0", {"costs": {}, "admitted": {"next": 14, "left": [], "skipped": [12], "ledger": counts}})
-  store.set("sampler/1", {"costs": {}, "admitted": {"next": 11, "left": [7, 9], "skipped": [], "ledger": {
+  store.set("sampler/0", {"costs": {}, "admitted": {"next": 14, "left": [], "skipped": [12],
+                                                    "skip_reasons": ["prompt of 40 tokens"], "ledger": counts}})
+  store.set("sampler/1", {"costs": {}, "admitted": {"next": 11, "left": [7, 9], "skipped": [], "skip_reasons": [],
+                                                    "ledger": {
       "groups_admitted": 0, "samples_generated": 4, "tokens_generated": 20, "skipped_prompts": 0}}})
   with lead.lock:
     lead.settle(10)  # trained
@@ -458,3 +460,7 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   # Admitted: 10 and 12 (sampler 0), 5 (regenerated; 7 is still due); 12 was skipped; 11 and 9 nobody reached.
   assert (saved["next_group_id"], saved["pending_group_ids"], saved["unadmitted_group_ids"]) == (13, [7], [9, 11])
   assert (saved["ledger"]["groups_admitted"], saved["ledger"]["samples_generated"]) == (10, 12)
+  # The lead's trace shows each skip once, with its reason, before the record that counts it (LearnerLoop).
+  assert lead.skips_to_trace() == [(12, "prompt of 40 tokens")]
+  lead.checkpoint_record()
+  assert lead.sampler_costs() == [{}, {}] and lead.skips_to_trace() == []

@@ -91,7 +91,7 @@ class Coordination:
     # (generated again, not counted as admitted twice), then positions no sampler had admitted yet.
     self.regenerate: list[int] = []
     self.unadmitted: list[int] = []
-    self.skipped_ids: list[int] = []  # prompts this sampler skipped (settled: never admitted again)
+    self.skipped: dict[int, str] = {}  # prompts this sampler skipped, and why (settled: never admitted again)
     self._wake = threading.Event()
 
   @property
@@ -160,6 +160,11 @@ class Coordination:
     with self.lock:
       self.record.pending_group_ids = self.pending()
       return self.record.to_json()
+
+  def skips_to_trace(self) -> list[tuple[int, str]]:
+    """(group, reason) of the prompts samplers in other processes skipped that this process has not traced yet,
+    as of its last checkpoint record or sampler costs; none in one process, whose sampler loop traces its own."""
+    return []
 
 
 class LocalCoordinator(Coordination):

@@ -25,12 +25,14 @@ class LearnerLoop:
 
   def __init__(self, spec: RunSpec, *, train_step: Callable, state, rollouts: Rollouts, weights: Weights,
                coord: Coordination, num_samplers: int = 1, checkpointer=None, metrics=None,
-               on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None):
+               on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None,
+               telemetry: Callable[[dict], dict] | None = None):
     self.spec, self.train_step, self.state = spec, train_step, state
     self.rollouts, self.weights, self.coord = rollouts, weights, coord
     self.share = spec.groups_per_step // num_samplers  # each sampler's part of every step
     self.num_samplers = num_samplers
     self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
+    self.telemetry = telemetry  # step metrics -> roofline numbers (jaxrl.telemetry.Telemetry)
     # rl.max_staleness="auto": the admission bound moves within [k_min, k_max] from the measured drift; k_max
     # (spec.max_staleness) stays the hard bound checked at every train step.
     self.adaptive = None if spec.auto_staleness is None else AdaptiveStaleness(spec.auto_staleness)
@@ -55,6 +57,12 @@ class LearnerLoop:
   def _log(self, event: str, **fields) -> None:
     if self.trace is not None:
       self.trace({"event": event, **fields})
+
+  def _log_skips(self) -> None:
+    """Traces the prompts samplers of other processes skipped (a local sampler loop traces its own): before the
+    checkpoint or end event whose record counts them."""
+    for gid, reason in self.coord.skips_to_trace():
+      self._log("skip_prompt", group=gid, reason=reason)
 
   def run(self) -> None:
     """Asks one share ahead: step s's share is asked for as soon as step s - 1's is taken, so that the sampler side
@@ -180,6 +188,9 @@ class LearnerLoop:
     self.weights.publish(self.state.params, version)
     # Every sampler's cumulative costs (SamplerStats and loop busy time), for jaxrl-profile --from-run.
     metrics.update(publish_s=time.perf_counter() - t0, **sampler_metrics(self.coord.sampler_costs()))
+    self._log_skips()
+    if self.telemetry is not None:
+      metrics.update(self.telemetry(metrics))
     self.step_times.append(step_time)
     if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
       self.coord.admit_k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
@@ -202,6 +213,7 @@ class LearnerLoop:
     if self.checkpointer.latest_step() == self.version:
       return
     record = self.coord.checkpoint_record()
+    self._log_skips()
     self._log("checkpoint", version=self.version, next_group_id=record["next_group_id"],
               pending=record["pending_group_ids"], unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
     self.checkpointer.save(self.version, self.state, record, force=force)
@@ -210,6 +222,7 @@ class LearnerLoop:
     """Saves the last good state, whatever stopped the run (an interrupted step never reaches the state)."""
     self.save_checkpoint(force=True)
     record = self.coord.checkpoint_record()
+    self._log_skips()
     self._log("end", version=self.version, next_group_id=record["next_group_id"], pending=record["pending_group_ids"],
               unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
 

@@ -17,14 +17,14 @@ class Pipeline:
 
   def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,
                record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
-               resumed_from: int | None = None, poll_s: float = 0.05):
+               resumed_from: int | None = None, poll_s: float = 0.05, telemetry=None):
     self.spec, self.poll_s = spec, poll_s
     self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                                   resumed_from)
     self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
     self.learner_loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=self.rollouts,
                                     weights=publisher, coord=self.coord, checkpointer=checkpointer, metrics=metrics,
-                                    on_step=on_step, trace=trace)
+                                    on_step=on_step, trace=trace, telemetry=telemetry)
     self.sampler_loop = SamplerLoop(spec, sampler=sampler, prompts=prompts, score=score, rollouts=self.rollouts,
                                     weights=publisher, coord=self.coord, trace=trace)
 

@@ -90,7 +90,7 @@ class SamplerLoop:
           raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
       except SkipPrompt as e:
         self.ledger.skipped_prompts += 1
-        coord.skipped_ids.append(gid)
+        coord.skipped[gid] = str(e)
         print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
         if self.trace is not None:
           self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})

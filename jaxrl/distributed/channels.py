@@ -230,6 +230,8 @@ class StoreCoordinator(Coordination):
     self._rounds = 0  # learner loop iterations: the same on every learner process (they run in lock step)
     self._asks_made = 0  # the lead's asks so far (a job's asks start at 1, a resumed job's too: a new store)
     self.settled: set[int] = set()  # lead: groups trained or dropped since this job started
+    self._skips_seen: set[int] = set()  # lead: prompts the samplers skipped, as their posts said
+    self._skips_untraced: list[tuple[int, str]] = []
     self._resume: dict | None = None  # lead: where the samplers started (learner_started)
     # Sampler side: the lead's asks as the watcher thread last saw them (no store call in the sampler loop).
     self._asked = self._skipped = self._skipped_total = 0
@@ -296,7 +298,22 @@ class StoreCoordinator(Coordination):
   def sampler_costs(self) -> list[dict]:
     """What every sampler posted last (a sampler that has posted nothing yet is left out)."""
     posted = [self.store.try_get(f"sampler/{r}") for r in range(self.num_samplers)]
+    self._note_skips([d["admitted"] for d in posted if d is not None])
     return [d["costs"] for d in posted if d is not None]
+
+  def _note_skips(self, posts: list[dict]) -> None:
+    """Keeps the skips of these posts that the lead has not seen yet, for its trace (skips_to_trace)."""
+    with self.lock:
+      for post in posts:
+        for gid, reason in zip(post["skipped"], post["skip_reasons"], strict=True):
+          if gid not in self._skips_seen:
+            self._skips_seen.add(gid)
+            self._skips_untraced.append((gid, reason))
+
+  def skips_to_trace(self) -> list[tuple[int, str]]:
+    with self.lock:
+      out, self._skips_untraced = self._skips_untraced, []
+    return out
 
   def checkpoint_record(self) -> dict:
     """The lead's record (the one saved): admitted = the groups regenerated, the unadmitted positions some sampler
@@ -307,6 +324,7 @@ class StoreCoordinator(Coordination):
       return super().checkpoint_record()  # only the lead's record is saved
     num, resume = self.num_samplers, self._resume
     posts = [(self.store.try_get(f"sampler/{r}") or {}).get("admitted") for r in range(num)]
+    self._note_skips([post for post in posts if post is not None])  # traced before the record that counts them
     with self.lock:
       admitted, left, skipped, ends = set(), set(), set(), [resume["base"]]
       for rank, post in enumerate(posts):
@@ -368,7 +386,8 @@ class StoreCoordinator(Coordination):
     has admitted (its next new position, what it has yet to regenerate or admit, the prompts it skipped) with its
     counts, one consistent snapshot (the sampler loop's thread admits, counts and sends): checkpoint_record."""
     admitted = {"next": self.record.next_group_id, "left": self.regenerate + self.unadmitted,
-                "skipped": list(self.skipped_ids), "ledger": {k: getattr(self.ledger, k) for k in SAMPLER_COUNTS}}
+                "skipped": list(self.skipped), "skip_reasons": list(self.skipped.values()),
+                "ledger": {k: getattr(self.ledger, k) for k in SAMPLER_COUNTS}}
     self.store.set(f"sampler/{self.topology.sampler_rank}", {"costs": costs, "admitted": admitted})
 
 

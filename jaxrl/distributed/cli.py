@@ -37,5 +37,6 @@ def preflight(prog: str, args: list[str], devices_per_process: list[int]) -> Non
   try:
     config_lib.validate(c, flag_values.workdir, num_devices=sum(devices_per_process))
     config_lib.validate_job(c, devices_per_process)
+    config_lib.validate_data_files(c)
   except config_lib.ConfigError as e:
     config_lib.cli_error(prog, str(e))

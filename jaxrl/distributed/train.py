@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
-from jaxrl import sharding
+from jaxrl import sharding, telemetry
 from jaxrl.checkpoint import IntegrityError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
@@ -57,6 +57,7 @@ from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
 from jaxrl.metrics import TraceWriter
 from jaxrl.models import hf, lora
+from jaxrl.sampler.slot_engine import compute_dtype_name
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -132,15 +133,20 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, key, lambda b: jax.device_put(b, batch_sh))
   publisher.compile(state.params)
   store.barrier("learners_compiled", topology.learner_processes)
-  metrics = trace = None
+  metrics = trace = roofline = None
   if lead:  # the lead learner's loop sees every step, drop and checkpoint of the job
     metrics = build_lib.open_metrics(c, workdir, resumed)
     trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
+    if c.log.telemetry:  # rates per replica: the summed counters over the summed busy time
+      sampler_dtype = compute_dtype_name(c.sampler.dtype, model_cfg, replicas[0])
+      roofline = telemetry.for_run(c, learner.model_config, learner_devices=learner_mesh.size,
+                                   sampler_devices=replicas[0].size, sampler_dtype=sampler_dtype)
   coord = StoreCoordinator(store, topology, record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                            resumed, poll_s)
   inbox = Inbox(num_samplers, coord.stop, store if lead else None, poll_s)
   loop = LearnerLoop(spec, train_step=step, state=state, rollouts=inbox, weights=publisher, coord=coord,
-                     num_samplers=num_samplers, checkpointer=checkpointer, metrics=metrics, trace=trace)
+                     num_samplers=num_samplers, checkpointer=checkpointer, metrics=metrics, trace=trace,
+                     telemetry=roofline)
   ferry = Ferry(*ferry_args, coord, inbox=inbox, publisher=publisher, dump_dir=dump_dir)
   return LearnerProcess(loop, coord, ferry, log)
 

@@ -28,7 +28,8 @@ EXTRA = "pip install 'jaxrl[data]'"
 MAX_LISTED_ERRORS = 5
 
 
-def _files(files: str | Sequence[str], key: str) -> list[Path]:
+def data_files(files: str | Sequence[str], key: str) -> list[Path]:
+  """The paths of task.kwargs.<key>; raises naming the key if one is missing or of an unknown kind."""
   paths = [Path(f) for f in ([files] if isinstance(files, (str, os.PathLike)) else files)]
   if not paths:
     raise ValueError(f"dataset: task.kwargs.{key} is empty")
@@ -122,8 +123,8 @@ class DatasetTask(RecordsTask):
       train = self._records(hub_rows(hub, hub_config, split), f"{hub}[{split}]")
       heldout = self._records(hub_rows(hub, hub_config, eval_split), f"{hub}[{eval_split}]") if eval_split else None
     else:
-      train = [r for p in _files(train_files, "train_files") for r in self._records(read_rows(p), str(p))]
-      heldout = ([r for p in _files(eval_files, "eval_files") for r in self._records(read_rows(p), str(p))]
+      train = [r for p in data_files(train_files, "train_files") for r in self._records(read_rows(p), str(p))]
+      heldout = ([r for p in data_files(eval_files, "eval_files") for r in self._records(read_rows(p), str(p))]
                  if eval_files else None)
     super().__init__(seed, train, heldout, eval_fraction)
 

@@ -102,6 +102,20 @@ def _cast_floats(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def needs_prox_pass(loss: LossConfig, updates_per_step: int) -> bool:
+  """Decoupled PPO's pre-step policy needs its own pass only when a later update sees other params."""
+  return loss.proximal == "recompute" and updates_per_step > 1
+
+
+def needs_ref_pass(loss: LossConfig) -> bool:
+  return loss.kl_coef > 0
+
+
+def fixed_param_pass_count(loss: LossConfig, updates_per_step: int) -> int:
+  """Forward passes over the whole batch a step runs at fixed params besides its updates' (prox, ref)."""
+  return int(needs_prox_pass(loss, updates_per_step)) + int(needs_ref_pass(loss))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSetup:
   """What make_train_step fixes for every call of the step (validated there; see its arguments)."""
@@ -129,12 +143,11 @@ class StepSetup:
 
   @property
   def prox_pass(self) -> bool:
-    """Decoupled PPO's pre-step policy needs its own pass only when a later update sees other params."""
-    return self.loss.proximal == "recompute" and self.updates_per_step > 1
+    return needs_prox_pass(self.loss, self.updates_per_step)
 
   @property
   def ref_pass(self) -> bool:
-    return self.loss.kl_coef > 0
+    return needs_ref_pass(self.loss)
 
   def chunks(self, rows: int) -> int:
     """Gradient-accumulation chunks per update for a batch of `rows` rows (see microbatch_rows)."""

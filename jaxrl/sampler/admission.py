@@ -58,7 +58,7 @@ class Admission:
     """The group's next sample into the slot."""
     if g.prefix is None or g.prefix.version != params.version:  # the prefill is shared by the group's samples
       self.policy.prefill_group(g, params)
-      self.stats.prefills += 1
+      self._count_prefill(len(g.prompt))
     r = g.request
     settings = self.engine.slot_settings(g.keys[g.placed], r.sampling, g.max_new[g.placed], g.stop_ids)
     self.policy.place(slot, g, settings)
@@ -78,10 +78,16 @@ class Admission:
     tokens = np.concatenate([g.prompt, np.asarray(sample.tokens, np.int32)])
     self.policy.check_room(len(tokens) - 1)  # before the prefill, which would be wasted
     prefix = self.engine.prefill(params, tokens)
-    self.stats.prefills += 1
+    self._count_prefill(len(tokens))
     drawn, limit = sample.budget()
     settings = self.engine.slot_settings(g.keys[sample.index], r.sampling, limit, g.stop_ids)
     self.policy.insert(slot, prefix, settings, drawn)
     self.count += 1
     sample.admitted = self.count
     return sample
+
+  def _count_prefill(self, n: int) -> None:
+    """One prefill of n tokens (causal: token i attends i + 1 keys)."""
+    self.stats.prefills += 1
+    self.stats.prefill_tokens += n
+    self.stats.prefill_keys += n * (n + 1) // 2

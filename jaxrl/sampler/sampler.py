@@ -48,6 +48,10 @@ class SamplerStats:
   seconds: float = 0.0  # wall time inside step()
   live_rows: int = 0  # live slots summed over decode calls (rows / calls: a call's mean live batch)
   context_tokens: int = 0  # positions of the live slots at dispatch, summed over decode calls
+  # Keys the decode steps of the generated tokens attended: sum over those tokens of their step's position + 1
+  attended_keys: int = 0
+  prefill_tokens: int = 0  # prompt (and resumed completion) tokens prefilled, unpadded
+  prefill_keys: int = 0  # keys the prefills attended (causal): n (n + 1) / 2 per prefill of n tokens
   update_seconds: float = 0.0  # wall time inside update_params() (placement and KV recompute)
 
   @property
@@ -213,6 +217,8 @@ class Sampler:
         continue  # empty, ended by the host after this dispatch, or a turn that ended then (its env is working)
       n = counts[slot]
       before = len(sample.tokens)
+      # The step that drew a sample's next token ran at its last position and attended every key up to it.
+      self.stats.attended_keys += n * (sample.pos + 1) + n * (n - 1) // 2
       sample.tokens += tokens[slot][:n]
       sample.logprobs += logprobs[slot][:n]
       sample.versions += [version] * n

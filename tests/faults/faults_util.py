@@ -35,6 +35,47 @@ def _tiny_module():
   return module
 
 
+# A text task for the tiny model: a word-level tokenizer, a chat template, questions that fit sampler.max_len=32
+# (GOOD) and one that does not (LONG: skipped, counted).
+WORDS = ["<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "What", "is", "+", "?", "####", *"0123456789",
+         "plus", "and", "then", "a", "lot", "more", "words", "here"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+GOOD = [{"question": f"What is {a} + {b} ?", "answer": f"{a} plus {b} #### {a + b}"}
+        for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 3), (4, 4), (7, 1), (2, 5)]]
+LONG = {"question": "What is 1 + 2 ? " + "and then a lot more words here " * 5, "answer": "#### 3"}  # > 32 tokens
+
+
+def hf_folder(path: Path, chat_template: bool) -> Path:
+  """A tiny random model as a HF folder, the same shapes as configs/tiny.py's, with a word-level tokenizer."""
+  from flax import nnx
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  from jaxrl.models import Decoder, ModelConfig, hf
+
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(WORDS[:5])
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
+  if chat_template:
+    tokenizer.chat_template = TEMPLATE
+  tokenizer.save_pretrained(path.parent / f"{path.name}-tokenizer")
+  cfg = ModelConfig.tiny(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=32, eos_token_ids=(2,))
+  hf.save_params(path, cfg, nnx.split(Decoder(cfg, nnx.Rngs(0)))[1], path.parent / f"{path.name}-tokenizer")
+  return path
+
+
+def tiny_variant(path: Path, **fields) -> Path:
+  """A config file at `path`: configs/tiny.py with `fields` (dotted keys, `__` standing for `.`) set in Python,
+  for what a command line cannot set (keys the tiny config's task.kwargs does not have)."""
+  sets = "".join(f"  c.{k.replace('__', '.')} = {v!r}\n" for k, v in fields.items())
+  path.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'configs')!r})\nimport tiny\n\n\n"
+                  f"def get_config(arg=None):\n  c = tiny.get_config(arg)\n{sets}  return c\n")
+  return path
+
+
 def tiny_config(mode: str = "pipeline", **overrides):
   """configs/tiny.py with BASE and `overrides` (dotted keys, `__` standing for `.`) applied."""
   from jaxrl.config import override

@@ -7,17 +7,25 @@ import json
 
 import ml_collections
 import pytest
-from faults_util import NUM_STEPS, TALLY, check_history, cli, inject, read_trace, run_cli, tiny_config
-from flax import nnx
+from faults_util import (
+  GOOD,
+  LONG,
+  NUM_STEPS,
+  TALLY,
+  check_history,
+  cli,
+  hf_folder,
+  inject,
+  read_trace,
+  run_cli,
+  tiny_config,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from jaxrl import config as config_lib
 from jaxrl import train as train_lib
 from jaxrl.controller import build as build_lib
-from jaxrl.models import Decoder, ModelConfig, hf
 from jaxrl.settings import SETTINGS
 
 # ---- fuzzed configs ---------------------------------------------------------------------------------------------
@@ -157,30 +165,8 @@ def test_build_rejects_fuzzed_configs_before_any_work(no_work, monkeypatch, data
 
 # ---- task data, tokenizer, prompt length ------------------------------------------------------------------------
 
-WORDS = ["<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "What", "is", "+", "?", "####", *"0123456789",
-         "plus", "and", "then", "a", "lot", "more", "words", "here"]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-GOOD = [{"question": f"What is {a} + {b} ?", "answer": f"{a} plus {b} #### {a + b}"}
-        for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (6, 3), (4, 4), (7, 1), (2, 5)]]
-LONG = {"question": "What is 1 + 2 ? " + "and then a lot more words here " * 5, "answer": "#### 3"}  # > 32 tokens
 BAD_LINES = {2: "{not json", 4: json.dumps({"question": "What is 1 + 1 ?"}), 7: json.dumps({"question": "What is 2 ?",
                                                                                               "answer": "2"})}
-
-
-def _hf_folder(path, chat_template: bool):
-  """A tiny random model as a HF folder, the same shapes as configs/tiny.py's, with a word-level tokenizer."""
-  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.add_special_tokens(WORDS[:5])
-  tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>")
-  if chat_template:
-    tokenizer.chat_template = TEMPLATE
-  tokenizer.save_pretrained(path.parent / f"{path.name}-tokenizer")
-  cfg = ModelConfig.tiny(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, max_position_embeddings=32, eos_token_ids=(2,))
-  hf.save_params(path, cfg, nnx.split(Decoder(cfg, nnx.Rngs(0)))[1], path.parent / f"{path.name}-tokenizer")
-  return path
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +177,8 @@ def data_dir(tmp_path_factory):
     lines.insert(n - 1, bad)
   (d / "train.jsonl").write_text("\n".join(lines) + "\n")
   (d / "eval.jsonl").write_text(json.dumps({"question": "What is 9 + 9 ?", "answer": "#### 18"}) + "\n")
-  _hf_folder(d / "model", chat_template=True)
-  _hf_folder(d / "model-no-template", chat_template=False)
+  hf_folder(d / "model", chat_template=True)
+  hf_folder(d / "model-no-template", chat_template=False)
   return d
 
 

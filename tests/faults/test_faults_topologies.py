@@ -5,6 +5,7 @@ Resume: the whole job SIGKILLed once its step-2 checkpoint is committed (groups 
 flight), then the same command: every step trains the groups of an uninterrupted run of the same seed, no group is
 skipped or trained twice, and summary.json counts what the resume discarded and generated again.
 Bad input: one line naming the key, exit status 2, before any process starts.
+Skipped prompts: traced with their reason, and counted.
 Auto staleness: the admission bound the learner chooses reaches every sampler."""
 
 import json
@@ -17,6 +18,8 @@ import sys
 import pytest
 from faults_util import (
   BASE,
+  GOOD,
+  LONG,
   NUM_STEPS,
   REPO,
   TALLY,
@@ -25,8 +28,10 @@ from faults_util import (
   cli,
   committed_steps,
   groups_per_step,
+  hf_folder,
   read_trace,
   tiny_config,
+  tiny_variant,
   wait_for,
 )
 
@@ -46,6 +51,11 @@ def command(topology: str, workdir, **overrides) -> list[str]:
   return [sys.executable, "-m", "jaxrl.distributed.launch", "--num_processes=2", "--devices_per_process=1",
           "--grace_s=30", "--", "--config=configs/tiny.py", f"--workdir={workdir}", "--heartbeat_timeout_s=5",
           *(f"--config.{k}={v}" for k, v in flags.items())]
+
+
+def with_config(args: list[str], config) -> list[str]:
+  """The command line `args` of the tiny config with the config file `config` instead."""
+  return [re.sub(r"^--config=configs/tiny.py", f"--config={config}", a) for a in args]
 
 
 def start_job(args: list[str], log) -> subprocess.Popen:
@@ -105,6 +115,13 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(topology, tmp_path):
            "rl.max_staleness=abc": "rl.max_staleness", "sampler.top_p=2": "sampler.top_p must be a number in (0, 1]"}
   runs = [(command(topology, tmp_path / "w") + [f"--config.{flag}"], message) for flag, message in cases.items()]
   runs.append((command(topology, tmp_path / "a-file" / "w"), "is not writable"))
+  # A missing data file: a model folder, so that the dataset task's text prompts pass (nothing reads it: the data is
+  # checked first).
+  missing = tmp_path / "no-such.jsonl"
+  config = tiny_variant(tmp_path / "dataset_config.py", model__source=str(tmp_path), task__name="dataset",
+                        task__kwargs__train_files=str(missing))
+  runs.append((with_config(command(topology, tmp_path / "w"), config),
+               f"task.kwargs.train_files: no such file {missing}"))
   prog = "jaxrl-train" if topology == "single" else "jaxrl.launch"
   for args, message in runs:
     out = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
@@ -114,6 +131,30 @@ def test_bad_input_is_one_line_naming_the_key_and_exit_2(topology, tmp_path):
     assert lines[0].startswith(f"{prog}: ") and message in lines[0], lines
     TALLY["CLI bad inputs"] += 1
   assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_skipped_prompts_are_in_the_trace_with_their_reason(topology, tmp_path):
+  """A prompt longer than the sampler's context is skipped, counted and traced with its reason in every topology
+  (a job's samplers post their skips; its lead learner traces them before the record that counts them), and the
+  trace still accounts for every data position."""
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in [*GOOD[:5], LONG, *GOOD[5:]]) + "\n")
+  (data / "eval.jsonl").write_text(json.dumps(GOOD[0]) + "\n")  # every train.jsonl record trains
+  config = tiny_variant(tmp_path / "text_config.py", model__source=str(hf_folder(data / "model", True)),
+                        task__name="gsm8k", task__kwargs__path=str(data / "train.jsonl"),
+                        task__kwargs__eval_path=str(data / "eval.jsonl"), task__kwargs__instruction="")
+  workdir, log = tmp_path / "run", tmp_path / "job.log"
+  assert start_job(with_config(command(topology, workdir), config), log).wait(timeout=300) == 0, log.read_text()[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  events = read_trace(workdir / "trace.jsonl")
+  skips = [e for e in events if e["event"] == "skip_prompt"]
+  assert skips and all("leaves no room to generate in sampler.max_len=32" in e["reason"] for e in skips), skips
+  assert summary["ledger"]["skipped_prompts"] == len(skips)
+  check_history(events, summary, group_size=GROUP_SIZE)  # skipped is one of each data position's outcomes
+  TALLY["skipped prompts traced"] += len(skips)
 
 
 @pytest.mark.slow
