@@ -253,7 +253,11 @@ def _validate_model_and_task(c, need, get) -> None:
   need(isinstance(source, str) and source, f"model.source must be 'tiny', 'smollm2' or a folder (got {source!r})")
   if source == "tiny":
     for k, v in get("model.tiny").items():
-      need(is_int(v) and v >= 1, f"model.tiny.{k} must be an int >= 1 (got {v!r})")
+      if k == "eos_token_ids":  # ids that end a sample: natural completion lengths (jaxrl-profile --from-run)
+        need(isinstance(v, (tuple, list)) and all(is_int(i) and i >= 0 for i in v),
+             f"model.tiny.eos_token_ids must be a tuple of ids >= 0 (got {v!r})")
+      else:
+        need(is_int(v) and v >= 1, f"model.tiny.{k} must be an int >= 1 (got {v!r})")
     try:
       ModelConfig.tiny(**c.model.tiny.to_dict())
     except (AttributeError, TypeError, ValueError) as e:

@@ -5,7 +5,9 @@ r"""jaxrl-profile: a short profiling run of jaxrl itself, fitted into a simulato
   PYTHONPATH=. .venv/bin/python -m jaxrl.cost_profile --config=configs/bench_headline.py --from-run=/tmp/h-pipe
 
 --from-run fits the costs a finished run logged instead (jaxrl.sim.runlog: its decode calls, train steps, weight
-publishes and updates) and prints the simulator's step time for that run against the measured one.
+publishes and updates) and prints the simulator's step time and trained tokens per second for that run against the
+measured ones, and its pipeline/sync ratio per trained token. A natural-length run needs log.trace=True (its
+per-group lengths); a forced-length run does not.
 
 On the config's own meshes, model and shapes (built as jaxrl-train builds them) it measures:
 - decode: seconds per decode step of the sampler engine (one generate call / steps_per_call) vs live batch and
@@ -300,9 +302,13 @@ def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
 
 
 def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
-  """Calibration from the run in workdir (made with config c on `devices` devices, sampler.forced_lengths on):
-  its costs fitted from metrics.jsonl (jaxrl.sim.runlog), the simulator's step time for both modes of it on its
-  own lengths, its measured step time and the error of its own mode."""
+  """Calibration from the run in workdir (made with config c on `devices` devices): its costs fitted from
+  metrics.jsonl (jaxrl.sim.runlog), the simulator's step time and trained tokens per second for both modes of it on
+  its own lengths, its measured ones and the error of its own mode.
+
+  Its own lengths: forced (sampler.forced_lengths) are redrawn from their seed; natural ones are read from its
+  trace (log.trace=True logs every generated group's lengths) and replayed per sample, in group order, so the
+  prediction carries the pipeline's length bias (it trains the short groups of a step first)."""
   from jaxrl.controller import build as build_lib
   from jaxrl.controller.data import make_prompt_source
   from jaxrl.metrics import read_jsonl
@@ -313,9 +319,6 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
   from jaxrl.sim.planner import RunDescription, predict
 
   forced = c.sampler.forced_lengths
-  if not forced.median > 0:
-    raise ValueError("--from-run replays forced lengths (sampler.forced_lengths.median > 0): a run does not log "
-                     "each group's natural length")
   sampler_devices = c.mesh.sampler_devices
   if not (isinstance(sampler_devices, int) and 1 <= sampler_devices < devices):
     raise ValueError(f"mesh.sampler_devices={sampler_devices} must be a device count below the run's {devices}")
@@ -329,20 +332,48 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
                                    multi_process=multi_process)
   cal = fit_calibration(m)
   prompt_len = len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0])
+  gs = c.rl.group_size
   groups = (len(records) + 4 * c.rl.max_staleness + 8) * c.rl.groups_per_step  # more than the simulator draws
-  lengths = LognormalLengths(forced.median, forced.p99_ratio, c.sampler.max_new_tokens, c.seed)
+  if forced.median > 0:
+    lengths = Replay(LognormalLengths(forced.median, forced.p99_ratio, c.sampler.max_new_tokens, c.seed).of(
+        range(groups)), gs)
+  else:
+    trace = Path(workdir, "trace.jsonl")
+    if not trace.exists():
+      raise ValueError(f"{trace} is missing: a natural-length run logs its per-group lengths only with "
+                       "log.trace=True (or force the lengths: sampler.forced_lengths.median > 0)")
+    logged = runlog.group_lengths(read_jsonl(trace), gs)
+    # Lengths drift as the policy learns: the simulated run of the run's own mode measures after k + 1 steps, so it
+    # replays from the group that puts its window on the run's (after `warmup` steps); past the last logged group,
+    # from the first again.
+    k = 0 if c.mode == "sync" else c.rl.max_staleness
+    skip = max(warmup - (k + 1), 0) * c.rl.groups_per_step
+    lengths = Replay(np.resize(logged[skip:], (groups, gs)), gs)
+  batch_size = gs * c.rl.groups_per_step
   pred = predict(cal, RunDescription(
-      sampler_devices=sampler_devices, learner_devices=devices - sampler_devices,
-      batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
-      lengths=Replay(lengths.of(range(groups)), c.rl.group_size), max_staleness=c.rl.max_staleness,
-      prompt_len=prompt_len, steps=len(records) - warmup, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
-      pack=c.rl.pack, max_segments=c.rl.max_segments, steps_per_call=c.sampler.steps_per_call,
+      sampler_devices=sampler_devices, learner_devices=devices - sampler_devices, batch_size=batch_size,
+      group_size=gs, lengths=lengths, max_staleness=c.rl.max_staleness, prompt_len=prompt_len,
+      steps=len(records) - warmup, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len, pack=c.rl.pack,
+      max_segments=c.rl.max_segments, num_minibatches=c.rl.num_minibatches, steps_per_call=c.sampler.steps_per_call,
       overlap_calls=1))  # the run's Sampler overlaps (its default): a finished slot idles one call
   measured = runlog.step_time_s(records, warmup)
   predicted = pred.sync_step_s if c.mode == "sync" else pred.pipeline_step_s
+  own = pred.sync if c.mode == "sync" else pred.pipeline
+  measured_tps = 1 / runlog.seconds_per_token(records, warmup, batch_size)
   details.update(prompt_len=prompt_len)
   return dict(mode=c.mode, measured_step_s=measured, predicted_step_s=predicted, error=predicted / measured - 1,
-              sync_step_s=pred.sync_step_s, pipeline_step_s=pred.pipeline_step_s, calibration=cal, details=details)
+              sync_step_s=pred.sync_step_s, pipeline_step_s=pred.pipeline_step_s,
+              measured_tokens_per_s=measured_tps, predicted_tokens_per_s=own.tokens_per_s,
+              sync_tokens_per_s=pred.sync.tokens_per_s, pipeline_tokens_per_s=pred.pipeline.tokens_per_s,
+              token_ratio=pred.pipeline.tokens_per_s / pred.sync.tokens_per_s,
+              sync_trained_len=_trained_len(pred.sync), pipeline_trained_len=_trained_len(pred.pipeline),
+              prediction=pred, calibration=cal, details=details)
+
+
+def _trained_len(sim) -> float:
+  """Mean completion length of the samples a simulated run trained in its measured window."""
+  lo = sim.spec.warmup - 1
+  return float(sim.samples["length"][sim.samples["step"] > lo].mean())
 
 
 def summary(cal: Calibration, details: dict) -> str:
@@ -395,6 +426,10 @@ def main(argv=None):
             f"({r['error']:+.1%}); simulator for this run's costs: sync {r['sync_step_s']:.4f} s, pipeline "
             f"{r['pipeline_step_s']:.4f} s; hand-off {r['details']['handoff_s'] * 1e3:.1f} ms per step "
             "(multi-process runs)")
+      print(f"trained tokens/s: measured {r['measured_tokens_per_s']:.1f}, simulator "
+            f"{r['predicted_tokens_per_s']:.1f}; "
+            f"pipeline over sync per trained token {r['token_ratio']:.3f}x (mean trained length: sync "
+            f"{r['sync_trained_len']:.1f}, pipeline {r['pipeline_trained_len']:.1f} tokens)")
       if fl.out:
         r["calibration"].save(fl.out)
       return

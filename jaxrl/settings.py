@@ -101,7 +101,8 @@ SETTINGS = (
     Setting("model.source", "tiny", '"tiny" (random ModelConfig.tiny), "smollm2" (fetched by jaxrl-assets), or a HF '
             "folder"),
     Setting("model.tiny", dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                               num_kv_heads=2, head_dim=8), 'sizes of the "tiny" model'),
+                               num_kv_heads=2, head_dim=8), 'sizes of the "tiny" model (and eos_token_ids=(...): ids '
+            "that end a sample; none by default, so every sample runs to sampler.max_new_tokens)"),
     Choice("model.dtype", "auto", COMPUTE_DTYPES, 'compute dtype of learner and sampler ("auto": bf16 on GPU/TPU)'),
     Choice("model.param_dtype", "float32", DTYPES, "master weights"),
     Bool("model.remat", False, "rematerialise blocks in the backward pass (saves learner memory)"),

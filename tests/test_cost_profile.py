@@ -117,3 +117,45 @@ def test_cli_rejects_a_bad_config(tmp_path):
   assert proc.returncode == 2
   assert "rl.group_size must be an int >= 1" in proc.stderr
   assert not (tmp_path / "cal.json").exists()
+
+
+# Logs of one run of each mode of bench/sim_natural.py (configs/tiny.py at natural lengths, 24 steps; its round 0 of
+# 3, 18:31), on the shared 2-core box at load ~23 (the other engineers): metrics.jsonl, summary.json and trace.jsonl.
+NATURAL = REPO / "tests" / "data" / "natural_runs"
+
+
+@pytest.mark.parametrize("mode", ["sync", "pipeline"])
+def test_from_run_calibrates_a_natural_length_run_on_its_own_lengths(mode):
+  """--from-run on a run whose lengths are the model's own: the simulated runs train the logged lengths, sample by
+  sample in group order, and predict the run's trained tokens per second."""
+  from bench.sim_natural import WARMUP, config
+  from jaxrl.metrics import read_jsonl
+  from jaxrl.sim import runlog
+
+  c = config(mode, 24)
+  r = profile.from_run(c, NATURAL / mode, devices=8, warmup=WARMUP)
+  records = read_jsonl(NATURAL / mode / "metrics.jsonl")
+  logged = runlog.group_lengths(read_jsonl(NATURAL / mode / "trace.jsonl"), c.rl.group_size)
+  assert logged.shape == (24 * c.rl.groups_per_step, c.rl.group_size) and len(np.unique(logged)) > 10
+  assert r["measured_tokens_per_s"] == pytest.approx(1 / runlog.seconds_per_token(records, WARMUP, 16))
+  # Replayed from the group that puts the simulated window of the run's own mode (after k + 1 steps) on the run's.
+  skip = (WARMUP - (0 if mode == "sync" else c.rl.max_staleness) - 1) * c.rl.groups_per_step
+  replayed = np.resize(logged[skip:], (2 * len(logged), c.rl.group_size))  # from the first again past the last
+  for sim in (r["prediction"].sync, r["prediction"].pipeline):
+    s = sim.samples
+    made = s["group"] >= 0
+    assert (s["length"][made] == replayed[s["group"][made], np.arange(made.size)[made] % c.rl.group_size]).all()
+  # So the simulated run of its own mode trains, in its window, the very samples the run trained in its own.
+  trained = np.mean([x["completion_len"] for x in runlog.steady(records, WARMUP)[1:]])
+  assert r[f"{mode}_trained_len"] == pytest.approx(trained, rel=1e-9)
+  assert r["token_ratio"] == pytest.approx(r["pipeline_tokens_per_s"] / r["sync_tokens_per_s"])
+  assert abs(r["predicted_tokens_per_s"] / r["measured_tokens_per_s"] - 1) < 0.10
+
+
+def test_from_run_needs_the_trace_of_a_natural_length_run(tmp_path):
+  from bench.sim_natural import WARMUP, config
+
+  for name in ("metrics.jsonl", "summary.json"):
+    (tmp_path / name).write_text((NATURAL / "sync" / name).read_text())
+  with pytest.raises(ValueError, match="log.trace=True"):
+    profile.from_run(config("sync", 24), tmp_path, devices=8, warmup=WARMUP)

@@ -68,3 +68,31 @@ def test_from_config():
 def test_bad_input(bad, match):
   with pytest.raises(ValueError, match=match):
     bad()
+
+
+def test_replay_per_sample_lengths_in_group_order():
+  """Natural lengths: [groups, group_size] replayed sample by sample, a step's groups at a time, restarting with a
+  new rng; forced lengths ([groups]) give every sample of a group its group's length."""
+  per_sample = np.array([[3, 9], [4, 4], [12, 1]])
+  d = L.Replay(per_sample, 2)
+  r = rng()
+  assert d.sample(r, 4).tolist() == [3, 9, 4, 4] and d.sample(r, 2).tolist() == [12, 1]
+  assert d.sample(rng(), 2).tolist() == [3, 9] and d.max_len == 12
+  assert L.Replay(np.array([5, 7]), 2).sample(rng(), 4).tolist() == [5, 5, 7, 7]
+  with pytest.raises(ValueError, match="not 3"):
+    L.Replay(per_sample, 3)
+  with pytest.raises(ValueError, match="ran out of groups"):
+    d.sample(rng(), 8)
+
+
+def test_group_lengths_from_a_trace():
+  from jaxrl.sim.runlog import group_lengths
+
+  events = [{"event": "start"}, {"event": "generated", "group": 1, "version": 0, "lengths": [5, 6]},
+            {"event": "generated", "group": 0, "version": 0, "lengths": [1, 2]},
+            {"event": "train", "samples": [], "lengths": [1, 2, 5, 6]}]
+  assert group_lengths(events, 2).tolist() == [[1, 2], [5, 6]]
+  with pytest.raises(ValueError, match="log.trace=True"):
+    group_lengths(events[:1], 2)
+  with pytest.raises(ValueError, match="not group_size=4"):
+    group_lengths(events, 4)

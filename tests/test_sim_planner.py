@@ -129,7 +129,8 @@ def test_plan_cli_writes_table_and_plots(tmp_path):
 
 
 def test_predict_prices_packed_rows():
-  """Packed: a step costs its packed rows x seq_len, between the real tokens and the padded batch."""
+  """Packed: a step costs its packed rows x seq_len, between the real tokens and the padded batch; each mini-batch
+  is packed into rows of its own, as the learner packs it."""
   from jaxrl.learner.packing import packed_rows, row_buckets
   costs = small_costs().replace(train_overhead_s=0.0)
   logged = np.random.default_rng(1).lognormal(np.log(40), 0.9, 400).astype(int) + 1
@@ -139,12 +140,59 @@ def test_predict_prices_packed_rows():
                           for extra in ({}, dict(seq_len=512), dict(seq_len=512, pack=True)))
   train_s = lambda sim: sum(end - start for lane, kind, start, end in sim.timeline if kind == "train")
   assert train_s(real) < train_s(packed) < 0.5 * train_s(padded)
-  # The charge is exactly the packed rows of each step's samples (prompt + completion, first-fit decreasing).
+  # The charge is exactly the packed rows of each step's samples (prompt + completion), mini-batch by mini-batch:
+  # never fewer rows than packing the whole batch at once, and here more.
+  order = np.random.default_rng(0).permutation(32)
   step, length = packed.samples["step"], packed.samples["length"]
-  rows = [packed_rows((length[step == s] + 16).tolist(), 512, 16, row_buckets(32)) for s in np.unique(step[step >= 0])]
+  per_step = [(length[step == s] + 16)[order].tolist() for s in np.unique(step[step >= 0])]
+  rows = [packed_rows(x, 512, 16, row_buckets(32, 2), 2) for x in per_step]
+  whole = [packed_rows(x, 512, 16, row_buckets(32)) for x in per_step]
   assert train_s(packed) == pytest.approx(sum(costs.train_time(r * 512, 2) for r in rows), rel=1e-9)
+  assert all(r >= w for r, w in zip(rows, whole, strict=True)) and sum(rows) > sum(whole)
+  one = planner.predict(costs, planner.RunDescription(**kw, seq_len=512, pack=True, num_minibatches=1)).sync
+  assert train_s(one) == pytest.approx(sum(costs.train_time(r * 512, 2) for r in whole), rel=1e-9)
   with pytest.raises(ValueError, match="pack needs seq_len"):
     planner.predict(costs, planner.RunDescription(**kw, pack=True))
+  with pytest.raises(ValueError, match="must divide batch_size"):
+    planner.predict(costs, planner.RunDescription(**kw, seq_len=512, pack=True, num_minibatches=3))
+
+
+def smollm2_costs():
+  """SmolLM2-135M on the 2-core box, learner-bound: a train step of 16 x 256 tokens takes 22 s on one core and 13 s
+  on two; a step's sampling 8-11 s on one core."""
+  tokens = 16 * (64 + 192)
+  return Costs(decode=DecodeCurve(0.03, 1e-6, 1e-3, 0.01), devices_per_engine=1, max_batch=16,
+               prefill_s_per_token=1e-4, train_tokens_per_s_per_device=tokens / 22, weight_bytes=2.7e8,
+               link_bandwidth=5e9, train_scaling=((1, tokens / 22), (2, tokens / (2 * 13))))
+
+
+def test_plan_recommends_sync_when_the_pipeline_loses():
+  """Learner-bound: the 1:1 pipeline trains on one core (22 s) what sync trains on two (13 s) after sampling on
+  both: every pipeline row loses per trained token, and the plan says sync."""
+  wl = workload(batch_size=16, group_size=4, max_staleness=2, lengths=L.LogNormal(120.0, 0.5, 192), prompt_len=64,
+                train_tokens=lambda lengths: 16 * 256)  # the learner's padded 16 x 256 batch
+  p = planner.plan(smollm2_costs(), wl, 2, staleness_bound=2, ks=(1, 2))
+  sync = p.sync[16]
+  assert 6 < sync.step_time_s - 13 < 11  # sampling on two engines, then the 13 s step
+  rec = p.recommended
+  assert rec.mode == "sync" and rec.batch_size == 16 and rec.tokens_per_s == sync.tokens_per_s
+  assert all(r.token_speedup < 1 for r in p.feasible) and rec.ratio == pytest.approx(p.best.token_speedup)
+  assert rec.ratio < 1 and rec.row is p.best
+  table = p.table()
+  best_line = next(line for line in table.splitlines() if "<- best" in line)
+  assert best_line.lstrip().startswith("sync on all 2")
+
+
+def test_plan_recommends_the_pipeline_when_it_wins():
+  """Long-tailed lengths and a fast learner: the best split beats sync per trained token and is recommended."""
+  p = planner.plan(small_costs(), workload(lengths=L.LogNormal(40.0, 1.2, 800)), 4, staleness_bound=1)
+  rec = p.recommended
+  assert rec.mode == "pipeline" and rec.row is p.best and rec.ratio == pytest.approx(p.best.token_speedup)
+  assert rec.ratio > 1
+  assert p.best.tokens_per_s == max(r.tokens_per_s for r in p.feasible)
+  assert p.best.tokens_per_s == pytest.approx(p.results[(p.best.sampler_devices, 32, 1)].tokens_per_s)
+  best_line = next(line for line in p.table().splitlines() if "<- best" in line)
+  assert best_line.split()[:2] == [str(p.best.sampler_devices), str(p.best.learner_devices)]
 
 
 @pytest.mark.parametrize("arg, tolerance", [("128", 0.05), ("64", 0.10)])

@@ -14,6 +14,8 @@ share of groups at a time, and nothing about it has to cross a thread or a proce
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,10 +37,13 @@ class DeadlineBook:
 
   `step` is the learner step the next share is for: base (the version the run started from) plus the shares
   handed out, minus the learner's skipped updates (a skipped update trains no version, so the steps after it come
-  one version earlier, which only lowers staleness)."""
+  one version earlier, which only lowers staleness).
+
+  A group is whatever the caller hands in (the controller: its list of Rollouts); `group_id` names it. The
+  simulator (jaxrl.sim) books plain group ids with group_id=int: one rule for the run and its prediction."""
 
   def __init__(self, max_staleness: int, groups_per_step: int, base_step: int = 0, end_step: int | None = None,
-               max_finished: int | None = None):
+               max_finished: int | None = None, group_id: Callable[[Any], int] = lambda g: g[0].group_id):
     if max_staleness < 0:
       raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if groups_per_step < 1:
@@ -50,8 +55,9 @@ class DeadlineBook:
     # Back-pressure: no admission while this many finished groups wait for the learner (never fewer than a share,
     # or a share could wait for groups that nothing generates).
     self.max_finished = max(groups_per_step, max_finished or 0) if max_finished is not None else None
+    self.group_id = group_id
     self.deadline: dict[int, int] = {}  # open group -> the step that must train it
-    self.finished: list[list[Rollout]] = []  # open and finished, in completion order
+    self.finished: list = []  # open and finished groups, in completion order
     self.shares = 0  # shares handed out
     self.skipped = 0  # learner updates skipped so far (known to this side)
 
@@ -82,16 +88,16 @@ class DeadlineBook:
     self.deadline[group_id] = version + self.admit_bound
     return self.deadline[group_id]
 
-  def finish(self, group: list[Rollout]) -> None:
+  def finish(self, group) -> None:
     """A group whose samples are all done (and scored), ready for a share."""
-    if group[0].group_id not in self.deadline:
-      raise KeyError(f"finished group {group[0].group_id} was never admitted")
+    if self.group_id(group) not in self.deadline:
+      raise KeyError(f"finished group {self.group_id(group)} was never admitted")
     self.finished.append(group)
 
   def discard(self, group_id: int) -> None:
     """A group that will not be trained (its reward failed, it is too long): it stops holding a place."""
     del self.deadline[group_id]
-    self.finished = [g for g in self.finished if g[0].group_id != group_id]
+    self.finished = [g for g in self.finished if self.group_id(g) != group_id]
 
   def due_count(self) -> int:
     """Open groups the share for `step` must hold: the most, over deadlines d, by which the open groups due by d
@@ -107,22 +113,22 @@ class DeadlineBook:
       need = max(need, total - (d - self.step) * self.gb)
     return need
 
-  def take(self) -> list[list[Rollout]] | None:
+  def take(self) -> list | None:
     """The next share (groups_per_step groups, in completion order), or None while it cannot be formed yet: a
     group it must hold is still generating, or too few groups have finished."""
     if len(self.finished) < self.gb:
       return None
     need = self.due_count()
-    done = {g[0].group_id for g in self.finished}
+    done = {self.group_id(g) for g in self.finished}
     # Earliest deadlines first; within one deadline, finished groups first (then by admission order).
     order = sorted(self.deadline, key=lambda gid: (self.deadline[gid], gid not in done, gid))
     due = set(order[:need])
     if not due <= done:
       return None
-    fill = [g for g in self.finished if g[0].group_id not in due][: self.gb - need]
-    chosen = due | {g[0].group_id for g in fill}
-    share = [g for g in self.finished if g[0].group_id in chosen]
-    self.finished = [g for g in self.finished if g[0].group_id not in chosen]
+    fill = [g for g in self.finished if self.group_id(g) not in due][: self.gb - need]
+    chosen = due | {self.group_id(g) for g in fill}
+    share = [g for g in self.finished if self.group_id(g) in chosen]
+    self.finished = [g for g in self.finished if self.group_id(g) not in chosen]
     for gid in chosen:
       del self.deadline[gid]
     self.shares += 1

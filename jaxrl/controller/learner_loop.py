@@ -155,7 +155,7 @@ class LearnerLoop:
         self.coord.update_skipped()  # the samplers' next shares come a step earlier
       self._log("train", step=train_step, version=step, applied=applied,
                 samples=[[r.group_id, r.sample_index, r.min_version, int(r.versions.max(initial=-1))]
-                         for r in samples])
+                         for r in samples], lengths=[r.num_model_tokens for r in samples])
       if not applied:
         self.coord.progress.failed("update_skipped")
     if applied:

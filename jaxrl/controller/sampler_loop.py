@@ -114,6 +114,9 @@ class SamplerLoop:
       if group is not None:
         self.score(group)
         groups.append(group)
+        if self.trace is not None:  # every generated group's lengths: jaxrl-profile --from-run fits them
+          self.trace({"event": "generated", "group": group[0].group_id, "version": self.sampler.version,
+                      "lengths": [s.num_model_tokens for s in group]})
     return groups
 
   def samples_in_flight(self) -> int:

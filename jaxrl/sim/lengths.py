@@ -170,7 +170,8 @@ def from_config(cfg) -> LengthDist:
 
 
 class Replay(LengthDist):
-  """A run's own per-group lengths, in group order, for the simulator (the samples of a group share a length).
+  """A run's own lengths, in group order, for the simulator: one per group ([groups]: forced lengths, the samples
+  of a group share one) or one per sample ([groups, group_size]: natural lengths).
 
   The simulator draws a step's worth of groups at a time, in group order, with one fresh rng per simulated run:
   a new rng restarts the replay.
@@ -178,6 +179,10 @@ class Replay(LengthDist):
 
   def __init__(self, lengths: np.ndarray, group_size: int):
     self.lengths, self.group_size = np.asarray(lengths, np.int64), group_size
+    if self.lengths.ndim == 2 and self.lengths.shape[1] != group_size:
+      raise ValueError(f"Replay: per-sample lengths of {self.lengths.shape[1]} samples a group, not {group_size}")
+    if self.lengths.ndim not in (1, 2) or not self.lengths.size:
+      raise ValueError(f"Replay: lengths must be [groups] or [groups, group_size] (got shape {self.lengths.shape})")
     self.max_len = int(self.lengths.max())
     self._rng, self._next = None, 0
 
@@ -191,4 +196,4 @@ class Replay(LengthDist):
       raise ValueError(f"Replay ran out of groups: the simulation wants more than the {len(self.lengths)} logged")
     out = self.lengths[self._next: self._next + groups]
     self._next += groups
-    return np.repeat(out, self.group_size)
+    return out.ravel() if out.ndim == 2 else np.repeat(out, self.group_size)

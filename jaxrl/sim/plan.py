@@ -1,4 +1,5 @@
-"""jaxrl-plan: find the best sampler/learner split of a device pool and predict its speedup over sync.
+"""jaxrl-plan: find the best sampler/learner split of a device pool and predict its speedup over sync; recommends
+sync when no split trains more tokens per second.
 
   jaxrl-plan --config=configs/plan_mission.py [--outdir=/tmp/plan]
 
@@ -61,7 +62,8 @@ def run_plan(b: dict) -> planner.Plan:
 
 
 def length_sweep(b: dict, best: planner.PlanRow, factors) -> tuple[list[float], list[float]]:
-  """Best speedup over the splits at the best (batch, k), with every length scaled by each factor."""
+  """Best speedup (trained tokens per second over sync's) over the splits at the best (batch, k), with every length
+  scaled by each factor."""
   means, speedups = [], []
   base = b["workload"].lengths
   for f in factors:
@@ -71,7 +73,7 @@ def length_sweep(b: dict, best: planner.PlanRow, factors) -> tuple[list[float], 
                      batch_sizes=(best.batch_size,), ks=(best.max_staleness,), splits=b["splits"],
                      learner_min_devices=b["learner_min_devices"])
     means.append(dist.mean())
-    speedups.append(p.best.speedup if p.best else math.nan)
+    speedups.append(p.best.token_speedup if p.best else math.nan)
   return means, speedups
 
 
@@ -89,14 +91,22 @@ def _main(argv):
         "tokens")
   p = run_plan(b)
   print(p.table())
-  best = p.best
+  best, rec = p.best, p.recommended
+  sync = p.sync[rec.batch_size]
+  took = f"(sweep took {time.perf_counter() - t0:.1f} s)"
+  if rec.mode == "sync":
+    vs = (f"the best pipeline ({best.sampler_devices} sampler + {best.learner_devices} learner devices, batch "
+          f"{best.batch_size}, k={best.max_staleness}) trains {rec.ratio:.3f}x sync's tokens per second"
+          if best is not None else "no pipeline configuration is feasible")
+    print(f"\nrecommended: sync on all {b['pool']} devices, batch {rec.batch_size}: {sync.step_time_s:.2f} s/step, "
+          f"{sync.tokens_per_s:.4g} trained tokens/s; {vs} {took}")
+  else:
+    print(f"\nrecommended: pipeline, {best.sampler_devices} sampler + {best.learner_devices} learner devices, "
+          f"batch {best.batch_size}, k={best.max_staleness}: {best.step_time_s:.2f} s/step, speedup "
+          f"{rec.ratio:.3f}x over sync on all {b['pool']} devices per trained token ({best.speedup:.3f}x per step "
+          f"at batch {best.batch_size}) {took}")
   if best is None:
-    print("no feasible configuration")
-    return 1
-  sync = p.sync[best.batch_size]
-  print(f"\nsync on all {b['pool']} devices: {sync.step_time_s:.2f} s/step; best pipeline: {best.sampler_devices} "
-        f"sampler + {best.learner_devices} learner devices, k={best.max_staleness}: {best.step_time_s:.2f} s/step, "
-        f"speedup {best.speedup:.3f}x (sweep took {time.perf_counter() - t0:.1f} s)")
+    return 0
   pub = config.published
   if pub.sync_step_s:
     row = next((r for r in p.rows if r.feasible and r.sampler_devices == pub.sampler_devices

@@ -3,7 +3,9 @@
 Each configuration is simulated as a pipeline and compared with the synchronous baseline on the whole pool
 (every device samples, then every device trains) at the same batch size. Configurations that cannot hold an
 engine, whose learner cannot hold the training state, or whose staleness exceeds the bound are kept in the
-table with the reason and never chosen.
+table with the reason and never chosen. The recommendation is the fastest per trained completion token, sync
+included: a pipeline that trains shorter completions per sample (the short groups first, under its staleness
+bound) is not faster for finishing more samples.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class PlanRow:
   sync_step_time_s: float = math.nan
   speedup: float = math.nan  # sync step time / pipeline step time at the same batch size
   samples_per_s: float = math.nan
+  tokens_per_s: float = math.nan  # completion tokens trained per second
+  token_speedup: float = math.nan  # tokens_per_s over the sync baseline's at the same batch size
   staleness_mean: float = math.nan
   staleness_max: int = -1
   staleness_length_corr: float = math.nan
@@ -52,31 +56,66 @@ class Plan:
 
   @property
   def best(self) -> PlanRow | None:
-    """The feasible configuration with the most samples per second."""
+    """The feasible pipeline configuration that trains the most completion tokens per second."""
     rows = self.feasible
-    return max(rows, key=lambda r: r.samples_per_s) if rows else None
+    return max(rows, key=lambda r: r.tokens_per_s) if rows else None
+
+  @property
+  def best_sync(self) -> int:
+    """The batch size at which the synchronous baseline trains the most completion tokens per second."""
+    return max(self.sync, key=lambda b: self.sync[b].tokens_per_s)
+
+  @property
+  def recommended(self) -> Recommendation:
+    """The fastest per trained token: the best pipeline row if it beats the best sync baseline, else sync."""
+    b = self.best_sync
+    sync_tps = self.sync[b].tokens_per_s
+    best = self.best
+    if best is not None and best.tokens_per_s > sync_tps:
+      return Recommendation("pipeline", best.batch_size, best.tokens_per_s, best.tokens_per_s / sync_tps, best)
+    ratio = best.tokens_per_s / sync_tps if best is not None else math.nan
+    return Recommendation("sync", b, sync_tps, ratio, best)
 
   def best_result(self) -> SimResult | None:
     b = self.best
     return None if b is None else self.results[(b.sampler_devices, b.batch_size, b.max_staleness)]
 
   def table(self) -> str:
+    """One line per pipeline row, then the sync baseline of each batch size; "<- best" marks the recommendation.
+    speedup: step time over sync's at the batch size; tok_x: trained tokens per second over sync's."""
     head = (f"{'sampler':>7} {'learner':>7} {'batch':>6} {'k':>3} {'step_s':>9} {'sync_s':>9} {'speedup':>7} "
-            f"{'smp/s':>8} {'stale':>6} {'max':>4} {'corr':>6} {'s_idle':>6} {'l_idle':>6}  note")
+            f"{'tok_x':>6} {'smp/s':>8} {'tok/s':>9} {'stale':>6} {'max':>4} {'corr':>6} {'s_idle':>6} "
+            f"{'l_idle':>6}  note")
     lines = [head, "-" * len(head)]
-    best = self.best
+    rec = self.recommended
     for r in self.rows:
       if not r.feasible:
         lines.append(f"{r.sampler_devices:>7} {r.learner_devices:>7} {r.batch_size:>6} {r.max_staleness:>3} "
-                     f"{'-':>9} {'-':>9} {'-':>7} {'-':>8} {'-':>6} {'-':>4} {'-':>6} {'-':>6} {'-':>6}  "
-                     f"dropped: {r.reason}")
+                     f"{'-':>9} {'-':>9} {'-':>7} {'-':>6} {'-':>8} {'-':>9} {'-':>6} {'-':>4} {'-':>6} {'-':>6} "
+                     f"{'-':>6}  dropped: {r.reason}")
         continue
-      note = "<- best" if r is best else ""
+      note = "<- best" if rec.mode == "pipeline" and r is rec.row else ""
       lines.append(f"{r.sampler_devices:>7} {r.learner_devices:>7} {r.batch_size:>6} {r.max_staleness:>3} "
-                   f"{r.step_time_s:>9.4g} {r.sync_step_time_s:>9.4g} {r.speedup:>7.3f} {r.samples_per_s:>8.2f} "
-                   f"{r.staleness_mean:>6.2f} {r.staleness_max:>4} {r.staleness_length_corr:>6.2f} "
-                   f"{r.sampler_idle:>6.2f} {r.learner_idle:>6.2f}  {note}")
+                   f"{r.step_time_s:>9.4g} {r.sync_step_time_s:>9.4g} {r.speedup:>7.3f} {r.token_speedup:>6.3f} "
+                   f"{r.samples_per_s:>8.2f} {r.tokens_per_s:>9.4g} {r.staleness_mean:>6.2f} {r.staleness_max:>4} "
+                   f"{r.staleness_length_corr:>6.2f} {r.sampler_idle:>6.2f} {r.learner_idle:>6.2f}  {note}")
+    for b, res in self.sync.items():
+      note = "<- best" if rec.mode == "sync" and b == rec.batch_size else ""
+      lines.append(f"{'sync on all ' + str(self.pool):>15} {b:>6} {0:>3} {res.step_time_s:>9.4g} "
+                   f"{res.step_time_s:>9.4g} {1:>7.3f} {1:>6.3f} {b / res.step_time_s:>8.2f} {res.tokens_per_s:>9.4g} "
+                   f"{0:>6.2f} {0:>4} {'-':>6} {res.sampler_idle_frac:>6.2f} {res.learner_idle_frac:>6.2f}  {note}")
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+  """What to run: "sync" (every pool device samples, then trains) or "pipeline" (`row`'s split and k)."""
+
+  mode: str
+  batch_size: int
+  tokens_per_s: float  # completion tokens trained per second
+  ratio: float  # the best pipeline's tokens per second over the best sync's (< 1 where sync is recommended)
+  row: PlanRow | None  # the best pipeline row (None if none is feasible)
 
 
 def default_splits(pool: int, devices_per_engine: int, learner_min_devices: int) -> list[int]:
@@ -130,6 +169,7 @@ def plan(costs: Costs, workload: RunSpec, pool: int, *, staleness_bound: int, ba
         rows.append(PlanRow(**row, feasible=ok, reason="" if ok else "observed staleness exceeds the bound",
                             step_time_s=r.step_time_s, sync_step_time_s=sync[b].step_time_s,
                             speedup=sync[b].step_time_s / r.step_time_s, samples_per_s=b / r.step_time_s,
+                            tokens_per_s=r.tokens_per_s, token_speedup=r.tokens_per_s / sync[b].tokens_per_s,
                             staleness_mean=summ["staleness_mean"], staleness_max=summ["staleness_max"],
                             staleness_length_corr=summ["staleness_length_corr"],
                             sampler_idle=r.sampler_idle_frac, learner_idle=r.learner_idle_frac))
@@ -157,6 +197,9 @@ class RunDescription:
   # decreasing, rounded up to a row bucket) times seq_len; samples longer than seq_len count as seq_len.
   pack: bool = False
   max_segments: int = 16
+  # rl.num_minibatches: the learner packs each mini-batch (a shuffled 1/n of the samples) into rows of its own, and
+  # every mini-batch gets as many rows as the fullest one (jaxrl.learner.packing).
+  num_minibatches: int = 2
   # jaxrl's engine runs this many decode steps per call, and samples leave and join slots only between calls: a
   # sample holds its slot for a whole number of calls (the train charge counts its real tokens).
   steps_per_call: int = 1
@@ -180,13 +223,22 @@ class Prediction:
 
 
 def _packed_tokens(run: RunDescription):
+  """A step's charge packed as the learner packs it: the samples shuffled (a fixed permutation: which lengths
+  share a mini-batch is what matters), mini-batch i % num_minibatches packed on its own, rows x seq_len."""
   from jaxrl.learner.packing import packed_rows, row_buckets
 
   if not run.seq_len:
     raise ValueError("RunDescription.pack needs seq_len, the packed row length")
-  buckets = row_buckets(run.batch_size)
-  return lambda lengths: run.seq_len * packed_rows(np.minimum(lengths, run.seq_len).tolist(), run.seq_len,
-                                                   run.max_segments, buckets)
+  m = run.num_minibatches
+  if m < 1 or run.batch_size % m:
+    raise ValueError(f"RunDescription.num_minibatches={m} must divide batch_size={run.batch_size}")
+  buckets = row_buckets(run.batch_size, m)
+  order = np.random.default_rng(0).permutation(run.batch_size)
+
+  def tokens(lengths):
+    shuffled = np.minimum(np.asarray(lengths), run.seq_len)[order]
+    return run.seq_len * packed_rows(shuffled.tolist(), run.seq_len, run.max_segments, buckets, m)
+  return tokens
 
 
 def _slowed(costs: Costs, decode_x: float, train_x: float) -> Costs:

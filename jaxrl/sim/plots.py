@@ -68,7 +68,7 @@ def speedup_vs_length(mean_lengths: Sequence[float], speedups: Sequence[float], 
   ax.axhline(1.0, color="k", lw=0.8, ls="--")
   ax.set_xscale("log")
   ax.set_xlabel("mean response length (tokens)")
-  ax.set_ylabel("best pipeline speedup over sync")
+  ax.set_ylabel("best pipeline speedup over sync (trained tokens/s)")
   ax.grid(alpha=0.3)
   if label:
     ax.legend(fontsize=8)

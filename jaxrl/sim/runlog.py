@@ -8,6 +8,9 @@ Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.l
 - `sampler/<field>`: the samplers' cumulative jaxrl.sampler.SamplerStats (summed over replicas): decode calls,
   live rows and context positions at dispatch, seconds inside update_params(); and `sampler/busy_s`, the sampler
   loop's busy time (SamplerLoop.busy: admissions, decode calls, rewards, batch assembly, sending; not its waits).
+With log.trace, workdir/trace.jsonl also holds every generated group's completion lengths ("generated" events,
+jaxrl.controller.sampler_loop) and each train step's ("train" events): group_lengths reads the first, so that a
+natural-length run's own lengths are replayed.
 Between two records the deltas give one decode row (mean live batch, mean context, busy seconds less updates per
 decode step); the fit is calibrate.fit_decode's. Everything the sampler loop does per call is folded into the decode
 rows (prefill_s_per_token is 0). Sampler and learner of the headline run on disjoint cores or one after the other:
@@ -104,3 +107,16 @@ def measurements(records: list[dict], *, warmup: int, steps_per_call: int, max_b
   details = dict(train_step_s=train_s, train_tokens_per_step=tokens, transfer_s=publish_s, update_s=update_s,
                  learner_overhead_s=overhead_s, handoff_s=handoff, admission_s_per_sample=0.0, steps=steps)
   return m, details
+
+
+def group_lengths(events: list[dict], group_size: int) -> np.ndarray:
+  """[groups, group_size] completion lengths of the generated groups, in group order, from a run's trace events
+  (a group generated twice, across a resume, keeps its last lengths)."""
+  by_group = {e["group"]: e["lengths"] for e in events if e.get("event") == "generated"}
+  if not by_group:
+    raise ValueError("the run's trace.jsonl has no \"generated\" events: run with log.trace=True (from this version "
+                     "on) so that its per-group lengths are logged")
+  bad = [g for g, n in by_group.items() if len(n) != group_size]
+  if bad:
+    raise ValueError(f"groups {bad[:4]} logged {len(by_group[bad[0]])} lengths, not group_size={group_size}")
+  return np.array([by_group[g] for g in sorted(by_group)], np.int64)

@@ -5,16 +5,19 @@ batching (a freed slot takes the next pending sample after a prefill). Between e
 is fixed and every context grows by one token per step, so the time of n decode steps has the closed form
 n * t(B, C) + kv_s_per_token * B * n (n - 1) / 2 and the simulator jumps from event to event.
 
-Controller (the same for both modes; sync is the k = 0 case):
+Controller (the same for both modes; sync is the k = 0 case): the real controller's admission and batch
+assembly, jaxrl.controller.assembly.DeadlineBook, one per sampler, driven as the controller drives it
+(jaxrl.sim.assembly). In short:
 - A group (group_size samples of one prompt) is admitted at policy version v with deadline v + k: it must be
-  trained on by learner step v + k. Admission holds while open groups (started, not yet trained on) number at
-  most (v + k - s + 1) * groups_per_step, s being the next learner step; this makes every deadline feasible,
-  so no sample is ever dropped and staleness never exceeds k. A bounded queue (`queue_groups`) also stops
-  admission while max(queue_groups, groups_per_step) finished groups wait.
-  This is the real controller's rule too (jaxrl/controller/assembly.py), so predictions describe the real loop.
-- Complete-group rule: a group reaches the queue when its last sample finishes.
-- Learner step s takes the groups whose deadlines force them into step s (waiting for any that are still
-  generating), then fills the batch with finished groups in completion order.
+  trained on by learner step v + k. Admission holds while the open groups (admitted, not yet handed to the
+  learner) fit the steps left before v + k, none past the run's last step, and (queue_groups) while fewer than
+  max(queue_groups / samplers, a share) finished groups wait; so no sample is ever dropped and staleness never
+  exceeds k. An engine takes groups while fewer than max_batch of its samples wait for a slot (the sampler
+  loop's waiting list).
+- Complete-group rule: a group reaches the book when its last sample finishes.
+- The learner asks for step s + 1's share as soon as it takes step s's; a share holds the groups whose
+  deadlines force them into its step (waiting for any still generating), then finished groups in completion
+  order. A step trains once every sampler's share is in.
 - After a train step the new weights go to every engine (in-flight update): an engine pauses at its next
   decode-step boundary for the transfer and continues its live samples under the new version (partial rollouts
   carried across versions); the learner is busy for the transfer too.
@@ -24,21 +27,22 @@ synchronous loop: sample a batch, train, sync weights.
 Two variants other frameworks use, selected in RunSpec:
 - admission="budget" (AReaL's max_head_offpolicyness, verl's staleness_threshold): an admission budget separate
   from any per-sample deadline. Groups started never exceed (v + 1 + admission_budget) * groups_per_step at
-  version v (a fractional budget admits part of a step ahead); the learner trains finished groups in
-  completion order and nothing forces a late group in, so staleness is measured, not bounded.
+  version v (a fractional budget admits part of a step ahead); an engine takes a group when it has a free slot
+  for each of its samples; the learner trains finished groups in completion order and nothing forces a late
+  group in, so staleness is measured, not bounded.
 - partial_rollouts=False: an engine takes new weights only once its live samples have finished on the old ones,
   starting no new sample meanwhile (no sample spans two versions; the engine drains before each update).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Callable
 
 import numpy as np
 
+from jaxrl.sim.assembly import Assembly
 from jaxrl.sim.costs import Costs
 from jaxrl.sim.lengths import LengthDist
 from jaxrl.sim.sampler_timeline import SamplerTimeline, busy_in
@@ -58,6 +62,7 @@ class RunSpec:
   steps: int = 8  # learner steps measured, after warmup
   warmup_steps: int = -1  # learner steps simulated first and not measured; -1: max_staleness + 1
   queue_groups: int = 0  # finished groups the queue may hold; 0: bounded by admission only
+  samplers: int = 1  # sampler loops, each with its own book and its share of a step; engine i is sampler i % samplers
   seed: int = 0
   admission: str = "deadline"  # "deadline" (per-group deadline v + k) | "budget" (see the module docstring)
   admission_budget: float = 0.0  # with admission="budget": steps of groups admitted ahead (may be fractional)
@@ -70,7 +75,7 @@ class RunSpec:
   slot_steps: Callable[[np.ndarray], np.ndarray] | None = None
 
   def __post_init__(self):
-    for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps"):
+    for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps", "samplers"):
       if not getattr(self, name) >= 1:
         raise ValueError(f"RunSpec.{name} must be >= 1 (got {getattr(self, name)})")
     if self.warmup_steps < -1:
@@ -86,6 +91,8 @@ class RunSpec:
     if self.queue_groups and self.queue_groups < self.groups_per_step:
       raise ValueError(f"RunSpec.queue_groups={self.queue_groups} is smaller than the {self.groups_per_step} groups "
                        "of one learner step: no batch could ever be formed (use >= groups_per_step, or 0)")
+    if self.groups_per_step % self.samplers:
+      raise ValueError(f"RunSpec.samplers={self.samplers} does not divide the {self.groups_per_step} groups of a step")
     if self.admission not in ("deadline", "budget"):
       raise ValueError(f"RunSpec.admission must be 'deadline' or 'budget' (got {self.admission!r})")
     if not self.admission_budget >= 0:
@@ -181,18 +188,18 @@ class _Sim:
     self.engines = [SamplerTimeline(i, costs, spec.prompt_len) for i in range(engines)]
     self.rng = np.random.default_rng(spec.seed)
     self.blocks: dict[int, np.ndarray] = {}
-    # Admission never lets more than (lookahead + 1) steps of groups be open, so this many groups suffice for the
-    # simulated steps plus the look-ahead that keeps the last measured steps in steady state.
-    self.max_groups = (spec.total_steps + spec.lookahead + 1) * self.gb
+    if len(self.engines) % spec.samplers:
+      raise ValueError(f"{len(self.engines)} engines cannot be shared by {spec.samplers} samplers")
+    # Deadline admission stops at the run's last step; the budget rule runs this many groups ahead at most.
+    self.max_groups = (spec.total_steps + (spec.lookahead + 1 if self.budget else 0)) * self.gb
     n = self.max_groups * self.g
     self.s = {key: np.full(n, -1, np.int64) for key in ("length", "group", "engine", "start_version",
                                                          "end_version", "step", "staleness")}
     self.s.update(start_s=np.full(n, np.nan), finish_s=np.full(n, np.nan), trained_s=np.full(n, np.nan))
-    self.deadline = np.zeros(self.max_groups, np.int64)
     self.done_count = np.zeros(self.max_groups, np.int64)
-    self.finished_fifo: list[int] = []  # finished groups not yet trained on, in completion order
-    self.open: dict[int, set[int]] = collections.defaultdict(set)  # deadline -> started groups not trained on
-    self.n_open = 0
+    self.assembly = None if self.budget else Assembly(k, self.gb, spec.total_steps, spec.samplers,
+                                                      spec.queue_groups)
+    self.finished_fifo: list[int] = []  # admission="budget": finished groups not yet trained on, in completion order
     self.started = 0
     self.consumed = 0  # groups trained on (so the next learner step is consumed // gb)
     self.version = 0
@@ -214,7 +221,10 @@ class _Sim:
       g = int(s["group"][sid])
       self.done_count[g] += 1
       if self.done_count[g] == self.g:
-        self.finished_fifo.append(g)
+        if self.budget:
+          self.finished_fifo.append(g)
+        else:
+          self.assembly.finish(self._rank(e), g)
         self.batch_may_be_ready = True
 
   def _fill(self, e: SamplerTimeline):
@@ -242,28 +252,32 @@ class _Sim:
     e.version, e.update_due = version, None
 
   # -- controller -----------------------------------------------------------------------------------------
+  def _rank(self, e: SamplerTimeline) -> int:
+    return e.index % self.spec.samplers
+
+  def _takes(self, e: SamplerTimeline) -> bool:
+    """Whether an engine takes a new group now: the budget rule's frameworks start a group on free slots; jaxrl's
+    sampler loop admits while fewer than max_batch of its samples wait for a slot, if its book has room."""
+    if self.budget:
+      return e.max_batch - e.load >= min(self.g, self.costs.max_batch)
+    return len(e.pending) < e.max_batch and self.assembly.room(self._rank(e), self.version) >= 1
+
   def _admit(self, t: float):
-    need = min(self.g, self.costs.max_batch)
     while self.started < self.max_groups:
-      s_next = self.consumed // self.gb
       if self.budget:
         if self.started + 1 > math.floor((self.version + 1 + self.spec.admission_budget) * self.gb + 1e-9):
           return
-      elif self.n_open + 1 > (self.version + self.k - s_next + 1) * self.gb:
-        return
-      # The controller's rule (controller.assembly): never below a step's groups, or the batch could wait for ever.
-      if self.spec.queue_groups and len(self.finished_fifo) >= max(self.spec.queue_groups, self.gb):
-        return
-      free = [e for e in self.engines if e.max_batch - e.load >= need]
+        if self.spec.queue_groups and len(self.finished_fifo) >= max(self.spec.queue_groups, self.gb):
+          return
+      free = [e for e in self.engines if self._takes(e)]
       if not free:
         return
       e = min(free, key=lambda x: (x.load, x.index))
       at_boundary = self._sync_engine(e, t)
       g = self.started
       self.started += 1
-      self.deadline[g] = self.version + self.k
-      self.open[self.version + self.k].add(g)
-      self.n_open += 1
+      if not self.budget:
+        self.assembly.admit(self._rank(e), g, self.version)
       lengths = self._group_lengths(g)
       held = self.spec.slot_steps(lengths) if self.spec.slot_steps is not None else lengths
       for i, n in enumerate(lengths):
@@ -284,43 +298,26 @@ class _Sim:
       self.blocks[block] = self.spec.lengths.sample(self.rng, n, step=self.version).reshape(self.gb, self.g)
     return self.blocks[block][g % self.gb]
 
-  def _select(self, step: int) -> list[int] | None:
-    """The groups of learner step `step`, or None while the batch cannot be formed yet."""
-    if len(self.finished_fifo) < self.gb:
+  def _next_batch(self) -> list[int] | None:
+    """The groups of the next learner step, or None while they are not all in."""
+    if not self.budget:
+      batch = self.assembly.next_batch()
+      if batch is not None:
+        self.assembly.assemble()  # the samplers take the share it asks for as soon as they can
+      return batch
+    if not self.batch_may_be_ready or len(self.finished_fifo) < self.gb:
       return None
-    finished = set(self.finished_fifo)
-    n_mand, count = 0, 0
-    deadlines = [] if self.budget else sorted(d for d, gs in self.open.items() if gs)
-    for d in deadlines:
-      count += len(self.open[d])
-      n_mand = max(n_mand, count - (d - step) * self.gb)
-    mandatory = []
-    for d in deadlines:  # earliest deadlines first; within one, finished groups first
-      if len(mandatory) == n_mand:
-        break
-      gs = sorted(self.open[d], key=lambda g: (g not in finished, g))
-      mandatory += gs[: n_mand - len(mandatory)]
-    if any(g not in finished for g in mandatory):
-      return None
-    chosen = set(mandatory)
-    fill = [g for g in self.finished_fifo if g not in chosen][: self.gb - n_mand]
-    if len(fill) < self.gb - n_mand:
-      return None
-    return mandatory + fill
+    batch, self.finished_fifo = self.finished_fifo[: self.gb], self.finished_fifo[self.gb:]
+    return batch
 
   def _try_learn(self, t: float):
-    if self.learner_phase != "idle" or not self.batch_may_be_ready or len(self.step_start) >= self.spec.total_steps:
+    if self.learner_phase != "idle" or len(self.step_start) >= self.spec.total_steps:
       return
     step = self.consumed // self.gb
-    batch = self._select(step)
+    batch = self._next_batch()
     self.batch_may_be_ready = False  # until a group finishes or the learner frees up
     if batch is None:
       return
-    for g in batch:
-      self.open[int(self.deadline[g])].discard(g)
-    self.n_open -= len(batch)
-    chosen = set(batch)
-    self.finished_fifo = [g for g in self.finished_fifo if g not in chosen]
     self.consumed += len(batch)
     sids = (np.asarray(batch)[:, None] * self.g + np.arange(self.g)[None, :]).ravel()
     self.s["step"][sids] = step
@@ -360,8 +357,10 @@ class _Sim:
       t_learn = self.learner_until if self.learner_phase != "idle" else math.inf
       t = min(t_eng, t_learn)
       if math.isinf(t):
+        waiting = (f"open groups {self.assembly.open_groups()}, finished {self.assembly.finished_groups()}"
+                   if self.assembly else f"finished {len(self.finished_fifo)}")
         raise RuntimeError(f"simulation stalled at step {len(self.step_end)}: no sample in flight, learner idle "
-                           f"(open groups {self.n_open}, finished {len(self.finished_fifo)})")
+                           f"({waiting})")
       if t_learn <= t_eng:
         if self.learner_phase == "train":
           self._publish(t)
@@ -374,6 +373,8 @@ class _Sim:
           self._apply_update(e)
         self._fill(e)
         self._refresh(e)
+      if self.assembly is not None:  # the sampler loop's order: finished groups, shares, then admission
+        self.assembly.assemble()
       self._admit(t)
     return self
 
