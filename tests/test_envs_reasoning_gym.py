@@ -80,7 +80,8 @@ def test_scores_with_the_datasets_own_scorer_in_a_sandbox_even_against_hostile_c
   tagged = f"<answer>{sums[0]['answer']}</answer>"
   extra = [("", prose, sums[0]), ("", prose, sums[1]), ("", tagged, sums[1]), ("", f"<answer>= {sums[0]['answer']}"
                                                                                     "</answer>", sums[0])]
-  with RewardRunner("reasoning_gym", timeout_s=10, workers=1) as runner:
+  # A wall limit far above the sandbox's CPU limit: on a loaded box the CPU burner must still meet the CPU limit first
+  with RewardRunner("reasoning_gym", timeout_s=60, workers=1) as runner:
     assert runner.sandbox is not None and runner.isolation == "process"
     results = runner.score([("", c, meta) for c in completions] + extra)
   assert [r.value for r in results[:5]] == [1.0, 0.0, 0.0, 0.0, 0.0]

@@ -99,6 +99,7 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
                          lengths=np.asarray(lengths), max_staleness=max(cand[1], 1), prompt_len=prompt_len,
                          steps=max(c.auto.recheck_steps, 4), seed=c.seed, queue_groups=c.rl.queue_groups,
                          seq_len=c.rl.seq_len, pack=c.rl.pack, max_segments=c.rl.max_segments,
+                         num_minibatches=c.rl.num_minibatches,
                          steps_per_call=c.sampler.steps_per_call, overlap_calls=1)
     pred = predict_run(cal, run)
     result = pred.sync if cand == SYNC else pred.pipeline
