@@ -45,7 +45,7 @@ def publisher_part(rank: int, reps: int) -> dict:
   from flax import nnx
 
   from jaxrl.assets import smollm2_path
-  from jaxrl.controller.queue import WeightPublisher
+  from jaxrl.controller.weights import WeightPublisher
   from jaxrl.models import Decoder, hf, lora
   from jaxrl.sampler import make_engine
   from jaxrl.sharding import make_mesh

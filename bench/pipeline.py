@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import write_json
-from jaxrl.controller.local import Pipeline
-from jaxrl.controller.queue import WeightPublisher
+from jaxrl.controller.local import LocalController
+from jaxrl.controller.weights import WeightPublisher
 from jaxrl.cost_profile import pooled, profile, summary
 from jaxrl.sampler import Engine
 from jaxrl.sampler.forced import Z99, ForcedLengths
@@ -67,14 +67,14 @@ class Bench:
       raise ValueError(f"group {group_id} has no forced length (the table holds {len(self.lengths)})")
     return int(self.lengths[group_id])
 
-  def controller(self, mode: str, num_steps: int, on_step=None) -> Pipeline:
+  def controller(self, mode: str, num_steps: int, on_step=None) -> LocalController:
     c, ctl, engine = self.config, self.run.controller, self.engine
     learner, sampling = ctl.learner_loop, ctl.sampler_loop
     k = c.rl.max_staleness if mode == "pipeline" else 0
     spec = dataclasses.replace(ctl.spec, num_steps=num_steps, max_staleness=k)
     state = jax.tree.map(jnp.copy, self.state0)
     sampler = ForcedLengths(self.length_of, engine, state.params, 0, seed=c.seed, on_update=c.sampler.on_update)
-    return Pipeline(spec, sampler=sampler, train_step=learner.train_step, state=state,
+    return LocalController(spec, sampler=sampler, train_step=learner.train_step, state=state,
                     publisher=WeightPublisher(engine.param_shardings), prompts=sampling.prompts, score=sampling.score,
                     on_step=on_step)
 

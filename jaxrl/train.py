@@ -26,8 +26,8 @@ from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.data import evaluate
-from jaxrl.controller.local import Pipeline
-from jaxrl.controller.queue import WeightPublisher
+from jaxrl.controller.local import LocalController
+from jaxrl.controller.weights import WeightPublisher
 from jaxrl.metrics import MetricsWriter, TraceWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.sampler import Engine
@@ -44,7 +44,7 @@ class Run:
   graphdef: Any
   tokenizer: Any
   engine: Engine
-  controller: Pipeline
+  controller: LocalController
   checkpointer: Checkpointer
   metrics: MetricsWriter
   task: Any
@@ -81,7 +81,7 @@ def build(c, workdir: str | Path) -> Run:
   if c.log.telemetry:
     roofline = telemetry.for_run(c, learner.model_config, learner_devices=meshes.learner.size,
                                  sampler_devices=meshes.sampler.size, sampler_dtype=engine.dtype)
-  controller = Pipeline(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
+  controller = LocalController(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
                         prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
                         trace=trace, resumed_from=resumed_from, telemetry=roofline)
   return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,

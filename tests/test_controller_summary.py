@@ -11,7 +11,7 @@ import pytest
 
 from jaxrl.controller import summary
 from jaxrl.controller.channels import LocalCoordinator
-from jaxrl.controller.queue import Ledger
+from jaxrl.controller.ledger import Ledger
 from jaxrl.controller.spec import RunRecord
 
 CONTROLLER = Path(__file__).resolve().parents[1] / "jaxrl" / "controller"

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxrl import config as config_lib
-from jaxrl.controller.queue import WeightPublisher
+from jaxrl.controller.weights import WeightPublisher
 from jaxrl.learner import token_logprobs
 from jaxrl.metrics import read_jsonl
 from jaxrl.models import ModelConfig, forward, quant

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl.controller.queue import Ledger
+from jaxrl.controller.ledger import Ledger
 from jaxrl.learner import LossConfig, init_train_state, make_train_step
 from jaxrl.learner.step import minibatch_order
 from jaxrl.rollout import Rollout, SamplingParams, make_batch

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import ConfigError, override, validate
-from jaxrl.controller.queue import WeightPublisher
+from jaxrl.controller.weights import WeightPublisher
 from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, token_logprobs
 from jaxrl.models import ModelConfig, forward, hf, init_params, lora
 from jaxrl.rollout import SamplingParams, make_batch

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Protocol
 
-from jaxrl.controller.queue import Stopped
+from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned

@@ -7,12 +7,13 @@ import threading
 
 from jaxrl.controller.channels import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
-from jaxrl.controller.queue import RolloutQueue, WeightPublisher
+from jaxrl.controller.rollouts import RolloutQueue
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.controller.spec import RunRecord, RunSpec
+from jaxrl.controller.weights import WeightPublisher
 
 
-class Pipeline:
+class LocalController:
   """Both role loops of one run and their channels; `run` drives them to spec.num_steps (or a stop request)."""
 
   def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrl.controller.assembly import DeadlineBook, reject_reason
 from jaxrl.controller.channels import Coordination, Rollouts, Weights
-from jaxrl.controller.queue import GroupAssembler
+from jaxrl.controller.rollouts import GroupAssembler
 from jaxrl.controller.spec import RunSpec, SkipPrompt
 from jaxrl.rollout import Rollout
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.controller.queue import Ledger
+from jaxrl.controller.ledger import Ledger
 from jaxrl.learner.packing import pack_batch
 from jaxrl.rollout import Rollout, make_batch
 

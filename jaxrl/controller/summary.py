@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl.controller.queue import Ledger
+from jaxrl.controller.ledger import Ledger
 
 # Counts a sampler keeps (it admits and generates); every other count is the learner's.
 SAMPLER_COUNTS = ("groups_admitted", "samples_generated", "tokens_generated", "skipped_prompts")

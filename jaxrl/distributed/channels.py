@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl.controller.channels import Coordination
-from jaxrl.controller.queue import Stopped
+from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
 from jaxrl.controller.summary import SAMPLER_COUNTS, merge_ledgers
 from jaxrl.distributed import packets

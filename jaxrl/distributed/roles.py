@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxrl.controller.learner_loop import LearnerLoop
-from jaxrl.controller.queue import Stopped
+from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.distributed.channels import Ferry, ReceivedWeights, StoreCoordinator
 from jaxrl.distributed.transfer import TransferLog

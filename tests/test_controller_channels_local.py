@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from jaxrl import sharding
-from jaxrl.controller.queue import GroupAssembler, Ledger, RolloutQueue, Stopped, WeightPublisher
+from jaxrl.controller.ledger import Ledger
+from jaxrl.controller.rollouts import GroupAssembler, RolloutQueue, Stopped
+from jaxrl.controller.weights import WeightPublisher
 from jaxrl.rollout import Rollout
 
 
