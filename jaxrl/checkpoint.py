@@ -70,7 +70,7 @@ def _state_handler(compress: bool, multiprocessing: ocp.options.MultiprocessingO
 class Checkpointer:
   """Saves (TrainState, record) every `every_steps` learner steps; keeps the newest `max_to_keep` verified ones.
 
-  compress: zstd-compress the saved arrays (~20% less disk for model weights; a save then holds the compressed
+  compress: zstd-compress the saved arrays (less disk for model weights; a save then holds the compressed
   state in host memory until it is written, and takes about twice as long)."""
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, every_steps: int = 1,

@@ -213,7 +213,7 @@ SETTINGS = (
 
     Int("checkpoint.every_steps", 5, 1, "save every N learner steps (and at the end)"),
     Int("checkpoint.max_to_keep", 2, 1, "older checkpoints are deleted"),
-    # zstd: ~20% less disk for weights, but a save holds the compressed state in host memory until written (a higher
+    # zstd: less disk for weights, but a save holds the compressed state in host memory until written (a higher
     # peak RSS) and takes longer (docs/BENCHMARKS.md)
     Bool("checkpoint.compress", False, "zstd-compress the saved arrays"),
 

@@ -87,14 +87,15 @@ def test_crashing_worker_and_bad_values(runner):
   assert runner.stats.to_json()["failures"]["crash"] >= 1
 
 
-def test_overhead_per_item_is_small(runner):
+def test_many_items_reuse_the_same_workers(runner):
+  """What keeps process isolation cheap: a batch of 400 items goes through the running workers, none restarted
+  (no timing asserted: the speed of this machine is not the behaviour under test)."""
   items = [("prompt", "x" * 50, {"completion_ids": list(range(64))})] * 400
   runner.score(items[:8])  # warm
-  t0 = time.perf_counter()
+  starts, calls = runner.stats.worker_starts, runner.stats.calls
   out = runner.score(items)
-  per_item = (time.perf_counter() - t0) / len(items)
-  print(f"process isolation: {per_item * 1e6:.0f} us per item (2 workers)")
-  assert all(r.value == 50.0 for r in out) and per_item < 5e-3
+  assert all(r.value == 50.0 for r in out)
+  assert runner.stats.worker_starts == starts and runner.stats.calls == calls + len(items)
 
 
 def test_builtin_rewards_run_inline_and_still_catch_errors():
