@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 from faults_util import NUM_STEPS, TALLY, inject, params_digest, tiny_config
 
+from jaxrl import telemetry
 from jaxrl import train as train_lib
 from jaxrl.metrics import read_jsonl
 
-# Wall-clock measurements (the step, its parts, the samplers' seconds: jaxrl-profile --from-run's costs), and a
-# reading of scheduling.
+# Wall-clock measurements (the step, its parts, the samplers' seconds: jaxrl-profile --from-run's costs; the roofline
+# telemetry's rates over them), and a reading of scheduling.
 TIMING = {"time", "step_time_s", "train_s", "wait_s", "publish_s", "sampler/seconds", "sampler/busy_s",
-          "sampler/update_seconds", "queue_depth"}
+          "sampler/update_seconds", "queue_depth", *telemetry.KEYS}
 
 
 def _recorded_run(c, workdir, monkeypatch):
