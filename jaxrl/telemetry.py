@@ -78,11 +78,14 @@ def sampler_flops(cfg, *, generated: int, attended: int, prefilled: int, prefill
 
 
 def sampler_bytes(cfg, *, decode_steps: int, prefills: int, generated: int, attended: int, prefilled: int,
-                  bytes_per_value: int) -> int:
-  """The fewest bytes the sampler moves: every decode step and prefill reads the weights once, every attended key
-  reads its keys and values, every generated or prefilled token writes its own (at the sampler's dtype)."""
+                  bytes_per_value: int, weight_bytes_per_value: int | None = None) -> int:
+  """The fewest bytes the sampler moves: every decode step and prefill reads the weights once (at
+  weight_bytes_per_value, default bytes_per_value: 1 for an int8 sampler, its per-channel scales left out), every
+  attended key reads its keys and values, every generated or prefilled token writes its own (at the sampler's
+  dtype)."""
   spec = ModelSpec.from_model_config(cfg, bytes_per_param=bytes_per_value)
-  return int((decode_steps + prefills) * spec.weight_bytes + (attended + generated + prefilled)
+  weights = ModelSpec.from_model_config(cfg, bytes_per_param=weight_bytes_per_value or bytes_per_value)
+  return int((decode_steps + prefills) * weights.weight_bytes + (attended + generated + prefilled)
              * spec.kv_bytes_per_token)
 
 
@@ -170,6 +173,7 @@ class Work:
   param_bytes: int
   sampler_bytes_per_value: int
   steps_per_call: int
+  sampler_weight_bytes_per_value: int | None = None  # 1 for an int8 sampler (sampler.weight_dtype="int8")
 
 
 class Telemetry:
@@ -197,7 +201,8 @@ class Telemetry:
                             prefilled=count("prefill_tokens"), prefill_keys=count("prefill_keys"))
       moved = sampler_bytes(w.cfg, decode_steps=count("decode_calls") * w.steps_per_call, prefills=count("prefills"),
                             generated=count("generated_tokens"), attended=count("attended_keys"),
-                            prefilled=count("prefill_tokens"), bytes_per_value=w.sampler_bytes_per_value)
+                            prefilled=count("prefill_tokens"), bytes_per_value=w.sampler_bytes_per_value,
+                            weight_bytes_per_value=w.sampler_weight_bytes_per_value)
       out |= _rates("sampler", flops, moved, d["seconds"], self.sampler)
       self._last = now
     return out
@@ -215,6 +220,7 @@ def for_run(c, cfg, *, learner_devices: int, sampler_devices: int, sampler_dtype
               fixed_passes=fixed_param_pass_count(LossConfig(**c.loss.to_dict()), updates),
               param_bytes=jnp.dtype(cfg.param_dtype).itemsize,
               sampler_bytes_per_value=jnp.dtype(sampler_dtype).itemsize,
+              sampler_weight_bytes_per_value=1 if c.sampler.weight_dtype == "int8" else None,
               steps_per_call=c.sampler.steps_per_call)
   device = jax.devices()[0]
   peak = device_peak(device.device_kind, cfg.dtype, c.log.peak, c.log.peak_flops, c.log.peak_bandwidth)

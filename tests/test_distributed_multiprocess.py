@@ -26,6 +26,7 @@ import pytest
 from jaxrl.distributed.transfer import load_shards
 from jaxrl.integrity import MARKER
 from jaxrl.metrics import read_jsonl
+from jaxrl.models.quant import CONTRACTED
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "configs"), str(REPO / "tests" / "faults")]
@@ -323,3 +324,36 @@ def test_multi_turn_episodes_across_processes(tmp_path, mode, processes, sampler
     assert single[name].tobytes() == multi[name].tobytes(), name
   first = _normalized(load_shards([workdir / "weights" / f"v0_process{p}.npz" for p in (0, 1)]))
   assert any(first[name].tobytes() != multi[name].tobytes() for name in first)  # it trained
+
+
+def test_an_int8_sampler_process_receives_each_version_quantized_by_the_learner(tmp_path):
+  """sampler.weight_dtype="int8" in a 1 learner + 1 sampler job: the learner quantizes each version before it is
+  sent, so the sampler process receives int8 values with per-channel scales (a quarter of the float bytes), and
+  they are that version's weights: within half a quantization step of the learner's float params."""
+  workdir, log = tmp_path / "run", tmp_path / "launch.log"
+  code = _launch(2, ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.num_steps=3",
+                     "--config.mesh.sampler_devices=1", "--config.sampler.weight_dtype=int8"], log).wait(timeout=300)
+  assert code == 0, log.read_text()[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["steps"] == 3 and summary["ledger"]["samples_trained"] == 3 * 16
+  for v in range(4):
+    sent = load_shards([workdir / "weights" / f"v{v}_process0.npz"])
+    got = load_shards([workdir / "weights" / f"v{v}_process1.npz"])
+    quantized = set()
+    for name, w in sent.items():
+      if f"{name}.values" not in got:  # norms: float, as sent
+        assert got[name].dtype == w.dtype and got[name].tobytes() == w.tobytes(), (v, name)
+        continue
+      values, scale = got[f"{name}.values"], got[f"{name}.scale"]
+      contracted = CONTRACTED[_param_name(name)]
+      assert values.dtype == np.int8 and values.shape == w.shape
+      np.testing.assert_allclose(scale, np.abs(w).max(axis=contracted) / 127, rtol=1e-6)
+      full_scale = np.expand_dims(scale, tuple(a % w.ndim for a in contracted))
+      assert np.all(np.abs(values * full_scale - w) <= full_scale / 2 * (1 + 1e-5)), (v, name)
+      quantized.add(name)
+    # every matmul weight (q/k/v/o, gate/up/down, embedding, head) arrived quantized, nothing else
+    assert quantized == {n for n in sent if _param_name(n) in CONTRACTED} and len(quantized) == 9
+
+
+def _param_name(path: str) -> str:
+  return re.search(r"\['(\w+)'\]\.value$", path).group(1)

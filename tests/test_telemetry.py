@@ -57,6 +57,10 @@ def test_sampler_counts_equal_a_hand_count():
   moved = telemetry.sampler_bytes(CFG, decode_steps=10, prefills=2, generated=15, attended=120, prefilled=14,
                                   bytes_per_value=4)
   assert moved == 12 * 22688 * 4 + (120 + 15 + 14) * 256 == 1_127_168
+  # An int8 sampler reads its weights at one byte a parameter; its keys and values stay float32
+  moved = telemetry.sampler_bytes(CFG, decode_steps=10, prefills=2, generated=15, attended=120, prefilled=14,
+                                  bytes_per_value=4, weight_bytes_per_value=1)
+  assert moved == 12 * 22688 + (120 + 15 + 14) * 256 == 310_400
 
 
 def _cost(fn, *args):

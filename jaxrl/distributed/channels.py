@@ -153,9 +153,12 @@ class LearnerPublisher:
   replica's layout and held for the Ferry; the lead appends it to the transfer log."""
 
   def __init__(self, routes: list[WeightRoute], replicated_sharding, log: TransferLog | None,
-               dump_dir: Path | None = None):
+               dump_dir: Path | None = None, prepare=None):
+    """prepare: applied to each version on the learner before it is cut for the routes (e.g. int8 quantization:
+    jaxrl.distributed.train.sampler_weights); None sends the params as they are."""
     self.routes, self.log, self.dump_dir = routes, log, dump_dir
-    self._replicate = jax.jit(lambda params: params, out_shardings=replicated_sharding)
+    prepare = prepare or (lambda params: params)
+    self._replicate = jax.jit(lambda params: prepare(params), out_shardings=replicated_sharding)
     self._staged: dict[int, list[list[jax.Array]]] = {}
     self._cond = threading.Condition()
     self.published = 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,8 +57,24 @@ from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
 from jaxrl.learner import batch_shardings
 from jaxrl.metrics import TraceWriter
-from jaxrl.models import hf, lora
+from jaxrl.models import hf, lora, quant
 from jaxrl.sampler.slot_engine import compute_dtype_name
+
+
+def sampler_weights(c, abstract, model_cfg, mesh):
+  """(what the learner applies to a version before sending it, the abstract params the samplers receive): the
+  params as they are, or quantized to int8 in the sampler's compute dtype (sampler.weight_dtype="int8")."""
+  if c.sampler.weight_dtype != "int8":
+    return None, abstract
+  dtype = jnp.dtype(compute_dtype_name(c.sampler.dtype, model_cfg, mesh))
+  prepare = lambda params: quant.quantize_params(params, dtype)  # noqa: E731
+  return prepare, jax.eval_shape(prepare, abstract)
+
+
+def _sampler_shardings(c, abstract, mesh):
+  shardings = sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES)
+  return quant.quantized_shardings(shardings, abstract) if c.sampler.weight_dtype == "int8" else shardings
+
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
@@ -75,8 +92,10 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
     abstract = lora.split(abstract)[0]
   replicas = [sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices) for devices in topology.sampler_devices]
   num_samplers = len(replicas)
+  # An int8 sampler gets int8 bytes: the learner quantizes each version once, before it is cut and sent
+  prepare, sent = sampler_weights(c, abstract, model_cfg, replicas[0])
   try:
-    routes = [WeightRoute(abstract, sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES),
+    routes = [WeightRoute(sent, _sampler_shardings(c, abstract, mesh),
                           source_devices(topology.learner_devices, mesh.size, rank))
               for rank, mesh in enumerate(replicas)]
   except ValueError as e:
@@ -125,7 +144,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   resumed = checkpointer.restored_step  # the newest checkpoint that verifies
   batch_sh = batch_shardings(learner.batch_sharding)
 
-  publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir)
+  publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir, prepare)
   # Compile what has collectives before running any of it, then start together: gloo gives up on a peer that
   # reaches the first collective 30 s late (e.g. still compiling while the other process found a cached binary).
   key = jax.random.fold_in(jax.random.key(c.seed), 0)
