@@ -171,8 +171,8 @@ def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int
     if not cond:
       raise ConfigError(f"config: {msg}")
 
-  need(c.mode != "auto", "mode='auto' runs in a single-host job only (its segments are resumed in one process): "
-       "use mode='pipeline' or 'sync' with the multi-process launcher")
+  need(c.mode != "auto", "mode='auto' in a multi-process job runs through jaxrl.distributed.launch, which launches "
+       "the job one segment (one fixed mode) at a time")
   total = sum(devices_per_process)
   n, s = c.mesh.num_devices, c.mesh.sampler_devices
   need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "

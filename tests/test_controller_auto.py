@@ -1,15 +1,13 @@
-"""mode="auto" (jaxrl/controller/auto.py): the choice rule, the segments it runs, resume, and a real tiny run whose
-segments switch mode without losing or repeating a sample."""
+"""mode="auto" (jaxrl/controller/auto.py): the choice rule, the segments it runs, resume. Real runs of it in both
+topologies, switching mode without losing or repeating a sample: tests/faults/test_faults_topologies.py."""
 
 import json
-from collections import Counter
 
 import pytest
 
 from configs import tiny
 from jaxrl import config as config_lib
 from jaxrl.controller import auto
-from jaxrl.train import train
 
 
 def test_a_measurement_replaces_its_prediction():
@@ -91,37 +89,12 @@ def test_a_stopped_auto_run_resumes_its_cut_segment(tmp_path, monkeypatch):
   assert [(s["start"], s["end"]) for s in summary["auto"]] == [(0, 5), (5, 13), (13, 20)]
 
 
-def test_auto_refuses_an_adaptive_bound_and_the_multi_process_launcher():
+def test_auto_refuses_an_adaptive_bound_and_a_job_process_outside_the_launcher():
   c = tiny.get_config()
   c.mode, c.rl.max_staleness = "auto", "auto"
   with pytest.raises(config_lib.ConfigError, match="mode='auto' chooses the staleness bound itself"):
     config_lib.validate(c)
   c.rl.max_staleness = 1
-  with pytest.raises(config_lib.ConfigError, match="single-host job only"):
+  # a job's processes run one fixed-mode segment each: the launcher runs mode="auto" (test_faults_topologies.py)
+  with pytest.raises(config_lib.ConfigError, match="runs through jaxrl.distributed.launch"):
     config_lib.validate_job(c, [1, 1])
-
-
-def test_auto_run_switches_mode_without_losing_or_repeating_a_sample(tmp_path):
-  c = tiny.get_config()
-  c.mode, c.num_steps, c.log.trace = "auto", 9, True
-  c.auto.measure_steps, c.auto.recheck_steps = 5, 4
-  summary = train(c, tmp_path)
-  segments = summary["auto"]
-  assert [(s["start"], s["end"]) for s in segments] == [(0, 5), (5, 9)]
-  assert segments[0]["choice"] == "sync"
-  assert segments[1]["choice"] == auto.choose(segments[1]["predicted"], {"sync": segments[0]["measured_tokens_per_s"]})
-  assert set(segments[1]["predicted"]) == {"sync", "pipeline_k1", "pipeline_k2"}
-  assert all(s["measured_tokens_per_s"] > 0 for s in segments)
-  # The sample ledger: every sample trained once, groups contiguous from 0, every step's batch whole
-  events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
-  trained = [tuple(s[:2]) for e in events if e.get("event") == "train" and e.get("applied") for s in e["samples"]]
-  batch = c.rl.group_size * c.rl.groups_per_step
-  assert len(trained) == len(set(trained)) == 9 * batch
-  groups = Counter(g for g, _ in trained)
-  assert sorted(groups) == list(range(9 * c.rl.groups_per_step)) and set(groups.values()) == {c.rl.group_size}
-  ledger = summary["ledger"]
-  assert ledger["samples_trained"] == 9 * batch and summary["steps"] == 9
-  assert ledger["samples_generated"] == (ledger["samples_trained"] + ledger["samples_discarded_at_resume"]
-                                         + sum(ledger["dropped"].values()) + summary["samples_in_flight"])
-  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert steps == list(range(1, 10))

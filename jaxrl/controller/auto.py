@@ -79,9 +79,10 @@ def measure(records: list[dict], batch_size: int, warmup: int) -> tuple[float, f
 
 
 def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_len: int, weight_bytes: float,
-            warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+            warmup: int, multi_process: bool = False) -> tuple[dict[str, float], dict[str, float]]:
   """Trained tokens/s and step seconds of every candidate, from a calibration of `records` (a segment's metrics) on
-  the completion lengths its trained samples had."""
+  the completion lengths its trained samples had; multi_process: a job of several processes (its hand-off between
+  them is charged to the learner, jaxrl.sim.runlog)."""
   from jaxrl.sim import runlog
   from jaxrl.sim.calibrate import fit_calibration
   from jaxrl.sim.planner import RunDescription
@@ -90,7 +91,7 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
   sampler_devices = c.mesh.sampler_devices
   m, _ = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                              max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
-                             sampler_devices=sampler_devices, weight_bytes=weight_bytes)
+                             sampler_devices=sampler_devices, weight_bytes=weight_bytes, multi_process=multi_process)
   cal = fit_calibration(m)
   tokens, step_s = {}, {}
   for cand in candidates(c.auto.k_max):

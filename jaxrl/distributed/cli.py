@@ -27,16 +27,19 @@ def has_config(args: list[str]) -> bool:
   return any(a == "--config" or a.startswith("--config=") for a in args)
 
 
-def preflight(prog: str, args: list[str], devices_per_process: list[int]) -> None:
+def preflight(prog: str, args: list[str], devices_per_process: list[int]):
   """Parses a job's process arguments and validates its config for processes with these device counts, as each
-  process would; a bad one ends this process with one line `prog: ...` naming the key, and exit status 2."""
+  process would; a bad one ends this process with one line `prog: ...` naming the key, and exit status 2. Returns
+  (the config, the workdir). mode="auto" is checked as each of its segments' modes will run."""
   flag_values = flags.FlagValues()
   define_flags(flag_values)
   config_lib.parse_cli(prog, [prog, *args], flag_values)
   c = flag_values.config
   try:
     config_lib.validate(c, flag_values.workdir, num_devices=sum(devices_per_process))
-    config_lib.validate_job(c, devices_per_process)
+    config_lib.validate_job(config_lib.override(c.copy_and_resolve_references(), mode="pipeline")
+                            if c.mode == "auto" else c, devices_per_process)
     config_lib.validate_data_files(c)
   except config_lib.ConfigError as e:
     config_lib.cli_error(prog, str(e))
+  return c, flag_values.workdir

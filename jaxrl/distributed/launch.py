@@ -22,6 +22,8 @@ cores only.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import signal
 import socket
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from jaxrl.distributed import cli
 
@@ -181,14 +184,77 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--cpu_affinity", default="",
                       help='pin processes to cores: "split" (equal shares in process order) or "0-3;4-7" (per process)')
   opts = parser.parse_args(argv[:split])
-  if cli.has_config(argv[split + 1 :]) or "--config_help" in argv:  # a bad config: one line, exit 2, no process
-    cli.preflight("jaxrl.launch", argv[split + 1 :], [opts.devices_per_process] * opts.num_processes)
+  job = argv[split + 1 :]
+  run_job = functools.partial(launch, opts.num_processes, devices_per_process=opts.devices_per_process,
+                              module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s,
+                              cpu_affinity=opts.cpu_affinity)
+  if cli.has_config(job) or "--config_help" in argv:  # a bad config: one line, exit 2, no process
+    c, workdir = cli.preflight("jaxrl.launch", job, [opts.devices_per_process] * opts.num_processes)
+    if c.mode == "auto":
+      return launch_auto(c, Path(workdir), job, run_job, opts.num_processes * opts.devices_per_process)
   try:  # bad options raise before any process starts
-    return launch(opts.num_processes, argv[split + 1 :], devices_per_process=opts.devices_per_process,
-                  module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s, cpu_affinity=opts.cpu_affinity)
+    return run_job(job)
   except ValueError as e:
     print(f"jaxrl.launch: {e}", file=sys.stderr)
     return 2
+
+
+class _SegmentFailed(Exception):
+  def __init__(self, code: int):
+    super().__init__(f"exit status {code}")
+    self.code = code
+
+
+def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int) -> int:
+  """mode="auto" over processes: the job is launched once per segment (jaxrl.controller.auto), in the mode and
+  staleness bound chosen for it, each launch resuming the last one's checkpoint; the trace is on (the segments'
+  trained lengths calibrate the model). Writes the whole run's summary.json; returns the failed launch's status."""
+  from jaxrl.controller import auto
+  from jaxrl.controller import summary as summary_lib
+  from jaxrl.metrics import read_jsonl
+
+  def run_segment(seg_c, first: bool, last: bool):
+    flags = [f"--config.mode={seg_c.mode}", f"--config.rl.max_staleness={seg_c.rl.max_staleness}",
+             f"--config.num_steps={seg_c.num_steps}", "--config.log.trace=True"]
+    if not (first or last):  # held-out evaluations: before the first segment and after the last only
+      flags.append("--config.eval.num_examples=0")
+    print(f"jaxrl.launch: mode=auto: steps to {seg_c.num_steps} as {auto.name((seg_c.mode, seg_c.rl.max_staleness))}",
+          flush=True)
+    code = run_job([*job, *flags])
+    summary = json.loads((workdir / "summary.json").read_text()) if (workdir / "summary.json").exists() else {}
+    if code != 0 and "stopped_by" not in summary:
+      raise _SegmentFailed(code)
+    start = max([0, *(s.end for s in auto.AutoLog(workdir).segments[:-1])])
+    events = [json.loads(line) for line in (workdir / "trace.jsonl").read_text().splitlines() if line.strip()]
+    lengths = [n for e in events if e.get("event") == "train" and e.get("applied") and start < e["version"]
+               for n in e.get("lengths", [])]
+    return summary, lengths
+
+  def records(start: int, end: int) -> list[dict]:
+    return [r for r in read_jsonl(workdir / "metrics.jsonl") if start < r["step"] <= end]
+
+  def context() -> dict:
+    import jax
+
+    from jaxrl.controller import build as build_lib
+    from jaxrl.controller.data import make_prompt_source
+    from jaxrl.models import hf
+
+    model_cfg, tokenizer, _ = build_lib.model_source(c)
+    params = hf.abstract_params(model_cfg)[1]
+    return dict(devices=devices, prompt_len=len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0]),
+                weight_bytes=float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))),
+                multi_process=True)
+
+  try:
+    summary = auto.supervise(c, workdir, run_segment, records, context)
+  except _SegmentFailed as e:
+    print(f"jaxrl.launch: mode=auto: a segment failed ({e}); the same command resumes it", file=sys.stderr)
+    return e.code
+  summary_lib.write_summary(workdir, summary)
+  if "stopped_by" in summary:
+    return summary_lib.exit_status(summary["stopped_by"])
+  return 0
 
 
 if __name__ == "__main__":

@@ -171,3 +171,26 @@ def test_auto_staleness_moves_the_admission_bound_and_the_samplers_keep_it(topol
   assert len(records) == NUM_STEPS and all(0 <= k <= 2 for k in ks) and max(ks) >= 1, ks  # it moved up from 0
   for i, r in enumerate(records):
     assert r["staleness_max"] <= max([0, *ks[:i]]), (i, ks, [r["staleness_max"] for r in records])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_mode_auto_switches_between_segments_without_losing_or_repeating_a_sample(topology, tmp_path):
+  """mode="auto": a sync segment of 5 steps measures, the simulator predicts, the next segment (4 steps) runs the
+  choice (jaxrl-train's segments in one process; the launcher's, one launch each). Every group is trained exactly
+  once across the switch (the trace's history), every step is logged once, and the decision is in summary.json."""
+  from jaxrl.controller import auto
+
+  workdir, log = tmp_path / "run", tmp_path / "job.log"
+  flags = {"mode": "auto", "num_steps": 9, "auto__measure_steps": 5, "auto__recheck_steps": 4}
+  assert start_job(command(topology, workdir, **flags), log).wait(timeout=400) == 0, log.read_text()[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  segments = summary["auto"]
+  assert summary["mode"] == "auto" and [(s["start"], s["end"]) for s in segments] == [(0, 5), (5, 9)]
+  assert segments[0]["choice"] == "sync" and set(segments[1]["predicted"]) == {"sync", "pipeline_k1", "pipeline_k2"}
+  assert segments[1]["choice"] == auto.choose(segments[1]["predicted"], {"sync": segments[0]["measured_tokens_per_s"]})
+  assert all(s["measured_tokens_per_s"] > 0 and s["measured_step_s"] > 0 for s in segments)
+  check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=GROUP_SIZE)  # none lost or trained twice
+  led = summary["ledger"]
+  assert summary["steps"] == 9 and led["samples_trained"] == 9 * 4 * GROUP_SIZE  # 4 groups a step
+  assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, 10))
