@@ -129,6 +129,15 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
     auto_staleness(c)
   need(c.mode != "auto" or k != "auto", "mode='auto' chooses the staleness bound itself (sync or the pipeline at "
        "k = 1..auto.k_max): leave rl.max_staleness an int")
+  splits = get("auto.splits")
+  need(isinstance(splits, (tuple, list)) and all(is_int(x) and x >= 1 for x in splits),
+       f"auto.splits must be a tuple of sampler device counts >= 1 (got {splits!r})")
+  for split in splits if c.mode == "auto" else ():  # each split as its segments will run it
+    try:
+      validate(override(c.copy_and_resolve_references(), mode="pipeline", mesh__sampler_devices=split,
+                        auto__splits=()), num_devices=num_devices)
+    except ConfigError as e:
+      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
   s = c.sampler
   need(s.kv != "paged" or s.max_len % s.page_size == 0,
        f"sampler.max_len={s.max_len} must be a multiple of sampler.page_size={s.page_size} (sampler.kv='paged')")

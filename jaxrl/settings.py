@@ -96,6 +96,8 @@ SETTINGS = (
     Int("auto.recheck_steps", 8, 4, 'mode="auto": steps of every later segment (the choice is re-made after each)'),
     Int("auto.k_max", 2, 1, 'mode="auto": the largest staleness bound it tries for the pipeline'),
     Int("auto.warmup_steps", 1, 1, 'mode="auto": steps of each segment left out of its measurement (compilation)'),
+    Setting("auto.splits", (), 'mode="auto": sampler device counts to try for the pipeline (a new split is a new build '
+            "or launch, resumed exactly); empty: mesh.sampler_devices only"),
     Int("num_steps", 20, 1, "learner steps (policy versions) to train for"),
 
     Setting("model.source", "tiny", '"tiny" (random ModelConfig.tiny), "smollm2" (fetched by jaxrl-assets), or a HF '

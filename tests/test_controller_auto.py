@@ -23,7 +23,7 @@ def test_candidates_and_segment_configs():
   assert [auto.name(x) for x in auto.candidates(2)] == ["sync", "pipeline_k1", "pipeline_k2"]
   c = tiny.get_config()
   c.mode = "auto"
-  seg = auto.segment_config(c, ("pipeline", 2), end=9)
+  seg = auto.segment_config(c, ("pipeline", 2, None), end=9)
   assert (seg.mode, seg.rl.max_staleness, seg.num_steps) == ("pipeline", 2, 9)
   assert (c.mode, c.num_steps) == ("auto", 12)  # the run's own config is untouched
 
@@ -33,10 +33,12 @@ class _FakeRun:
 
   def __init__(self, c, tokens_per_s, predicted, stop_at=None):
     self.c, self.tokens_per_s, self.predicted, self.stop_at = c, tokens_per_s, predicted, stop_at
-    self.segments = []
+    self.segments, self.splits = [], []
 
   def run_segment(self, seg_c, first, last):
-    mode = "sync" if seg_c.mode == "sync" else f"pipeline_k{seg_c.rl.max_staleness}"
+    split = seg_c.mesh.sampler_devices
+    mode = auto.name((seg_c.mode, seg_c.rl.max_staleness, None if split == self.c.mesh.sampler_devices else split))
+    self.splits.append(split)
     start = self.segments[-1][2] if self.segments else 0
     self.segments.append((mode, start, seg_c.num_steps, first, last))
     if self.stop_at is not None and seg_c.num_steps > self.stop_at:
@@ -98,3 +100,26 @@ def test_auto_refuses_an_adaptive_bound_and_a_job_process_outside_the_launcher()
   # a job's processes run one fixed-mode segment each: the launcher runs mode="auto" (test_faults_topologies.py)
   with pytest.raises(config_lib.ConfigError, match="runs through jaxrl.distributed.launch"):
     config_lib.validate_job(c, [1, 1])
+
+
+def test_splits_are_candidates_and_a_segment_runs_on_its_split(tmp_path, monkeypatch):
+  assert [auto.name(x) for x in auto.candidates(1, (2, 6))] == ["sync", "pipeline_k1_s2", "pipeline_k1_s6"]
+  c = tiny.get_config()
+  c.mode, c.num_steps, c.auto.splits, c.auto.k_max = "auto", 13, (2, 6), 1
+  c.auto.measure_steps, c.auto.recheck_steps = 5, 8
+  assert auto.segment_config(c, ("pipeline", 1, 6), end=9).mesh.sampler_devices == 6
+  assert auto.segment_config(c, auto.SYNC, end=9).mesh.sampler_devices == c.mesh.sampler_devices
+  fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1_s2": 11.0, "pipeline_k1_s6": 30.0},
+                  {"sync": 10.0, "pipeline_k1_s2": 12.0, "pipeline_k1_s6": 20.0})
+  summary = _supervise(c, fake, tmp_path, monkeypatch)
+  assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k1_s6"]
+  assert fake.splits == [c.mesh.sampler_devices, 6]
+
+
+@pytest.mark.parametrize("splits, match", [((0,), "auto.splits must be a tuple of sampler device counts >= 1"),
+                                           ((8,), "auto.splits has 8: .*leaves no learner device")])
+def test_bad_splits_are_refused_before_anything_runs(splits, match):
+  c = tiny.get_config()
+  c.mode, c.auto.splits = "auto", splits
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.validate(c, num_devices=8)

@@ -26,17 +26,20 @@ import numpy as np
 
 from jaxrl.controller.summary import accuracy_change
 
-SYNC = ("sync", 0)
+SYNC = ("sync", 0, None)
 
 
-def candidates(k_max: int) -> list[tuple[str, int]]:
-  """(mode, k) of every candidate: sync, and the pipeline at each bound 1..k_max."""
-  return [SYNC] + [("pipeline", k) for k in range(1, k_max + 1)]
+def candidates(k_max: int, splits=()) -> list[tuple[str, int, int | None]]:
+  """(mode, k, sampler devices) of every candidate: sync on the config's split, and the pipeline at each bound
+  1..k_max on each split in `splits` (empty: the config's mesh.sampler_devices, written None)."""
+  return [SYNC] + [("pipeline", k, s) for s in (tuple(splits) or (None,)) for k in range(1, k_max + 1)]
 
 
-def name(candidate: tuple[str, int]) -> str:
-  mode, k = candidate
-  return "sync" if mode == "sync" else f"pipeline_k{k}"
+def name(candidate: tuple[str, int, int | None]) -> str:
+  mode, k, split = candidate
+  if mode == "sync":
+    return "sync"
+  return f"pipeline_k{k}" if split is None else f"pipeline_k{k}_s{split}"
 
 
 def choose(predicted: dict[str, float], measured: dict[str, float]) -> str:
@@ -60,14 +63,16 @@ class Segment:
   measured_step_s: float | None = None
 
 
-def segment_config(c, candidate: tuple[str, int], end: int):
-  """The fixed-mode config of a segment ending at step `end`."""
-  mode, k = candidate
+def segment_config(c, candidate: tuple[str, int, int | None], end: int):
+  """The fixed-mode config of a segment ending at step `end` (on the candidate's split, if it names one)."""
+  mode, k, split = candidate
   seg = copy.deepcopy(c)
   with seg.unlocked():
     seg.mode = mode
     seg.rl.max_staleness = k
     seg.num_steps = end
+    if split is not None:
+      seg.mesh.sampler_devices = split
   return seg
 
 
@@ -79,23 +84,26 @@ def measure(records: list[dict], batch_size: int, warmup: int) -> tuple[float, f
 
 
 def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_len: int, weight_bytes: float,
-            warmup: int, multi_process: bool = False) -> tuple[dict[str, float], dict[str, float]]:
-  """Trained tokens/s and step seconds of every candidate, from a calibration of `records` (a segment's metrics) on
-  the completion lengths its trained samples had; multi_process: a job of several processes (its hand-off between
-  them is charged to the learner, jaxrl.sim.runlog)."""
+            warmup: int, multi_process: bool = False,
+            measured_split: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
+  """Trained tokens/s and step seconds of every candidate, from a calibration of `records` (a segment's metrics, run
+  on `measured_split` sampler devices, None: the config's) on the completion lengths its trained samples had;
+  multi_process: a job of several processes (its hand-off between them is charged to the learner,
+  jaxrl.sim.runlog). Another split is predicted from the same per-device costs."""
   from jaxrl.sim import runlog
   from jaxrl.sim.calibrate import fit_calibration
   from jaxrl.sim.planner import RunDescription
   from jaxrl.sim.planner import predict as predict_run
 
-  sampler_devices = c.mesh.sampler_devices
+  sampler_devices = measured_split or c.mesh.sampler_devices
   m, _ = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                              max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
                              sampler_devices=sampler_devices, weight_bytes=weight_bytes, multi_process=multi_process)
   cal = fit_calibration(m)
   tokens, step_s = {}, {}
-  for cand in candidates(c.auto.k_max):
-    run = RunDescription(sampler_devices=sampler_devices, learner_devices=devices - sampler_devices,
+  for cand in candidates(c.auto.k_max, c.auto.splits):
+    split = cand[2] or c.mesh.sampler_devices
+    run = RunDescription(sampler_devices=split, learner_devices=devices - split,
                          batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
                          lengths=np.asarray(lengths), max_staleness=max(cand[1], 1), prompt_len=prompt_len,
                          steps=max(c.auto.recheck_steps, 4), seed=c.seed, queue_groups=c.rl.queue_groups,
@@ -155,7 +163,7 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
     end = min(done + length, c.num_steps)
     if c.num_steps - end < warmup + 3:  # too short a tail to measure: fold it into this segment
       end = c.num_steps
-    cand = next(x for x in candidates(c.auto.k_max) if name(x) == choice)
+    cand = next(x for x in candidates(c.auto.k_max, c.auto.splits) if name(x) == choice)
     seg = Segment(start=done, end=end, choice=choice, predicted=predicted, predicted_step_s=step_pred)
     log.append(seg)
     summary, lengths = run_segment(segment_config(c, cand, end), first, end == c.num_steps)
@@ -169,7 +177,8 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
     if len(records) >= warmup + 3:
       seg.measured_tokens_per_s, seg.measured_step_s = measure(records, batch, warmup)
       if end < c.num_steps:
-        predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup, **context())
+        predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup, measured_split=cand[2],
+                                       **context())
     else:
       seg.measured_tokens_per_s = 0.0  # nothing to measure: recorded as run, never preferred
     log.write()

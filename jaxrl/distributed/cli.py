@@ -37,8 +37,12 @@ def preflight(prog: str, args: list[str], devices_per_process: list[int]):
   c = flag_values.config
   try:
     config_lib.validate(c, flag_values.workdir, num_devices=sum(devices_per_process))
-    config_lib.validate_job(config_lib.override(c.copy_and_resolve_references(), mode="pipeline")
-                            if c.mode == "auto" else c, devices_per_process)
+    if c.mode == "auto":  # each segment's job: the config's split and every split it may try
+      for split in (c.mesh.sampler_devices, *c.auto.splits):
+        config_lib.validate_job(config_lib.override(c.copy_and_resolve_references(), mode="pipeline",
+                                                    mesh__sampler_devices=split), devices_per_process)
+    else:
+      config_lib.validate_job(c, devices_per_process)
     config_lib.validate_data_files(c)
   except config_lib.ConfigError as e:
     config_lib.cli_error(prog, str(e))

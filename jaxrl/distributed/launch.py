@@ -215,11 +215,12 @@ def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int) -> int:
 
   def run_segment(seg_c, first: bool, last: bool):
     flags = [f"--config.mode={seg_c.mode}", f"--config.rl.max_staleness={seg_c.rl.max_staleness}",
-             f"--config.num_steps={seg_c.num_steps}", "--config.log.trace=True"]
+             f"--config.num_steps={seg_c.num_steps}", "--config.log.trace=True",
+             f"--config.mesh.sampler_devices={seg_c.mesh.sampler_devices}"]
     if not (first or last):  # held-out evaluations: before the first segment and after the last only
       flags.append("--config.eval.num_examples=0")
-    print(f"jaxrl.launch: mode=auto: steps to {seg_c.num_steps} as {auto.name((seg_c.mode, seg_c.rl.max_staleness))}",
-          flush=True)
+    print(f"jaxrl.launch: mode=auto: steps to {seg_c.num_steps} as {seg_c.mode}, k={seg_c.rl.max_staleness}, "
+          f"{seg_c.mesh.sampler_devices} sampler device(s)", flush=True)
     code = run_job([*job, *flags])
     summary = json.loads((workdir / "summary.json").read_text()) if (workdir / "summary.json").exists() else {}
     if code != 0 and "stopped_by" not in summary:
