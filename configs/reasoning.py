@@ -22,7 +22,7 @@ from jaxrl import config as config_lib
 def get_config(arg: str | None = None):
   c = config_lib.base()
   c.mode = arg or "pipeline"
-  c.num_steps = 30
+  c.num_steps = 20
   c.model.source = "smollm2"
   c.task.name = "reasoning_gym"
   c.task.kwargs.dataset = "basic_arithmetic"  # "Calculate 47 - 8."; 1 for the exact answer, partial credit for
@@ -30,6 +30,8 @@ def get_config(arg: str | None = None):
   # SmolLM2-135M reasons in prose ("4 + 7 equals 11.") and ignores the <answer> tags the system prompt asks for
   # (greedy: 0/128 held out with answer_from="tag"): take its final answer as jaxrl's gsm8k-style tasks do
   c.task.kwargs.answer_from = "final"
+  # ... and asked for an explicit last line, which answer_from="final" reads before any other number
+  c.task.kwargs.system = "Think through the problem step by step. Then write the final line as 'Answer: <number>'."
   # Two terms of one or two digits, + and - only: the 135M model gets some right, so groups carry a signal
   c.task.kwargs.config = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
                               allow_parentheses=False, allow_negation=False)
@@ -52,7 +54,7 @@ def get_config(arg: str | None = None):
   c.rl.group_size = 8
   c.rl.groups_per_step = 2
   c.rl.max_staleness = 1
-  c.optimizer.learning_rate = 2e-5
+  c.optimizer.learning_rate = 1e-5  # at 2e-5 the policy grew verbose within 6 steps (above)
   c.checkpoint.every_steps = 10
   c.eval.num_examples = 128
   c.eval.max_new_tokens = 96
