@@ -4,16 +4,13 @@
   jaxrl-train --config=configs/reasoning.py --workdir=runs/reasoning
   jaxrl-train --config=configs/reasoning.py:sync --workdir=runs/reasoning-sync    # the synchronous baseline
 
-The model thinks step by step and ends with <answer>...</answer>; the reward is reasoning-gym's own score_answer,
-run in a sandboxed worker (jaxrl/envs/reasoning_gym_reward.py). Greedy held-out accuracy is measured before and
-after training, with the two-proportion z of the change (summary.json: eval_accuracy_change). The held-out
-problems are chosen by hashing their question (jaxrl/envs/records.py), never by a second generator seed. Sized like
-configs/default.py for a 2-core CPU: one virtual CPU device per role.
+The model thinks step by step and ends with a line 'Answer: <number>'; the reward is reasoning-gym's own
+score_answer, run in a sandboxed worker (jaxrl/envs/reasoning_gym_reward.py). Greedy held-out accuracy is measured
+before and after training, with the two-proportion z of the change (summary.json: eval_accuracy_change). The
+held-out problems are chosen by hashing their question (jaxrl/envs/records.py), never by a second generator seed.
+Sized like configs/default.py for a 2-core CPU: one virtual CPU device per role.
 
-Measured (shared 2-core CPU, ~200 s per step; stopped by SIGTERM after 6 of 30 steps, the checkpoint evaluated with
-jaxrl-generate): greedy held-out accuracy 21/127 -> 8/127, z = -2.57. The policy grew verbose (mean completion 46
--> 82 of 96 tokens) and its last number stopped being the answer: not yet a config that learns. Next to try: ask
-for an explicit final line ("Answer: <number>", which answer_from="final" reads first), a lower learning rate.
+What it learns (held-out accuracy before and after, with its z): docs/BENCHMARKS.md, "Learning on real work".
 """
 
 from jaxrl import config as config_lib
