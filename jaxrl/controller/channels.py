@@ -7,7 +7,7 @@
                and the counts (the run record, failures in a row), each sampler's cost counters (posted by the
                sampler, logged by the learner with every step for jaxrl-profile --from-run)
 
-In one process: `queue.RolloutQueue`, `queue.WeightPublisher` and `LocalCoordinator` below, the two loops in two
+In one process: `rollouts.RolloutQueue`, `weights.WeightPublisher` and `LocalCoordinator` below, the two loops in two
 threads (`controller.local`). Across processes: `jaxrl.distributed.channels` (JAX cross-host copies and the
 coordination store), one loop per process.
 """

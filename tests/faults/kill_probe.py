@@ -10,7 +10,7 @@ import os
 import threading
 
 from jaxrl import checkpoint
-from jaxrl.controller import data, learner_loop, queue
+from jaxrl.controller import data, learner_loop, weights
 from jaxrl.sampler import sampler
 
 _LOCK = threading.Lock()
@@ -49,7 +49,7 @@ def _mark(owner, name: str, phase: str) -> None:
 
 _mark(sampler.Sampler, "step", "sampling")
 _mark(learner_loop.LearnerLoop, "_train", "training")
-_mark(queue.WeightPublisher, "publish", "publish")
+_mark(weights.WeightPublisher, "publish", "publish")
 _mark(checkpoint.Checkpointer, "save", "checkpoint")
 _mark(checkpoint.Checkpointer, "_commit_step", "checkpoint")  # the background write and commit
 _mark(data, "evaluate_policy", "eval")  # before the trainers import it by name
