@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from sampling_util import run_groups
 
 from jaxrl import config as config_lib
 from jaxrl.controller.weights import WeightPublisher
@@ -98,14 +99,9 @@ def test_int8_sampler_logprobs_are_the_quantized_models(model, kv, sp):
   graphdef, params = model
   engine = _engine(kv)
   sampler = Sampler(engine, params, seed=5)
-  rng = np.random.default_rng(1)
-  for g in range(B // 2):
-    sampler.submit(rng.integers(2, CFG.vocab_size, rng.integers(2, 8)).tolist(), group_id=g, n=2, sampling=sp,
-                   max_tokens=14)
-  rollouts = []
-  while sampler.num_active or sampler.num_waiting:
-    rollouts += sampler.step()
-  batch = make_batch(sorted(rollouts, key=lambda r: (r.group_id, r.sample_index)), B, L)
+  rollouts = run_groups(sampler, sp, groups=B // 2, vocab_size=CFG.vocab_size, seed=1, max_prompt=8, max_tokens=14,
+                        rewards=False)
+  batch = make_batch(rollouts, B, L)
   tokens = batch.loss_mask_BxL > 0
   assert tokens.sum() > 40
   mu = batch.behavior_logprobs_BxL[tokens]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from sampling_util import run_groups
 
 from jaxrl.learner import LossConfig, init_train_state, make_train_step, token_logprobs
 from jaxrl.models import ModelConfig, forward
@@ -44,16 +45,7 @@ def sampler(model):
 
 
 def _rollouts(sampler, sp, seed):
-  rng = np.random.default_rng(seed)
-  for g in range(B // 2):
-    sampler.submit(rng.integers(2, CFG.vocab_size, rng.integers(2, 8)).tolist(), group_id=g, n=2, sampling=sp,
-                   max_tokens=14)
-  out = []
-  while sampler.num_active or sampler.num_waiting:
-    out += sampler.step()
-  for i, r in enumerate(out):
-    r.reward = float(i % 3)
-  return sorted(out, key=lambda r: (r.group_id, r.sample_index))
+  return run_groups(sampler, sp, groups=B // 2, vocab_size=CFG.vocab_size, seed=seed, max_prompt=8, max_tokens=14)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from sampling_util import run_groups
 
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import ConfigError, override, validate
@@ -86,16 +87,7 @@ def sampler(model):
 
 
 def _rollouts(sampler, sp, seed=0):
-  rng = np.random.default_rng(seed)
-  for g in range(B // 2):
-    sampler.submit(rng.integers(2, CFG.vocab_size, rng.integers(2, 6)).tolist(), group_id=g, n=2, sampling=sp,
-                   max_tokens=12)
-  out = []
-  while sampler.num_active or sampler.num_waiting:
-    out += sampler.step()
-  for i, r in enumerate(out):
-    r.reward = float(i % 3)
-  return sorted(out, key=lambda r: (r.group_id, r.sample_index))
+  return run_groups(sampler, sp, groups=B // 2, vocab_size=CFG.vocab_size, seed=seed, max_prompt=6, max_tokens=12)
 
 
 def test_a_publish_moves_the_adapters_alone_and_the_sampler_merges_them(model, sampler):
