@@ -301,6 +301,18 @@ def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
   return fit_calibration(m), details
 
 
+def run_shapes(c) -> tuple[int, float]:
+  """(prompt tokens of the run's first prompt, bytes of its model's params): what a calibration from a run's logs
+  needs besides them (from_run; mode="auto")."""
+  from jaxrl.controller import build as build_lib
+  from jaxrl.controller.data import make_prompt_source
+  from jaxrl.models import hf
+
+  model_cfg, tokenizer, _ = build_lib.model_source(c)
+  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
+  return len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0]), weight_bytes
+
+
 def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
   """Calibration from the run in workdir (made with config c on `devices` devices): its costs fitted from
   metrics.jsonl (jaxrl.sim.runlog), the simulator's step time and trained tokens per second for both modes of it on
@@ -309,10 +321,7 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
   Its own lengths: forced (sampler.forced_lengths) are redrawn from their seed; natural ones are read from its
   trace (log.trace=True logs every generated group's lengths) and replayed per sample, in group order, so the
   prediction carries the pipeline's length bias (it trains the short groups of a step first)."""
-  from jaxrl.controller import build as build_lib
-  from jaxrl.controller.data import make_prompt_source
   from jaxrl.metrics import read_jsonl
-  from jaxrl.models import hf
   from jaxrl.sampler.forced import LognormalLengths
   from jaxrl.sim import runlog
   from jaxrl.sim.lengths import Replay
@@ -324,14 +333,12 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
     raise ValueError(f"mesh.sampler_devices={sampler_devices} must be a device count below the run's {devices}")
   records = read_jsonl(f"{workdir}/metrics.jsonl")
   multi_process = json.loads(Path(workdir, "summary.json").read_text()).get("num_processes", 1) > 1
-  model_cfg, tokenizer, _ = build_lib.model_source(c)
-  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
+  prompt_len, weight_bytes = run_shapes(c)
   m, details = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                                    max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
                                    sampler_devices=sampler_devices, weight_bytes=weight_bytes,
                                    multi_process=multi_process)
   cal = fit_calibration(m)
-  prompt_len = len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0])
   gs = c.rl.group_size
   groups = (len(records) + 4 * c.rl.max_staleness + 8) * c.rl.groups_per_step  # more than the simulator draws
   if forced.median > 0:

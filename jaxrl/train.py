@@ -10,6 +10,7 @@ resumes from it (same step, version, data position and rng).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -111,24 +112,13 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
     return summary
   config_lib.validate(c, workdir, num_devices=len(jax.devices()))
   from jaxrl.controller import auto
-  from jaxrl.metrics import read_jsonl
 
   def run_segment(seg_c, first: bool, last: bool):
     return _train_fixed(seg_c, workdir, stop_signals, evaluate_before=first, evaluate_after=last)
 
-  def records(start: int, end: int) -> list[dict]:
-    return [r for r in read_jsonl(workdir / "metrics.jsonl") if start < r["step"] <= end]
-
-  def context() -> dict:
-    model_cfg, tokenizer, _ = build_lib.model_source(c)
-    from jaxrl.controller.data import make_prompt_source
-
-    params = hf.abstract_params(model_cfg)[1]
-    devices = len(jax.devices()) if c.mesh.num_devices == -1 else c.mesh.num_devices
-    return dict(devices=devices, prompt_len=len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0]),
-                weight_bytes=float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))))
-
-  summary = auto.supervise(c, workdir, run_segment, records, context)
+  devices = len(jax.devices()) if c.mesh.num_devices == -1 else c.mesh.num_devices
+  summary = auto.supervise(c, workdir, run_segment, functools.partial(auto.metrics_records, workdir),
+                           lambda: auto.run_context(c, devices))
   summary_lib.write_summary(workdir, summary)
   return summary
 

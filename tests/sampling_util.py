@@ -1,7 +1,18 @@
-"""Rollouts for the tests that compare the learner with the sampler: groups of two samples of random prompts, run
-through a Sampler to the end."""
+"""For the tests that compare the learner with the sampler: small random params, and groups of two samples of
+random prompts run through a Sampler to the end."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+def random_params(tree, seed: int, std: float):
+  """Every leaf of a params tree (arrays or ShapeDtypeStructs) drawn anew, norm scales near 1. Small weights keep
+  the logits small: the sampler's decode path and the learner's full forward then agree to float32 rounding."""
+  rng = np.random.default_rng(seed)
+  leaf = lambda path, x: jnp.asarray(("scale" in jax.tree_util.keystr(path)) + std * rng.standard_normal(x.shape),
+                                     x.dtype)
+  return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def run_groups(sampler, sampling, *, groups: int, vocab_size: int, seed: int, max_prompt: int, max_tokens: int,

@@ -6,10 +6,10 @@ counted and the other episodes go on; the envs' turns and chat-template renderin
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from envs_faulty import BAD_TOKENS, CRASH, GARBAGE, HANG, OK, RAISE, FaultyTask
+from sampling_util import random_params
 
 from jaxrl.envs import Episodes, make_task
 from jaxrl.envs.calculator import CalculatorEnv
@@ -29,12 +29,8 @@ L = 64
 
 
 def _params(seed, scale=0.08):
-  _, abstract = abstract_params(CFG)
-  rng = np.random.default_rng(seed)
   # Small weights: the decode path and the full forward agree to float32 rounding (see test_learner_onpolicy.py).
-  leaf = lambda path, x: jnp.asarray(("scale" in jax.tree_util.keystr(path)) + scale * rng.standard_normal(x.shape),
-                                     x.dtype)
-  return jax.tree_util.tree_map_with_path(leaf, abstract)
+  return random_params(abstract_params(CFG)[1], seed, scale)
 
 
 def _engine(**kw):

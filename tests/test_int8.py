@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from sampling_util import run_groups
+from sampling_util import random_params, run_groups
 
 from jaxrl import config as config_lib
 from jaxrl.controller.weights import WeightPublisher
@@ -65,12 +65,9 @@ def test_quantize_is_within_half_a_step_and_exact_on_representable_values():
 @pytest.fixture(scope="module")
 def model():
   graphdef, abstract = abstract_params(CFG)
-  rng = np.random.default_rng(0)
   # Weights of std 0.3: the quantization moves the logits by ~1e-3, far above the float32 rounding that separates
   # the decode path from the full forward (~1e-6 in log-prob).
-  leaf = lambda path, x: jnp.asarray(("scale" in jax.tree_util.keystr(path)) + 0.3 * rng.standard_normal(x.shape),
-                                     x.dtype)
-  return graphdef, jax.tree_util.tree_map_with_path(leaf, abstract)
+  return graphdef, random_params(abstract, 0, 0.3)
 
 
 @functools.cache

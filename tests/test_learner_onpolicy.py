@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from sampling_util import run_groups
+from sampling_util import random_params, run_groups
 
 from jaxrl.learner import LossConfig, init_train_state, make_train_step, token_logprobs
 from jaxrl.models import ModelConfig, forward
@@ -28,13 +28,10 @@ SETTINGS = [SamplingParams(temperature=t, top_k=k, top_p=p)
 @pytest.fixture(scope="module")
 def model():
   graphdef, abstract = abstract_params(CFG)
-  rng = np.random.default_rng(0)
   # Small weights keep the logits small: the sampler's decode path (KV cache, sharded heads) and the learner's
   # full forward then agree to float32 rounding well below 1e-6 in logprob (with weights of std 0.5 the two
   # forward passes alone differ by ~1e-5, whatever the sampling settings). Top-k / top-p still cut real mass.
-  leaf = lambda path, x: jnp.asarray(("scale" in jax.tree_util.keystr(path)) + 0.08 * rng.standard_normal(x.shape),
-                                     x.dtype)
-  return graphdef, jax.tree_util.tree_map_with_path(leaf, abstract)
+  return graphdef, random_params(abstract, 0, 0.08)
 
 
 @pytest.fixture(scope="module")

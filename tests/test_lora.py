@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from sampling_util import run_groups
+from sampling_util import random_params, run_groups
 
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import ConfigError, override, validate
@@ -31,10 +31,7 @@ B, L = 8, 24
 
 def _small(tree, seed, std):
   """Every leaf of a params tree drawn anew (norm scales near 1): small logits, nonzero B factors."""
-  rng = np.random.default_rng(seed)
-  leaf = lambda path, x: jnp.asarray(("scale" in jax.tree_util.keystr(path)) + std * rng.standard_normal(x.shape),
-                                     x.dtype)
-  return jax.tree_util.tree_map_with_path(leaf, tree)
+  return random_params(tree, seed, std)
 
 
 PLAIN = hf.abstract_params(CFG.replace(lora=None))[0]  # the graphdef of the same model without adapters

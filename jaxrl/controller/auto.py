@@ -116,6 +116,21 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
   return tokens, step_s
 
 
+def metrics_records(workdir: Path, start: int, end: int) -> list[dict]:
+  """The metrics.jsonl records of steps (start, end] of the run in workdir."""
+  from jaxrl.metrics import read_jsonl
+
+  return [r for r in read_jsonl(Path(workdir) / "metrics.jsonl") if start < r["step"] <= end]
+
+
+def run_context(c, devices: int, multi_process: bool = False) -> dict:
+  """What predict() needs besides a segment's logs: the run's devices, prompt length and model bytes."""
+  from jaxrl.cost_profile import run_shapes
+
+  prompt_len, weight_bytes = run_shapes(c)
+  return dict(devices=devices, prompt_len=prompt_len, weight_bytes=weight_bytes, multi_process=multi_process)
+
+
 class AutoLog:
   """workdir/auto.json: the segments decided so far (a resumed auto run continues from them)."""
 
@@ -141,7 +156,8 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
 
   run_segment(config, first, last) trains one segment (first: evaluate before; last: evaluate after) and returns
   (its summary, its trained completion lengths); segment_records(start, end) reads the metrics of steps
-  (start, end]; context() gives what a calibration needs (devices, prompt_len, weight_bytes)."""
+  (start, end]; context() gives what a calibration needs besides them (devices, prompt_len, weight_bytes; see
+  run_context), asked once."""
   log = AutoLog(workdir)
   warmup = c.auto.warmup_steps
   summary, predicted, step_pred, before = None, {}, {}, None
@@ -154,6 +170,7 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
   elif log.segments:
     predicted, step_pred = log.segments[-1].predicted, log.segments[-1].predicted_step_s
   sync_lengths = None  # the lengths a sync segment trained: every generated sample, no length bias
+  shapes = None  # context(), once
   while done < c.num_steps:
     first = not log.segments
     if first:
@@ -177,8 +194,9 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
     if len(records) >= warmup + 3:
       seg.measured_tokens_per_s, seg.measured_step_s = measure(records, batch, warmup)
       if end < c.num_steps:
+        shapes = shapes or context()
         predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup, measured_split=cand[2],
-                                       **context())
+                                       **shapes)
     else:
       seg.measured_tokens_per_s = 0.0  # nothing to measure: recorded as run, never preferred
     log.write()

@@ -226,29 +226,13 @@ def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int) -> int:
     if code != 0 and "stopped_by" not in summary:
       raise _SegmentFailed(code)
     start = max([0, *(s.end for s in auto.AutoLog(workdir).segments[:-1])])
-    events = [json.loads(line) for line in (workdir / "trace.jsonl").read_text().splitlines() if line.strip()]
-    lengths = [n for e in events if e.get("event") == "train" and e.get("applied") and start < e["version"]
-               for n in e.get("lengths", [])]
+    trained = [e for e in read_jsonl(workdir / "trace.jsonl") if e.get("event") == "train" and e.get("applied")]
+    lengths = [n for e in trained if start < e["version"] for n in e.get("lengths", [])]
     return summary, lengths
 
-  def records(start: int, end: int) -> list[dict]:
-    return [r for r in read_jsonl(workdir / "metrics.jsonl") if start < r["step"] <= end]
-
-  def context() -> dict:
-    import jax
-
-    from jaxrl.controller import build as build_lib
-    from jaxrl.controller.data import make_prompt_source
-    from jaxrl.models import hf
-
-    model_cfg, tokenizer, _ = build_lib.model_source(c)
-    params = hf.abstract_params(model_cfg)[1]
-    return dict(devices=devices, prompt_len=len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0]),
-                weight_bytes=float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))),
-                multi_process=True)
-
   try:
-    summary = auto.supervise(c, workdir, run_segment, records, context)
+    summary = auto.supervise(c, workdir, run_segment, functools.partial(auto.metrics_records, workdir),
+                             lambda: auto.run_context(c, devices, multi_process=True))
   except _SegmentFailed as e:
     print(f"jaxrl.launch: mode=auto: a segment failed ({e}); the same command resumes it", file=sys.stderr)
     return e.code
