@@ -10,9 +10,11 @@ Each run is its own program, as a user runs it (configs/bench_headline.py[:workl
   sync:     python -m jaxrl.train --config.mode=sync  (JAX_NUM_CPU_DEVICES=2: a learner and a sampler device of one
             process, whose XLA thread pool spans every core; sync never runs them at once)
   pipeline: python -m jaxrl.distributed.launch --num_processes=2 --devices_per_process=1 --cpu_affinity=split
-  auto:     python -m jaxrl.train --config.mode=auto  (with --auto; one process as sync, its segments choose sync or
-            the single-process pipeline; measured over the whole run after warm-up: its sync measuring segment and
-            the restarts between segments count)
+  auto:     python -m jaxrl.distributed.launch ... -- --config.mode=auto  (with --auto; bench.auto_steps steps: its
+            sync segments run colocated as the sync baseline does, its pipeline segments as the pipeline's two
+            processes). Two figures: after its measuring segment (the segments that follow it, each after its
+            own warm-up step: what a long run settles to, the issue's measure) and over the whole run after warm-up
+            (its sync measuring segment and the restarts between segments included)
 An untimed first round of each mode fills a persistent compilation cache, so that no timed run compiles mid-run
 (a new packed-row bucket or KV-recompute length); then `rounds` rounds alternate which mode goes first. From every
 run's metrics.jsonl: seconds per trained (completion) token and per step (least-squares slope of step log times)
@@ -44,10 +46,11 @@ AUTO = "auto"
 def command(mode: str, config: str, workdir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
   """(argv, extra environment) of one run of `mode`."""
   flags = [f"--config={config}", f"--workdir={workdir}", f"--config.num_steps={steps}"]
-  if mode in ("sync", AUTO):
+  if mode == "sync":
     return [sys.executable, "-m", "jaxrl.train", *flags, f"--config.mode={mode}"], {"JAX_NUM_CPU_DEVICES": "2"}
+  mode_flag = [f"--config.mode={AUTO}"] if mode == AUTO else []
   return [sys.executable, "-m", "jaxrl.distributed.launch", "--num_processes=2", "--devices_per_process=1",
-          "--cpu_affinity=split", "--timeout_s=900", "--", *flags], {}
+          "--cpu_affinity=split", "--timeout_s=1800", "--", *flags, *mode_flag], {}
 
 
 def run(mode: str, config: str, workdir: Path, steps: int, cache: Path) -> float:
@@ -79,12 +82,29 @@ def measure(c, mode: str, workdir: Path, warmup: int, devices: int = 2) -> dict[
              staleness_max=int(max(r["staleness_max"] for r in rs)),
              completion_len_mean=float(np.mean([r["completion_len"] for r in rs])),
              samples_dropped=int(records[-1]["samples_dropped"]))
+  if mode == AUTO:
+    out.update(after_measuring(c, workdir, records, batch))
   if c.sampler.forced_lengths.median > 0 and mode != AUTO:
     cfg = config_lib.override(c.copy_and_resolve_references(), mode=mode)
     pred = from_run(cfg, workdir, devices=devices, warmup=warmup)
     out.update(predicted_step_s=pred["predicted_step_s"], prediction_error=pred["error"],
                calibration=pred["calibration"].to_json(), calibration_details=pred["details"])
   return out
+
+
+def after_measuring(c, workdir: Path, records: list[dict], batch: int) -> dict[str, Any]:
+  """An auto run's seconds per trained token over the segments after its first (measuring) one, each from the end
+  of its warm-up step (c.auto.warmup_steps) to its last step: the restarts between segments left out."""
+  import json
+
+  segments = json.loads((workdir / "auto.json").read_text())
+  seconds = tokens = 0.0
+  for seg in segments[1:]:
+    rs = [r for r in records if seg["start"] + c.auto.warmup_steps <= r["step"] <= seg["end"]]
+    seconds += rs[-1]["time"] - rs[0]["time"]
+    tokens += sum(r["completion_len"] * batch for r in rs[1:])
+  return dict(s_per_token_after_measuring=seconds / tokens,
+              choices=[(seg["start"], seg["end"], seg["choice"]) for seg in segments])
 
 
 def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_auto: bool = False) -> dict[str, Any]:
@@ -94,21 +114,23 @@ def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_
   cache = scratch / "compilation_cache"
   out: dict[str, Any] = dict(workload=workload, config=config, rounds=[], load_before=os.getloadavg())
   modes = (*MODES, AUTO) if with_auto else MODES
+  steps = {m: c.num_steps for m in MODES} | {AUTO: c.bench.get("auto_steps", c.num_steps)}
   for mode in modes:  # fills the compilation cache (untimed)
-    out[f"{mode}_cache_fill_s"] = run(mode, config, scratch / f"fill-{mode}", c.num_steps, cache)
+    out[f"{mode}_cache_fill_s"] = run(mode, config, scratch / f"fill-{mode}", steps[mode], cache)
   for i in range(rounds):
     order = modes if i % 2 == 0 else modes[::-1]  # neither mode always runs first
     row: dict[str, Any] = dict(order=list(order))
     for mode in order:
       workdir = scratch / f"round{i}-{mode}"
-      wall = run(mode, config, workdir, c.num_steps, cache)
+      wall = run(mode, config, workdir, steps[mode], cache)
       row[mode] = dict(wall_s=wall, **measure(c, mode, workdir, warmup))
     row.update(speedup_per_token=row["sync"]["s_per_token"] / row["pipeline"]["s_per_token"],
                speedup_per_step=row["sync"]["step_s"] / row["pipeline"]["step_s"], load_average=os.getloadavg())
     if with_auto:  # auto's trained tokens/s over the better fixed mode's, and over sync's
       best = min(row["sync"]["s_per_token"], row["pipeline"]["s_per_token"])
-      row.update(auto_vs_best=best / row[AUTO]["s_per_token"],
-                 auto_vs_sync=row["sync"]["s_per_token"] / row[AUTO]["s_per_token"])
+      auto_s = row[AUTO]["s_per_token_after_measuring"]
+      row.update(auto_vs_best=best / auto_s, auto_vs_sync=row["sync"]["s_per_token"] / auto_s,
+                 auto_whole_run_vs_best=best / row[AUTO]["s_per_token"])
     out["rounds"].append(row)
     print(_round_line(i, row), flush=True)
   med = lambda f: float(np.median([f(r) for r in out["rounds"]]))
@@ -117,7 +139,7 @@ def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_
                        **{f"{m}_{k}": med(lambda r, m=m, k=k: r[m][k]) for m in modes
                           for k in ("s_per_token", "step_s", "sampler_idle", "learner_idle", "staleness_mean")})
   if with_auto:
-    out["median"].update(auto_vs_best=med(lambda r: r["auto_vs_best"]), auto_vs_sync=med(lambda r: r["auto_vs_sync"]))
+    out["median"].update({k: med(lambda r, k=k: r[k]) for k in ("auto_vs_best", "auto_vs_sync", "auto_whole_run_vs_best")})
   if "prediction_error" in out["rounds"][0]["sync"]:
     out["median"].update({f"{m}_prediction_error": med(lambda r, m=m: r[m]["prediction_error"]) for m in MODES})
   out.update(load_after=os.getloadavg(), host=platform.node(), cores=sorted(os.sched_getaffinity(0)),
@@ -143,7 +165,10 @@ def _round_line(i: int, row: dict) -> str:
     pred = f", sim {r['prediction_error']:+.0%}" if "prediction_error" in r else ""
     parts.append(f"{m} {r['s_per_token'] * 1e3:.2f} ms/token {r['step_s']:.3f} s/step idle smp "
                  f"{r['sampler_idle']:.2f} lrn {r['learner_idle']:.2f} stale {r['staleness_mean']:.2f}{pred}")
-  auto = f", auto {row['auto_vs_best']:.2f}x the better fixed mode" if "auto_vs_best" in row else ""
+  auto = ""
+  if "auto_vs_best" in row:
+    picks = ",".join(ch for _, _, ch in row[AUTO]["choices"])
+    auto = f", auto ({picks}) {row['auto_vs_best']:.2f}x the better fixed mode after measuring"
   return (f"round {i}: " + "; ".join(parts) + f" -> {row['speedup_per_token']:.2f}x per token, "
           f"{row['speedup_per_step']:.2f}x per step{auto} (load {row['load_average'][0]:.1f})")
 
@@ -155,8 +180,9 @@ def report(out: dict) -> str:
            f"median: pipeline vs colocated sync {md['speedup_per_token']:.2f}x per trained token, "
            f"{md['speedup_per_step']:.2f}x per step"]
   if "auto_vs_best" in md:
-    lines.append(f"  auto: {md['auto_vs_best']:.2f}x the better fixed mode, {md['auto_vs_sync']:.2f}x sync, "
-                 "per trained token")
+    lines.append(f"  auto after its measuring segment: {md['auto_vs_best']:.2f}x the better fixed mode, "
+                 f"{md['auto_vs_sync']:.2f}x sync, per trained token (whole run with its sync measuring segment and "
+                 f"restarts: {md['auto_whole_run_vs_best']:.2f}x the better fixed mode)")
   for m in [m for m in (*MODES, AUTO) if f"{m}_s_per_token" in md]:
     err = f"; simulator error {md[f'{m}_prediction_error']:+.1%}" if f"{m}_prediction_error" in md else ""
     lines.append(f"  {m}: {md[f'{m}_s_per_token'] * 1e3:.2f} ms per trained token, {md[f'{m}_step_s']:.3f} s per "
@@ -171,7 +197,8 @@ def main(argv=None):
   flags.DEFINE_string("workload", "", "configs/bench_headline.py argument: '' (forced long tail), 'test', 'smollm2'")
   flags.DEFINE_string("out", str(Path(__file__).parent / "results" / "headline.json"), "JSON results path")
   flags.DEFINE_integer("rounds", 0, "rounds of both modes (0: the config's bench.rounds)")
-  flags.DEFINE_bool("auto", False, "also run mode=auto each round (single process, as sync)")
+  flags.DEFINE_bool("auto", False, "also run mode=auto each round (through the launcher: sync segments colocated, "
+                    "pipeline segments as two processes)")
   flags.DEFINE_string("keep", "", "a folder for the runs' workdirs, kept afterwards (default: a temporary one)")
 
   def _main(argv):

@@ -232,7 +232,7 @@ def _validate_objective(c) -> None:
   from jaxrl.learner.optim import make_optimizer
   from jaxrl.rollout import SamplingParams
 
-  options = set(inspect.signature(make_optimizer).parameters) - {"decay_steps"}  # decay_steps follows num_steps
+  options = set(inspect.signature(make_optimizer).parameters)
   unknown = sorted(set(c.optimizer) - options)
   if unknown:
     raise ConfigError(f"config: optimizer.{unknown[0]} is not an option (options: {sorted(options)})")

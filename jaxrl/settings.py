@@ -210,6 +210,8 @@ SETTINGS = (
                          kl_coef=0.0, kl_estimator="k2", entropy_coef=0.0), "the RL objective: LossConfig's options"),
     Real("optimizer.learning_rate", 3e-3, positive, "> 0", "peak learning rate"),
     Int("optimizer.warmup_steps", 0, 0, "linear warmup, in learner steps"),
+    Int("optimizer.decay_steps", 0, 0, "learner steps of the cosine decay that follows the warmup (0: num_steps); "
+        'mode="auto" gives every segment the whole run\'s'),
     Real("optimizer.weight_decay", 0.0, lambda v: v >= 0, ">= 0", "AdamW weight decay"),
     Setting("optimizer.max_grad_norm", 1.0, "global gradient-norm clip (None: off); see make_optimizer"),
 

@@ -28,6 +28,27 @@ def test_candidates_and_segment_configs():
   assert (c.mode, c.num_steps) == ("auto", 12)  # the run's own config is untouched
 
 
+def test_every_segment_trains_on_the_whole_runs_learning_rate_schedule():
+  """A segment stops at its own end but its cosine decay runs over the whole run (a segment ending at step 5 of 20
+  would otherwise decay the learning rate to its floor by step 5), in-process and through the launcher's flags."""
+  from jaxrl.controller.build import run_optimizer
+  from jaxrl.distributed.launch import segment_flags
+
+  c = config_lib.override(tiny.get_config(), mode="auto", num_steps=20, optimizer__warmup_steps=2,
+                          rl__num_minibatches=2)
+  whole = run_optimizer(config_lib.override(c.copy_and_resolve_references(), mode="pipeline")).schedule
+  lr = lambda sched: [float(sched(i)) for i in range(2 * 20 + 1)]  # 2 updates a step
+  seg = auto.segment_config(c, auto.SYNC, end=5)
+  assert lr(run_optimizer(seg).schedule) == lr(whole)
+  unfixed = config_lib.override(seg.copy_and_resolve_references(), optimizer__decay_steps=0)  # the old schedule
+  assert lr(run_optimizer(unfixed).schedule)[14] < lr(whole)[14] / 10
+  flags = dict(f[len("--config."):].split("=", 1) for f in segment_flags(seg, first=True, last=False))
+  from_flags = config_lib.override(c.copy_and_resolve_references(), mode=flags["mode"],
+                                   num_steps=int(flags["num_steps"]),
+                                   optimizer__decay_steps=int(flags["optimizer.decay_steps"]))
+  assert from_flags.num_steps == 5 and lr(run_optimizer(from_flags).schedule) == lr(whole)
+
+
 class _FakeRun:
   """Segments that 'train' instantly; each candidate measures a fixed tokens/s; predictions are given."""
 

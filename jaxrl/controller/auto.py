@@ -64,13 +64,15 @@ class Segment:
 
 
 def segment_config(c, candidate: tuple[str, int, int | None], end: int):
-  """The fixed-mode config of a segment ending at step `end` (on the candidate's split, if it names one)."""
+  """The fixed-mode config of a segment ending at step `end` (on the candidate's split, if it names one); its
+  learning-rate schedule is the whole run's (it decays over c.num_steps, not to the segment's end)."""
   mode, k, split = candidate
   seg = copy.deepcopy(c)
   with seg.unlocked():
     seg.mode = mode
     seg.rl.max_staleness = k
     seg.num_steps = end
+    seg.optimizer.decay_steps = c.optimizer.decay_steps or c.num_steps
     if split is not None:
       seg.mesh.sampler_devices = split
   return seg

@@ -143,7 +143,8 @@ def run_optimizer(c):
   per_step = c.rl.num_minibatches * c.rl.num_epochs
   options = c.optimizer.to_dict()
   options["warmup_steps"] = options.get("warmup_steps", 0) * per_step
-  return make_optimizer(**options, decay_steps=c.num_steps * per_step)
+  decay = options.pop("decay_steps", 0) or c.num_steps
+  return make_optimizer(**options, decay_steps=decay * per_step)
 
 
 def _with_ref(c) -> bool:

@@ -103,18 +103,39 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
   start = time.monotonic()
   procs = []
   for i in range(num_processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_per_process),
-           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}", "JAXRL_NUM_PROCESSES": str(num_processes),
-           "JAXRL_PROCESS_ID": str(i), "JAXRL_TRANSFER_ADDRESS": f"127.0.0.1:{transfer[i]}",
-           "PYTHONUNBUFFERED": "1"}
-    cores = pinned[i] if pinned else None
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None)
-    where = f" on cores {_format(cores)}" if cores else ""
-    print(f"jaxrl.launch: process {i} pid {proc.pid}{where}", flush=True)
-    threading.Thread(target=_pump, args=(proc, f"p{i}", start), daemon=True).start()
-    procs.append(proc)
+    env = {"JAX_NUM_CPU_DEVICES": str(devices_per_process), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}",
+           "JAXRL_NUM_PROCESSES": str(num_processes), "JAXRL_PROCESS_ID": str(i),
+           "JAXRL_TRANSFER_ADDRESS": f"127.0.0.1:{transfer[i]}"}
+    procs.append(_start(f"p{i}", [module, *args], env, pinned[i] if pinned else None, start))
+  return _supervise(procs, start, grace_s, timeout_s)
+
+
+def launch_colocated(args: list[str], devices: int, *, grace_s: float = 30.0, timeout_s: float = 0.0) -> int:
+  """Runs a job's config as one process holding all `devices` and every core of this launcher (`python -m
+  jaxrl.train`, the single-host build): colocated sync, where sampling and training each use the whole machine.
+  `args` are the job's process arguments; only --config* and --workdir are passed on."""
+  own = [a for a in args if a.startswith(("--config", "--workdir"))]
+  start = time.monotonic()
+  proc = _start("p0", ["jaxrl.train", *own], {"JAX_NUM_CPU_DEVICES": str(devices)}, None, start)
+  return _supervise([proc], start, grace_s, timeout_s)
+
+
+def _start(name: str, module_args: list[str], env: dict[str, str], cores: set[int] | None,
+           start: float) -> subprocess.Popen:
+  """One process of the job (`python -m <module_args>`), its output prefixed by [name seconds]."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **env}
+  proc = subprocess.Popen([sys.executable, "-m", *module_args], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True,
+                          preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None)
+  where = f" on cores {_format(cores)}" if cores else ""
+  print(f"jaxrl.launch: process {name[1:]} pid {proc.pid}{where}", flush=True)
+  threading.Thread(target=_pump, args=(proc, name, start), daemon=True).start()
+  return proc
+
+
+def _supervise(procs: list[subprocess.Popen], start: float, grace_s: float, timeout_s: float) -> int:
+  """Waits for every process, passing a SIGTERM on to each; after a failure (or past timeout_s) the others get
+  grace_s to stop, then are killed. Returns 0, or the first failure's status (128 + signal if killed)."""
 
   def forward(signum, frame):
     print(f"jaxrl.launch: {signal.Signals(signum).name}: passing it on to every process", flush=True)
@@ -156,7 +177,8 @@ def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
   if failed is None:
     failed = next((i for i, c in enumerate(codes) if c != 0), None)
   if failed is None:
-    print(f"jaxrl.launch: all {num_processes} processes finished", flush=True)
+    print(f"jaxrl.launch: all {len(procs)} processes finished" if len(procs) > 1 else "jaxrl.launch: the process "
+          "finished", flush=True)
     return 0
   print("jaxrl.launch: " + ", ".join(f"process {i}: {_describe(c)}" for i, c in enumerate(codes)), flush=True)
   code = codes[failed] if failed >= 0 else 124
@@ -183,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--timeout_s", type=float, default=0.0, help="kill the job after this long (0: never)")
   parser.add_argument("--cpu_affinity", default="",
                       help='pin processes to cores: "split" (equal shares in process order) or "0-3;4-7" (per process)')
+  parser.add_argument("--auto_sync", choices=("colocated", "processes"), default="colocated",
+                      help='mode=auto: a sync segment runs as one process with every device and core of the job '
+                      '("colocated": each phase on the whole machine, the synchronous baseline) or as the job\'s '
+                      'processes taking turns ("processes")')
   opts = parser.parse_args(argv[:split])
   job = argv[split + 1 :]
   run_job = functools.partial(launch, opts.num_processes, devices_per_process=opts.devices_per_process,
@@ -191,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
   if cli.has_config(job) or "--config_help" in argv:  # a bad config: one line, exit 2, no process
     c, workdir = cli.preflight("jaxrl.launch", job, [opts.devices_per_process] * opts.num_processes)
     if c.mode == "auto":
-      return launch_auto(c, Path(workdir), job, run_job, opts.num_processes * opts.devices_per_process)
+      devices = opts.num_processes * opts.devices_per_process
+      colocated = (functools.partial(launch_colocated, devices=devices, grace_s=opts.grace_s,
+                                     timeout_s=opts.timeout_s) if opts.auto_sync == "colocated" else None)
+      return launch_auto(c, Path(workdir), job, run_job, devices, colocated)
   try:  # bad options raise before any process starts
     return run_job(job)
   except ValueError as e:
@@ -205,23 +234,35 @@ class _SegmentFailed(Exception):
     self.code = code
 
 
-def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int) -> int:
+def segment_flags(seg_c, first: bool, last: bool) -> list[str]:
+  """The command-line flags that make the job's config into an auto segment's (jaxrl.controller.auto.segment_config),
+  with the trace on; held-out evaluations before the first segment and after the last only."""
+  flags = [f"--config.mode={seg_c.mode}", f"--config.rl.max_staleness={seg_c.rl.max_staleness}",
+           f"--config.num_steps={seg_c.num_steps}", f"--config.optimizer.decay_steps={seg_c.optimizer.decay_steps}",
+           "--config.log.trace=True", f"--config.mesh.sampler_devices={seg_c.mesh.sampler_devices}"]
+  if not (first or last):
+    flags.append("--config.eval.num_examples=0")
+  return flags
+
+
+def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int, run_colocated=None) -> int:
   """mode="auto" over processes: the job is launched once per segment (jaxrl.controller.auto), in the mode and
-  staleness bound chosen for it, each launch resuming the last one's checkpoint; the trace is on (the segments'
-  trained lengths calibrate the model). Writes the whole run's summary.json; returns the failed launch's status."""
+  staleness bound chosen for it, each launch resuming the last one's checkpoint (the checkpoint and the run record
+  are the same in every topology); the trace is on (the segments' trained lengths calibrate the model). A sync
+  segment runs through `run_colocated` where given (one process with every device: the colocated baseline, whose
+  phases each get every core), else as the job's processes. Writes the whole run's summary.json; returns the failed
+  launch's status."""
   from jaxrl.controller import auto
   from jaxrl.controller import summary as summary_lib
   from jaxrl.metrics import read_jsonl
 
   def run_segment(seg_c, first: bool, last: bool):
-    flags = [f"--config.mode={seg_c.mode}", f"--config.rl.max_staleness={seg_c.rl.max_staleness}",
-             f"--config.num_steps={seg_c.num_steps}", "--config.log.trace=True",
-             f"--config.mesh.sampler_devices={seg_c.mesh.sampler_devices}"]
-    if not (first or last):  # held-out evaluations: before the first segment and after the last only
-      flags.append("--config.eval.num_examples=0")
+    flags = segment_flags(seg_c, first, last)
+    colocated = seg_c.mode == "sync" and run_colocated is not None
+    where = f"one process of {devices} devices (colocated)" if colocated else "the job's processes"
     print(f"jaxrl.launch: mode=auto: steps to {seg_c.num_steps} as {seg_c.mode}, k={seg_c.rl.max_staleness}, "
-          f"{seg_c.mesh.sampler_devices} sampler device(s)", flush=True)
-    code = run_job([*job, *flags])
+          f"{seg_c.mesh.sampler_devices} sampler device(s), on {where}", flush=True)
+    code = (run_colocated if colocated else run_job)([*job, *flags])
     summary = json.loads((workdir / "summary.json").read_text()) if (workdir / "summary.json").exists() else {}
     if code != 0 and "stopped_by" not in summary:
       raise _SegmentFailed(code)

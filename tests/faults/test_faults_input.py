@@ -88,7 +88,7 @@ CROSS = {  # invalid combinations of valid values -> a phrase of the error
     (("sampler.max_len", 40), ("rl.seq_len", 32)): "exceeds rl.seq_len",
     (("rl.group_size", 3), ("rl.groups_per_step", 1)): "not divisible by the 4 learner devices",
     (("task.name", "arithmetic"),): "has text prompts and the 'tiny' model has no tokenizer",
-    (("optimizer.decay_steps", 10),): "optimizer.decay_steps is not an option",
+    (("optimizer.b3", 0.9),): "optimizer.b3 is not an option",
     (("loss.no_such_option", 1),): "loss.no_such_option is not a LossConfig option",
 }
 

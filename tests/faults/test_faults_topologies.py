@@ -177,7 +177,8 @@ def test_auto_staleness_moves_the_admission_bound_and_the_samplers_keep_it(topol
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_mode_auto_switches_between_segments_without_losing_or_repeating_a_sample(topology, tmp_path):
   """mode="auto": a sync segment of 5 steps measures, the simulator predicts, the next segment (4 steps) runs the
-  choice (jaxrl-train's segments in one process; the launcher's, one launch each). Every group is trained exactly
+  choice (jaxrl-train's segments in one process; the launcher's, one launch each: a sync segment as one colocated
+  process, a pipeline segment as the job's processes, each resuming the other's checkpoint). Every group is trained exactly
   once across the switch (the trace's history), every step is logged once, and the decision is in summary.json."""
   from jaxrl.controller import auto
 
@@ -194,3 +195,24 @@ def test_mode_auto_switches_between_segments_without_losing_or_repeating_a_sampl
   led = summary["ledger"]
   assert summary["steps"] == 9 and led["samples_trained"] == 9 * 4 * GROUP_SIZE  # 4 groups a step
   assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, 10))
+  if topology != "single":  # the launcher runs a sync segment colocated: one process holding both devices
+    announced = re.findall(r"mode=auto: steps to (\d+) as (\w+), .* on (one process|the job's processes)",
+                           log.read_text())
+    assert [(int(e), m, w) for e, m, w in announced] == [
+        (s["end"], "sync" if s["choice"] == "sync" else "pipeline",
+         "one process" if s["choice"] == "sync" else "the job's processes") for s in segments]
+
+
+@pytest.mark.slow
+def test_a_run_moves_between_topologies_at_its_checkpoints(tmp_path):
+  """What mode=auto's launcher does: single-host sync to step 2, the 1 learner + 1 sampler process pipeline to step
+  4, single-host sync again to step 6, each resuming the last one's checkpoint. Every group is trained exactly once
+  (the trace's history), every step is logged once, and the ledger counts every sample."""
+  workdir, log = tmp_path / "run", tmp_path / "job.log"
+  for topology, mode, end in (("single", "sync", 2), ("mp1+1", "pipeline", 4), ("single", "sync", NUM_STEPS)):
+    args = command(topology, workdir, mode=mode, num_steps=end, optimizer__decay_steps=NUM_STEPS)
+    assert start_job(args, log).wait(timeout=300) == 0, log.read_text()[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=GROUP_SIZE)
+  assert summary["steps"] == NUM_STEPS and summary["ledger"]["samples_trained"] == NUM_STEPS * 4 * GROUP_SIZE
+  assert [r["step"] for r in read_jsonl(workdir / "metrics.jsonl")] == list(range(1, NUM_STEPS + 1))
