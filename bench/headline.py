@@ -139,7 +139,8 @@ def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_
                        **{f"{m}_{k}": med(lambda r, m=m, k=k: r[m][k]) for m in modes
                           for k in ("s_per_token", "step_s", "sampler_idle", "learner_idle", "staleness_mean")})
   if with_auto:
-    out["median"].update({k: med(lambda r, k=k: r[k]) for k in ("auto_vs_best", "auto_vs_sync", "auto_whole_run_vs_best")})
+    keys = ("auto_vs_best", "auto_vs_sync", "auto_whole_run_vs_best")
+    out["median"].update({k: med(lambda r, k=k: r[k]) for k in keys})
   if "prediction_error" in out["rounds"][0]["sync"]:
     out["median"].update({f"{m}_prediction_error": med(lambda r, m=m: r[m]["prediction_error"]) for m in MODES})
   out.update(load_after=os.getloadavg(), host=platform.node(), cores=sorted(os.sched_getaffinity(0)),

@@ -178,8 +178,8 @@ def test_auto_staleness_moves_the_admission_bound_and_the_samplers_keep_it(topol
 def test_mode_auto_switches_between_segments_without_losing_or_repeating_a_sample(topology, tmp_path):
   """mode="auto": a sync segment of 5 steps measures, the simulator predicts, the next segment (4 steps) runs the
   choice (jaxrl-train's segments in one process; the launcher's, one launch each: a sync segment as one colocated
-  process, a pipeline segment as the job's processes, each resuming the other's checkpoint). Every group is trained exactly
-  once across the switch (the trace's history), every step is logged once, and the decision is in summary.json."""
+  process, a pipeline segment as the job's processes, each resuming the other's checkpoint). Every group is trained
+  exactly once across the switch (the trace's history), every step is logged once, the decision is in summary.json."""
   from jaxrl.controller import auto
 
   workdir, log = tmp_path / "run", tmp_path / "job.log"
