@@ -4,6 +4,11 @@ cores) and the pipeline (a learner process and a sampler process on a core each)
 config and seed, held-out evaluation off; seconds per trained token and per step after the warm-up steps.
 
   PYTHONPATH=. .venv/bin/python -m bench.reasoning_headline --steps=10 --warmup=2
+  PYTHONPATH=. .venv/bin/python -m bench.reasoning_headline --variant=long --steps=6 --auto --auto_steps=12 \
+      --out=bench/results/reasoning_headline_long.json      # 256 tokens to think; mode=auto beside the fixed modes
+
+--auto also runs mode=auto through the launcher (bench/headline.py: sync segments colocated, pipeline segments as
+two processes), with measuring and re-check segments of 4 steps; it is reported after its measuring segment.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from pathlib import Path
 from absl import app, flags
 
 from bench.common import write_json
-from bench.headline import MODES, ROOT, command, measure
+from bench.headline import AUTO, MODES, ROOT, command, measure
 
 _STEPS = flags.DEFINE_integer("steps", 10, "learner steps per run")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "steps left out of the measurement")
 _OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "reasoning_headline.json"), "JSON results path")
 _DIR = flags.DEFINE_string("dir", "/tmp/jaxrl-reasoning-headline", "the runs' workdirs")
+_VARIANT = flags.DEFINE_string("variant", "", "configs/reasoning.py's argument besides the mode: '' or 'long'")
+_AUTO = flags.DEFINE_bool("auto", False, "also run mode=auto (through the launcher)")
+_AUTO_STEPS = flags.DEFINE_integer("auto_steps", 12, "mode=auto's steps (a 4-step sync segment, then 4-step ones)")
 
 
 def main(argv):
@@ -31,13 +39,22 @@ def main(argv):
   spec = importlib.util.spec_from_file_location("reasoning_config", ROOT / "configs" / "reasoning.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config()
-  out = dict(config="configs/reasoning.py", steps=_STEPS.value, warmup=_WARMUP.value, load_before=os.getloadavg())
-  for mode in MODES:
+  c = module.get_config(",".join(w for w in ("auto" if _AUTO.value else "", _VARIANT.value) if w))
+  config = f"{ROOT / 'configs' / 'reasoning.py'}:{_VARIANT.value}" if _VARIANT.value else str(ROOT / "configs" /
+                                                                                               "reasoning.py")
+  out = dict(config=config, steps=_STEPS.value, warmup=_WARMUP.value, load_before=os.getloadavg())
+  cache = Path(_DIR.value) / "compilation_cache"  # the auto run's segments reuse what the fixed runs compiled
+  cache_env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  for mode in (*MODES, AUTO) if _AUTO.value else MODES:
     workdir = Path(_DIR.value) / mode
-    argv, env = command(mode, str(ROOT / "configs" / "reasoning.py"), workdir, _STEPS.value)
+    steps = _AUTO_STEPS.value if mode == AUTO else _STEPS.value
+    argv, env = command(mode, config, workdir, steps)
+    extra = ["--config.eval.num_examples=0"]
+    if mode == AUTO:
+      extra += ["--config.auto.measure_steps=4", "--config.auto.recheck_steps=4"]
     t0 = time.perf_counter()
-    proc = subprocess.run([*argv, "--config.eval.num_examples=0"], env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+    proc = subprocess.run([*argv, *extra], env={**os.environ, **env, **cache_env, "PYTHONPATH": str(ROOT)},
                           cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
       raise RuntimeError(f"{mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -49,6 +66,14 @@ def main(argv):
   out["load_after"] = os.getloadavg()
   print(f"pipeline vs colocated sync: {out['speedup_per_token']:.2f}x per trained token, "
         f"{out['speedup_per_step']:.2f}x per step")
+  if _AUTO.value:
+    auto_s = out[AUTO]["s_per_token_after_measuring"]
+    best = min(out["sync"]["s_per_token"], out["pipeline"]["s_per_token"])
+    out.update(auto_vs_best=best / auto_s, auto_vs_sync=out["sync"]["s_per_token"] / auto_s,
+               auto_whole_run_vs_best=best / out[AUTO]["s_per_token"])
+    print(f"auto ({','.join(ch for _, _, ch in out[AUTO]['choices'])}) after its measuring segment: "
+          f"{out['auto_vs_best']:.2f}x the better fixed mode, {out['auto_vs_sync']:.2f}x sync per trained token "
+          f"(whole run: {out['auto_whole_run_vs_best']:.2f}x)")
   write_json(_OUT.value, out)
 
 

@@ -3,6 +3,9 @@
   pip install 'jaxrl[reasoning]'
   jaxrl-train --config=configs/reasoning.py --workdir=runs/reasoning
   jaxrl-train --config=configs/reasoning.py:sync --workdir=runs/reasoning-sync    # the synchronous baseline
+  jaxrl-train --config=configs/reasoning.py:long --workdir=runs/reasoning-long    # 256 tokens to think (long tail)
+
+The argument: a mode ("pipeline", the default, "sync" or "auto") and/or "long", comma-separated ("sync,long").
 
 The model thinks step by step and ends with a line 'Answer: <number>'; the reward is reasoning-gym's own
 score_answer, run in a sandboxed worker (jaxrl/envs/reasoning_gym_reward.py). Greedy held-out accuracy is measured
@@ -17,8 +20,12 @@ from jaxrl import config as config_lib
 
 
 def get_config(arg: str | None = None):
+  words = [w for w in (arg or "").split(",") if w]
+  unknown = [w for w in words if w not in ("pipeline", "sync", "auto", "long")]
+  if unknown:
+    raise ValueError(f"configs/reasoning.py: unknown argument {unknown[0]!r}; use a mode and/or 'long'")
   c = config_lib.base()
-  c.mode = arg or "pipeline"
+  c.mode = next((w for w in words if w != "long"), "pipeline")
   c.num_steps = 20
   c.model.source = "smollm2"
   c.task.name = "reasoning_gym"
@@ -55,4 +62,8 @@ def get_config(arg: str | None = None):
   c.checkpoint.every_steps = 10
   c.eval.num_examples = 128
   c.eval.max_new_tokens = 96
+  if "long" in words:  # room for a long chain of thought: most answers stay short, a tail runs to the budget
+    c.sampler.max_new_tokens = 256
+    c.sampler.max_len = c.rl.seq_len = 320
+    c.eval.max_new_tokens = 256
   return c

@@ -31,6 +31,18 @@ def test_config_validates_and_documents_its_launch_command(name, tmp_path):
     assert c.mode == (arg or "pipeline")
 
 
+def test_the_long_reasoning_variant_gives_256_tokens_to_think_in_every_mode(tmp_path):
+  module = _load("reasoning")
+  base = module.get_config("sync")
+  for arg, mode in (("long", "pipeline"), ("sync,long", "sync"), ("long,auto", "auto")):
+    c = module.get_config(arg)
+    config_lib.validate(c, tmp_path, num_devices=8)
+    assert c.mode == mode and c.sampler.max_new_tokens == c.eval.max_new_tokens == 256
+    assert c.sampler.max_len == c.rl.seq_len == 320 and c.task.kwargs.to_dict() == base.task.kwargs.to_dict()
+  with pytest.raises(ValueError, match="unknown argument 'longer'"):
+    module.get_config("sync,longer")
+
+
 def test_every_base_field_is_commented():
   source = (REPO / "jaxrl" / "config.py").read_text()
   body = source[source.index("def base()") : source.index("def validate(")]
