@@ -65,7 +65,14 @@ class Setting:
 
 
 class Frozen(dict):
-  """A read-only dict: the value of a dict-valued setting (model sizes, mesh axes, task options) in a RunConfig."""
+  """A read-only dict: the value of a dict-valued setting (model sizes, mesh axes, task options) in a RunConfig.
+  Its keys read as attributes too, as the config's did (`cfg.rl.auto_staleness.k_max`)."""
+
+  def __getattr__(self, name):
+    try:
+      return self[name]
+    except KeyError:
+      raise AttributeError(f"no {name!r} in {sorted(self)}") from None
 
   def _read_only(self, *args, **kwargs):
     raise TypeError("a RunConfig is read-only: make a changed copy with config.replace")
@@ -75,10 +82,14 @@ class Frozen(dict):
   def __reduce__(self):  # pickle and deepcopy rebuild it whole (item by item would be a write)
     return Frozen, (dict(self),)
 
+  def to_dict(self) -> dict:
+    """A plain, writable copy (nested Frozen dicts made dicts too), e.g. keyword arguments to fill in."""
+    return {k: v.to_dict() if isinstance(v, Frozen) else v for k, v in self.items()}
+
 
 def freeze(value):
   """value with every dict (or ConfigDict) in it made a Frozen and every list a tuple."""
-  if hasattr(value, "to_dict"):  # an ml_collections.ConfigDict
+  if hasattr(value, "to_dict"):  # an ml_collections.ConfigDict (or a Frozen)
     value = value.to_dict()
   if isinstance(value, dict):
     return Frozen({k: freeze(v) for k, v in value.items()})

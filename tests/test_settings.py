@@ -128,3 +128,24 @@ def test_replace_changes_dotted_fields_of_a_copy_and_names_an_unknown_one():
     config_lib.replace(cfg, rl__staleness=0)
   with pytest.raises(config_lib.ConfigError, match=re.escape("rl.group_size must be an int >= 1 (got 0)")):
     config_lib.validate(config_lib.replace(cfg, rl__group_size=0))
+
+
+def test_a_dict_valued_setting_is_read_only_and_reads_by_key_or_attribute():
+  import copy
+  import pickle
+
+  from jaxrl.settings import Frozen
+
+  cfg = config_lib.validate(config_lib.base())
+  tiny = cfg.model.tiny
+  assert isinstance(tiny, Frozen) and tiny["num_layers"] == tiny.num_layers == 2
+  assert cfg.rl.auto_staleness.k_max == 4
+  for write in (lambda: tiny.update(num_layers=3), lambda: tiny.pop("num_layers"), lambda: tiny.clear()):
+    with pytest.raises(TypeError, match="read-only"):
+      write()
+  plain = tiny.to_dict()
+  plain["num_layers"] = 3  # a writable copy; the config keeps its own
+  assert type(plain) is dict and tiny.num_layers == 2
+  assert copy.deepcopy(tiny) == tiny and type(pickle.loads(pickle.dumps(tiny))) is Frozen
+  with pytest.raises(AttributeError, match="no 'depth'"):
+    tiny.depth  # noqa: B018
