@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ml_collections
 
+from jaxrl import settings
 from jaxrl.settings import SETTINGS, RunConfig, from_tree, help_text, is_int, is_real
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
@@ -191,7 +192,7 @@ def as_dict(cfg: RunConfig) -> dict:
   return plain(cfg)
 
 
-def validate_data_files(c: ml_collections.ConfigDict) -> None:
+def validate_data_files(c: RunConfig) -> None:
   """Raises ConfigError naming the key if a local data file of task.name="dataset" is missing or of an unknown kind.
   Checked by jaxrl-train and by a job's launcher, once for the processes it starts on its filesystem, before any
   of them starts (each would report it); not by the job's processes themselves (a multi-host job's learner hosts
@@ -208,7 +209,7 @@ def validate_data_files(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config: {e}") from None
 
 
-def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int]) -> None:
+def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
   """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
   order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices
   counts whole processes from the end; mesh.sampler_axes and sampler.max_slots are per replica)."""
@@ -244,7 +245,8 @@ def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int
 
 
 def auto_staleness(c):
-  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int."""
+  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int. c: a
+  RunConfig, or the config validate is checking."""
   from jaxrl.controller.adaptive import AutoStaleness
 
   if c.rl.max_staleness != "auto":
@@ -255,9 +257,8 @@ def auto_staleness(c):
     raise ConfigError(f"config: rl.auto_staleness: {e}") from None
 
 
-def engine_kwargs(c: ml_collections.ConfigDict) -> dict:
-  """Keyword arguments of the sampler's Engine from a (validated) config."""
-  s = c.sampler
+def engine_kwargs(s: settings.Sampler) -> dict:
+  """Keyword arguments of the sampler's Engine from a run's sampler settings (RunConfig.sampler)."""
   return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype,
               weight_dtype=s.weight_dtype, kv=s.kv, page_size=s.page_size, num_pages=s.num_pages or None,
               attention=s.attention)

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from jaxrl import config as config_lib
 from jaxrl.distributed import cli
 
 
@@ -205,7 +206,7 @@ class _SegmentFailed(Exception):
     self.code = code
 
 
-def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int) -> int:
+def launch_auto(c: config_lib.RunConfig, workdir: Path, job: list[str], run_job, devices: int) -> int:
   """mode="auto" over processes: the job is launched once per segment (jaxrl.controller.auto), in the mode and
   staleness bound chosen for it, each launch resuming the last one's checkpoint; the trace is on (the segments'
   trained lengths calibrate the model). Writes the whole run's summary.json; returns the failed launch's status."""
