@@ -138,12 +138,6 @@ def validate(c: ml_collections.ConfigDict | RunConfig, workdir: str | os.PathLik
   splits = get("auto.splits")
   need(isinstance(splits, (tuple, list)) and all(is_int(x) and x >= 1 for x in splits),
        f"auto.splits must be a tuple of sampler device counts >= 1 (got {splits!r})")
-  for split in splits if c.mode == "auto" else ():  # each split as its segments will run it
-    try:
-      validate(override(c.copy_and_resolve_references(), mode="pipeline", mesh__sampler_devices=split,
-                        auto__splits=()), num_devices=num_devices)
-    except ConfigError as e:
-      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
   s = c.sampler
   need(s.kv != "paged" or s.max_len % s.page_size == 0,
        f"sampler.max_len={s.max_len} must be a multiple of sampler.page_size={s.page_size} (sampler.kv='paged')")
@@ -156,9 +150,15 @@ def validate(c: ml_collections.ConfigDict | RunConfig, workdir: str | os.PathLik
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % c.rl.num_minibatches == 0,
        f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
+  cfg = dataclasses.replace(from_tree(c), loss=loss)
+  for split in cfg.auto.splits if cfg.mode == "auto" else ():  # each split as its segments will run it
+    try:
+      validate(replace(cfg, mode="pipeline", mesh__sampler_devices=split, auto__splits=()), num_devices=num_devices)
+    except ConfigError as e:
+      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
   if workdir is not None:
     _check_writable(Path(workdir))
-  return dataclasses.replace(from_tree(c), loss=loss)
+  return cfg
 
 
 def replace(cfg: RunConfig, **fields) -> RunConfig:

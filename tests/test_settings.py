@@ -149,3 +149,11 @@ def test_a_dict_valued_setting_is_read_only_and_reads_by_key_or_attribute():
   assert copy.deepcopy(tiny) == tiny and type(pickle.loads(pickle.dumps(tiny))) is Frozen
   with pytest.raises(AttributeError, match="no 'depth'"):
     tiny.depth  # noqa: B018
+
+
+def test_a_fraction_of_sampler_devices_survives_the_round_trip_of_a_run_config():
+  cfg = config_lib.replace(config_lib.validate(config_lib.base()), mode="auto", mesh__sampler_devices=0.5,
+                           auto__splits=(4,))
+  assert config_lib.validate(cfg, num_devices=8).mesh.sampler_devices == 0.5  # split 4 checked as an int count
+  with pytest.raises(config_lib.ConfigError, match="auto.splits has 8: .*leaves no learner device"):
+    config_lib.validate(config_lib.replace(cfg, auto__splits=(8,)), num_devices=8)
