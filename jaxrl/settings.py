@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from jaxrl.learner.config import LossConfig
 
 MODES = ("pipeline", "sync", "auto")
 DTYPES = ("float32", "bfloat16")
@@ -356,7 +359,7 @@ class RunConfig:
   task: Task = Section(Task)
   sampler: Sampler = Section(Sampler)
   rl: RL = Section(RL)
-  loss: Any = Other(LOSS, "the RL objective: LossConfig's options", factory=_default_loss)  # a LossConfig
+  loss: LossConfig = Other(LOSS, "the RL objective: LossConfig's options", factory=_default_loss)  # validated
   optimizer: Optimizer = Section(Optimizer)
   checkpoint: Checkpoint = Section(Checkpoint)
   eval: Eval = Section(Eval)

@@ -73,7 +73,7 @@ def _fields(section, prefix=""):
 
   out = []
   for f in dataclasses.fields(section):
-    if dataclasses.is_dataclass(f.type) or "section" in f.metadata:
+    if "section" in f.metadata:
       out += _fields(f.metadata["section"], f"{prefix}{f.name}.")
     else:
       out.append(prefix + f.name)
