@@ -157,3 +157,10 @@ def test_a_fraction_of_sampler_devices_survives_the_round_trip_of_a_run_config()
   assert config_lib.validate(cfg, num_devices=8).mesh.sampler_devices == 0.5  # split 4 checked as an int count
   with pytest.raises(config_lib.ConfigError, match="auto.splits has 8: .*leaves no learner device"):
     config_lib.validate(config_lib.replace(cfg, auto__splits=(8,)), num_devices=8)
+
+
+def test_keys_a_config_file_adds_for_its_own_script_are_left_to_it():
+  c = config_lib.base()
+  c.bench = ml_collections.ConfigDict(dict(rounds=2))  # read by bench/ from the config file's ConfigDict
+  cfg = config_lib.validate(c)
+  assert not hasattr(cfg, "bench") and "bench" not in config_lib.as_dict(cfg) and c.bench.rounds == 2
