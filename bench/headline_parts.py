@@ -38,6 +38,7 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def learner_rows(c, repeats: int) -> list[dict]:
+  """c: the validated RunConfig."""
   from jaxrl import config as config_lib
   from jaxrl import sharding
   from jaxrl.controller import build as build_lib
@@ -47,7 +48,7 @@ def learner_rows(c, repeats: int) -> list[dict]:
   path = build_lib.model_source(c)[2]
   out, steps = [], {}
   for name, rows, unroll in (("whole", 0, 1), ("chunk_6", 6, 1), ("chunk_6_unrolled", 6, c.model.tiny.num_layers)):
-    cc = config_lib.override(c.copy_and_resolve_references(), rl__microbatch_rows=rows, model__scan_unroll=unroll)
+    cc = config_lib.replace(c, rl__microbatch_rows=rows, model__scan_unroll=unroll)
     spec = build_lib.run_spec(cc, build_lib.rows_unit(mesh))
     learner = build_lib.build_learner(cc, mesh, build_lib.model_source(cc)[0], path, spec)
     steps[name] = (learner, spec)
@@ -75,6 +76,7 @@ def learner_rows(c, repeats: int) -> list[dict]:
 
 
 def admissions(c, repeats: int, group: int = 4) -> dict:
+  """c: the validated RunConfig."""
   from jaxrl import sharding
   from jaxrl.controller import build as build_lib
   from jaxrl.rollout import SamplingParams
@@ -132,7 +134,9 @@ def main(argv=None):
     spec = importlib.util.spec_from_file_location("bench_headline_config", ROOT / "configs" / "bench_headline.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = module.get_config("")
+    from jaxrl import config as config_lib
+
+    c = config_lib.validate(module.get_config(""))  # the typed RunConfig (its bench keys are not read here)
     out = dict(core=core, host=platform.node(), load_before=os.getloadavg(), learner=learner_rows(c, fl.repeats),
                admissions=admissions(c, fl.repeats * 10))
     out["load_after"] = os.getloadavg()

@@ -15,6 +15,7 @@ is in docs/BENCHMARKS.md). Writes bench/results/memory.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -23,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from configs.default import get_config
+from jaxrl import config as config_lib
 from jaxrl import integrity, sharding
 from jaxrl.controller import build as build_lib
 from jaxrl.learner import make_train_step
-from jaxrl.learner.config import LossConfig
 from jaxrl.models import hf
 from jaxrl.rollout import Batch
 
@@ -38,6 +39,7 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
   make_optimizer's AdamW, whose update XLA runs in place)."""
   c = get_config()
   c.model.remat, c.rl.logprob_chunk = remat, logprob_chunk
+  c = config_lib.validate(c)
   cfg = build_lib.model_source(c)[0]
   meshes = sharding.split_mesh(1, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(), jax.devices()[:2])
   spec = build_lib.run_spec(c)
@@ -46,7 +48,7 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   rows = sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES)
   optimizer = build_lib.run_optimizer(c)
-  loss = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
+  loss = dataclasses.replace(c.loss, sampling=spec.sampling)
   step = make_train_step(graphdef, optimizer if fused else optimizer.chain, loss,
                          batch_size=spec.batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
                          state_shardings=state_sh, batch_sharding=rows, logprob_chunk=logprob_chunk, atomic=atomic)
@@ -70,7 +72,7 @@ def _whole_array(x):
 
 
 def checksum_memory(rounds: int) -> dict:
-  c = get_config()
+  c = config_lib.validate(get_config())
   cfg = build_lib.model_source(c)[0]
   params = jax.tree.leaves(hf.abstract_params(cfg)[1])
   state = params * 3  # params and two Adam moments

@@ -1,5 +1,5 @@
-"""The run configuration: `base()` (every setting of jaxrl.settings at its default) and the checks made before any
-work starts.
+"""The run configuration: `base()` (every setting of jaxrl.settings at its default) and `validate`, the checks made
+before any work starts, which returns the typed, read-only RunConfig that every component reads from.
 
 Config files under configs/ start from `base()` and override what they need; `--config.key=value` on the
 command line overrides further (ml_collections rejects unknown keys and wrong types).
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import ml_collections
 
-from jaxrl.settings import SETTINGS, help_text, is_int, is_real
+from jaxrl import settings
+from jaxrl.settings import SETTINGS, RunConfig, from_tree, help_text, is_int, is_real
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
 # that says so (rather than "no such field").
@@ -95,8 +96,13 @@ def cli_error(prog: str, message: str):
   sys.exit(2)
 
 
-def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None, num_devices: int | None = None):
-  """Raises ConfigError with one line naming the first bad field (before any model or data is loaded)."""
+def validate(c: ml_collections.ConfigDict | RunConfig, workdir: str | os.PathLike | None = None,
+             num_devices: int | None = None) -> RunConfig:
+  """The typed, read-only RunConfig of config c, checked: every value and every rule that ties values together. A
+  bad one raises ConfigError with one line naming the first bad field (before any model or data is loaded). c may be
+  a RunConfig already (a copy changed by `replace`): it is checked again, e.g. against the devices there are."""
+  if isinstance(c, RunConfig):
+    c = ml_collections.ConfigDict(as_dict(c))
 
   def need(cond, msg):
     if not cond:
@@ -132,29 +138,61 @@ def validate(c: ml_collections.ConfigDict, workdir: str | os.PathLike | None = N
   splits = get("auto.splits")
   need(isinstance(splits, (tuple, list)) and all(is_int(x) and x >= 1 for x in splits),
        f"auto.splits must be a tuple of sampler device counts >= 1 (got {splits!r})")
-  for split in splits if c.mode == "auto" else ():  # each split as its segments will run it
-    try:
-      validate(override(c.copy_and_resolve_references(), mode="pipeline", mesh__sampler_devices=split,
-                        auto__splits=()), num_devices=num_devices)
-    except ConfigError as e:
-      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
   s = c.sampler
   need(s.kv != "paged" or s.max_len % s.page_size == 0,
        f"sampler.max_len={s.max_len} must be a multiple of sampler.page_size={s.page_size} (sampler.kv='paged')")
   need(s.num_pages == 0 or s.num_pages * s.page_size >= s.max_len,
        f"sampler.num_pages={s.num_pages} pages of {s.page_size} cannot hold one sample of max_len={s.max_len}")
-  _validate_objective(c)
+  loss = _validate_objective(c)
   _validate_model_and_task(c, need, get)
   _validate_log(need, get)
   _validate_mesh(c, need, get, num_devices)
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % c.rl.num_minibatches == 0,
        f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
+  cfg = dataclasses.replace(from_tree(c), loss=loss)
+  for split in cfg.auto.splits if cfg.mode == "auto" else ():  # each split as its segments will run it
+    try:
+      validate(replace(cfg, mode="pipeline", mesh__sampler_devices=split, auto__splits=()), num_devices=num_devices)
+    except ConfigError as e:
+      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
   if workdir is not None:
     _check_writable(Path(workdir))
+  return cfg
 
 
-def validate_data_files(c: ml_collections.ConfigDict) -> None:
+def replace(cfg: RunConfig, **fields) -> RunConfig:
+  """A copy of cfg with dotted fields changed, named as `override` names them: `replace(cfg, mode="sync",
+  rl__max_staleness=0)`. A field the config does not have is a ConfigError naming it. The copy is not checked:
+  `validate` it where it will run (jaxrl.train.build does)."""
+  for key, value in fields.items():
+    path = key.replace("__", ".").split(".")
+    nodes = [cfg]
+    for i, part in enumerate(path):
+      if not (dataclasses.is_dataclass(nodes[-1]) and part in {f.name for f in dataclasses.fields(nodes[-1])}):
+        raise ConfigError(f"config: no field {'.'.join(path[:i + 1])!r} (setting {'.'.join(path)})")
+      nodes.append(getattr(nodes[-1], part))
+    for node, part in zip(reversed(nodes[:-1]), reversed(path), strict=True):
+      value = dataclasses.replace(node, **{part: value})
+    cfg = value
+  return cfg
+
+
+def as_dict(cfg: RunConfig) -> dict:
+  """cfg as nested plain dicts with base()'s keys (loss: every LossConfig option but its sampling, which the sampler
+  settings give): what the experiment trackers record, and what a ConfigDict of it is made from."""
+
+  def plain(v):
+    if dataclasses.is_dataclass(v):
+      return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v) if f.name != "sampling"}
+    if isinstance(v, dict):
+      return {k: plain(x) for k, x in v.items()}
+    return v
+
+  return plain(cfg)
+
+
+def validate_data_files(c: RunConfig) -> None:
   """Raises ConfigError naming the key if a local data file of task.name="dataset" is missing or of an unknown kind.
   Checked by jaxrl-train and by a job's launcher, once for the processes it starts on its filesystem, before any
   of them starts (each would report it); not by the job's processes themselves (a multi-host job's learner hosts
@@ -171,7 +209,7 @@ def validate_data_files(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config: {e}") from None
 
 
-def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int]) -> None:
+def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
   """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
   order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices
   counts whole processes from the end; mesh.sampler_axes and sampler.max_slots are per replica)."""
@@ -207,27 +245,28 @@ def validate_job(c: ml_collections.ConfigDict, devices_per_process: Sequence[int
 
 
 def auto_staleness(c):
-  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int."""
+  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int. c: a
+  RunConfig, or the config validate is checking."""
   from jaxrl.controller.adaptive import AutoStaleness
 
   if c.rl.max_staleness != "auto":
     return None
   try:
-    return AutoStaleness(**c.rl.auto_staleness.to_dict())
+    return AutoStaleness(**dict(c.rl.auto_staleness))
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config: rl.auto_staleness: {e}") from None
 
 
-def engine_kwargs(c: ml_collections.ConfigDict) -> dict:
-  """Keyword arguments of the sampler's Engine from a (validated) config."""
-  s = c.sampler
+def engine_kwargs(s: settings.Sampler) -> dict:
+  """Keyword arguments of the sampler's Engine from a run's sampler settings (RunConfig.sampler)."""
   return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype,
               weight_dtype=s.weight_dtype, kv=s.kv, page_size=s.page_size, num_pages=s.num_pages or None,
               attention=s.attention)
 
 
-def _validate_objective(c) -> None:
-  """The loss, optimizer and sampling settings: types here, values by the classes that will hold them."""
+def _validate_objective(c):
+  """The loss, optimizer and sampling settings: types here, values by the classes that will hold them. Returns the
+  LossConfig (the RunConfig's loss)."""
   from jaxrl.learner.config import LossConfig
   from jaxrl.learner.optim import make_optimizer
   from jaxrl.rollout import SamplingParams
@@ -248,7 +287,7 @@ def _validate_objective(c) -> None:
       raise ConfigError(f"config: loss.{k} must be {kind} (got {v!r})")
   try:
     sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
-    LossConfig(**c.loss.to_dict(), sampling=sampling)
+    return LossConfig(**c.loss.to_dict(), sampling=sampling)
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config: loss: {e}") from None
 

@@ -302,15 +302,15 @@ def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
 
 
 def run_shapes(c) -> tuple[int, float]:
-  """(prompt tokens of the run's first prompt, bytes of its model's params): what a calibration from a run's logs
-  needs besides them (from_run; mode="auto")."""
+  """(prompt tokens of the run's first prompt, bytes of its model's params) of a RunConfig: what a calibration from
+  a run's logs needs besides them (from_run; mode="auto")."""
   from jaxrl.controller import build as build_lib
   from jaxrl.controller.data import make_prompt_source
   from jaxrl.models import hf
 
   model_cfg, tokenizer, _ = build_lib.model_source(c)
   weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
-  return len(make_prompt_source(c, tokenizer, model_cfg)[1](0)[0]), weight_bytes
+  return len(make_prompt_source(c.task, c.seed, tokenizer, model_cfg)[1](0)[0]), weight_bytes
 
 
 def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
@@ -320,13 +320,16 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
 
   Its own lengths: forced (sampler.forced_lengths) are redrawn from their seed; natural ones are read from its
   trace (log.trace=True logs every generated group's lengths) and replayed per sample, in group order, so the
-  prediction carries the pipeline's length bias (it trains the short groups of a step first)."""
+  prediction carries the pipeline's length bias (it trains the short groups of a step first). c: a RunConfig, or a
+  config validated here (ConfigError, a ValueError, if bad)."""
+  from jaxrl import config as config_lib
   from jaxrl.metrics import read_jsonl
   from jaxrl.sampler.forced import LognormalLengths
   from jaxrl.sim import runlog
   from jaxrl.sim.lengths import Replay
   from jaxrl.sim.planner import RunDescription, predict
 
+  c = config_lib.validate(c)
   forced = c.sampler.forced_lengths
   sampler_devices = c.mesh.sampler_devices
   if not (isinstance(sampler_devices, int) and 1 <= sampler_devices < devices):

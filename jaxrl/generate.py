@@ -154,7 +154,8 @@ def _open_output():
 
 
 def _from_config(c):
-  """(policy, engine settings, sampling, max_tokens, seed) of --config (and --workdir), flags overriding."""
+  """(the validated RunConfig, policy, engine settings, sampling, max_tokens, seed) of --config (and --workdir),
+  flags overriding."""
   from jaxrl import config as config_lib
   from jaxrl.models import hf
   from jaxrl.policy import load_policy
@@ -164,7 +165,7 @@ def _from_config(c):
   if _given(_DTYPE):
     raise app.UsageError("--dtype is for --model_dir and --tiny; with --config set --config.model.dtype")
   try:
-    config_lib.validate(c)
+    c = config_lib.validate(c)
     policy = load_policy(c, _WORKDIR.value)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
     _fail(str(e))
@@ -173,18 +174,18 @@ def _from_config(c):
                             top_p=_setting(_TOP_P, s.top_p), greedy=_GREEDY.value)
   sizes = dict(max_slots=_setting(_MAX_SLOTS, s.max_slots), max_len=_setting(_MAX_LEN, s.max_len),
                steps_per_call=_setting(_STEPS_PER_CALL, s.steps_per_call))
-  return policy, sizes, sampling, _setting(_MAX_TOKENS, s.max_new_tokens), _setting(_SEED, c.seed)
+  return c, policy, sizes, sampling, _setting(_MAX_TOKENS, s.max_new_tokens), _setting(_SEED, c.seed)
 
 
 def _evaluate(c, policy, engine) -> None:
   """The config's task on its held-out examples, greedy and scored, as jaxrl-train evaluates."""
   from jaxrl.controller.data import evaluate_policy, make_prompt_source, make_scorer
 
-  task, _ = make_prompt_source(c, policy.tokenizer, policy.model_cfg)
+  task, _ = make_prompt_source(c.task, c.seed, policy.tokenizer, policy.model_cfg)
   num = _NUM_EXAMPLES.value if _NUM_EXAMPLES.value is not None else (c.eval.num_examples or 64)
   if num < 1:
     raise app.UsageError(f"--num_examples must be >= 1 (got {num})")
-  score = make_scorer(c, task, policy.tokenizer)
+  score = make_scorer(c.task, task, policy.tokenizer)
   start = time.perf_counter()
   try:
     summary, rollouts = evaluate_policy(engine, task, score, policy.params, policy.version, num_examples=num,
@@ -227,7 +228,7 @@ def main(argv):
     sizes = dict(max_slots=_MAX_SLOTS.value, max_len=_MAX_LEN.value, steps_per_call=_STEPS_PER_CALL.value)
     max_tokens, seed = _MAX_TOKENS.value, _SEED.value
   else:
-    policy, sizes, sampling, max_tokens, seed = _from_config(c)
+    c, policy, sizes, sampling, max_tokens, seed = _from_config(c)
     cfg, params, version, tokenizer = policy.model_cfg, policy.params, policy.version, policy.tokenizer
     prompts = _prompts(tokenizer) if (_PROMPT.value or _PROMPT_IDS.value or _PROMPTS_FILE.value) else None
   devices = jax.devices()

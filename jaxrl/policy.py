@@ -37,8 +37,10 @@ class Policy:
 
 
 def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Policy:
-  """The base model of config `c`, or with `workdir` the params of its newest checkpoint, sharded FSDP-style
-  over `devices` (default: all). A workdir without a checkpoint is an error (FileNotFoundError naming it)."""
+  """The base model of config `c` (a RunConfig, or a config validated here), or with `workdir` the params of its
+  newest checkpoint, sharded FSDP-style over `devices` (default: all). A workdir without a checkpoint is an error
+  (FileNotFoundError naming it)."""
+  c = config_lib.validate(c)
   devices = list(jax.devices() if devices is None else devices)
   mesh = sharding.make_mesh({"data": len(devices)}, devices)
   shardings_fn = lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
@@ -103,7 +105,6 @@ def export_main(argv=None):
     sys.exit(2)
   c = flag_values.config
   try:
-    config_lib.validate(c)
     policy = load_policy(c, flag_values.workdir)
     path = export(policy, flag_values.out)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:

@@ -18,7 +18,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxrl.learner.config import LossConfig
 from jaxrl.learner.step import fixed_param_pass_count  # the learner's own rule for its extra passes
 from jaxrl.settings import PEAK_MODES  # declared once, with the run config
 from jaxrl.sim.costs import ModelSpec
@@ -214,10 +213,11 @@ def _rates(side: str, flops: int, moved: int, seconds: float, peak: Peak) -> dic
 
 
 def for_run(c, cfg, *, learner_devices: int, sampler_devices: int, sampler_dtype) -> Telemetry:
-  """The Telemetry of a validated run config on this backend; sampler_devices: one sampler replica's."""
+  """The Telemetry of a RunConfig (config.validate's) and its model config on this backend; sampler_devices: one
+  sampler replica's."""
   updates = c.rl.num_minibatches * c.rl.num_epochs
   work = Work(cfg, seq_len=c.rl.seq_len, epochs=c.rl.num_epochs, updates=updates,
-              fixed_passes=fixed_param_pass_count(LossConfig(**c.loss.to_dict()), updates),
+              fixed_passes=fixed_param_pass_count(c.loss, updates),
               param_bytes=jnp.dtype(cfg.param_dtype).itemsize,
               sampler_bytes_per_value=jnp.dtype(sampler_dtype).itemsize,
               sampler_weight_bytes_per_value=1 if c.sampler.weight_dtype == "int8" else None,

@@ -38,7 +38,7 @@ from jaxrl.sampler import Engine
 class Run:
   """Everything a run is made of; `controller` drives it."""
 
-  config: Any
+  config: config_lib.RunConfig
   workdir: Path
   meshes: sharding.SplitMeshes
   model_config: ModelConfig
@@ -54,8 +54,10 @@ class Run:
 
 
 def build(c, workdir: str | Path) -> Run:
+  """The run of config c (an ml_collections config or a RunConfig, validated here against this host's devices): from
+  here on every piece gets the typed RunConfig, or its own section of it."""
   workdir = Path(workdir)
-  config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))
   config_lib.validate_data_files(c)
   model_cfg, tokenizer, path = build_lib.model_source(c)
   task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
@@ -106,11 +108,11 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   called from the main thread) stops the run early after saving a checkpoint: the summary then has `stopped_by`
   and fewer steps; the same call resumes it. mode="auto" runs fixed-mode segments chosen by jaxrl.controller.auto."""
   workdir = Path(workdir)
+  c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))  # the typed RunConfig from here on
   if c.mode != "auto":
     summary, _ = _train_fixed(c, workdir, stop_signals)
     summary_lib.write_summary(workdir, summary)
     return summary
-  config_lib.validate(c, workdir, num_devices=len(jax.devices()))
   from jaxrl.controller import auto
 
   def run_segment(seg_c, first: bool, last: bool):
@@ -123,10 +125,11 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   return summary
 
 
-def _train_fixed(c, workdir: Path, stop_signals, *, evaluate_before: bool = True,
+def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evaluate_before: bool = True,
                  evaluate_after: bool = True) -> tuple[dict[str, Any], list[int]]:
   """One fixed-mode run to c.num_steps: (its summary, the completion lengths of the samples it trained)."""
   run = build(c, workdir)
+  c = run.config
   ctl = run.controller
   evals = {}
   try:

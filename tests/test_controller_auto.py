@@ -23,9 +23,11 @@ def test_candidates_and_segment_configs():
   assert [auto.name(x) for x in auto.candidates(2)] == ["sync", "pipeline_k1", "pipeline_k2"]
   c = tiny.get_config()
   c.mode = "auto"
+  c = config_lib.validate(c)
   seg = auto.segment_config(c, ("pipeline", 2, None), end=9)
   assert (seg.mode, seg.rl.max_staleness, seg.num_steps) == ("pipeline", 2, 9)
-  assert (c.mode, c.num_steps) == ("auto", 12)  # the run's own config is untouched
+  assert (c.mode, c.num_steps) == ("auto", 12)  # the run's own config is untouched (a RunConfig is frozen)
+  assert seg == config_lib.replace(c, mode="pipeline", rl__max_staleness=2, num_steps=9, optimizer__decay_steps=12)
 
 
 def test_every_segment_trains_on_the_whole_runs_learning_rate_schedule():
@@ -34,18 +36,18 @@ def test_every_segment_trains_on_the_whole_runs_learning_rate_schedule():
   from jaxrl.controller.build import run_optimizer
   from jaxrl.distributed.launch import segment_flags
 
-  c = config_lib.override(tiny.get_config(), mode="auto", num_steps=20, optimizer__warmup_steps=2,
-                          rl__num_minibatches=2)
-  whole = run_optimizer(config_lib.override(c.copy_and_resolve_references(), mode="pipeline")).schedule
+  c = config_lib.validate(config_lib.override(tiny.get_config(), mode="auto", num_steps=20,
+                                              optimizer__warmup_steps=2, rl__num_minibatches=2))
+  whole = run_optimizer(config_lib.replace(c, mode="pipeline")).schedule
   lr = lambda sched: [float(sched(i)) for i in range(2 * 20 + 1)]  # 2 updates a step
   seg = auto.segment_config(c, auto.SYNC, end=5)
   assert lr(run_optimizer(seg).schedule) == lr(whole)
-  unfixed = config_lib.override(seg.copy_and_resolve_references(), optimizer__decay_steps=0)  # the old schedule
+  unfixed = config_lib.replace(seg, optimizer__decay_steps=0)  # the schedule segments had before
   assert lr(run_optimizer(unfixed).schedule)[14] < lr(whole)[14] / 10
   flags = dict(f[len("--config."):].split("=", 1) for f in segment_flags(seg, first=True, last=False))
-  from_flags = config_lib.override(c.copy_and_resolve_references(), mode=flags["mode"],
-                                   num_steps=int(flags["num_steps"]),
-                                   optimizer__decay_steps=int(flags["optimizer.decay_steps"]))
+  from_flags = config_lib.validate(config_lib.override(
+      tiny.get_config(), mode=flags["mode"], num_steps=int(flags["num_steps"]), optimizer__warmup_steps=2,
+      rl__num_minibatches=2, optimizer__decay_steps=int(flags["optimizer.decay_steps"])))
   assert from_flags.num_steps == 5 and lr(run_optimizer(from_flags).schedule) == lr(whole)
 
 
@@ -120,7 +122,7 @@ def test_auto_refuses_an_adaptive_bound_and_a_job_process_outside_the_launcher()
   c.rl.max_staleness = 1
   # a job's processes run one fixed-mode segment each: the launcher runs mode="auto" (test_faults_topologies.py)
   with pytest.raises(config_lib.ConfigError, match="runs through jaxrl.distributed.launch"):
-    config_lib.validate_job(c, [1, 1])
+    config_lib.validate_job(config_lib.validate(c), [1, 1])
 
 
 def test_splits_are_candidates_and_a_segment_runs_on_its_split(tmp_path, monkeypatch):
@@ -128,8 +130,9 @@ def test_splits_are_candidates_and_a_segment_runs_on_its_split(tmp_path, monkeyp
   c = tiny.get_config()
   c.mode, c.num_steps, c.auto.splits, c.auto.k_max = "auto", 13, (2, 6), 1
   c.auto.measure_steps, c.auto.recheck_steps = 5, 8
-  assert auto.segment_config(c, ("pipeline", 1, 6), end=9).mesh.sampler_devices == 6
-  assert auto.segment_config(c, auto.SYNC, end=9).mesh.sampler_devices == c.mesh.sampler_devices
+  cfg = config_lib.validate(c)
+  assert auto.segment_config(cfg, ("pipeline", 1, 6), end=9).mesh.sampler_devices == 6
+  assert auto.segment_config(cfg, auto.SYNC, end=9).mesh.sampler_devices == c.mesh.sampler_devices
   fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1_s2": 11.0, "pipeline_k1_s6": 30.0},
                   {"sync": 10.0, "pipeline_k1_s2": 12.0, "pipeline_k1_s6": 20.0})
   summary = _supervise(c, fake, tmp_path, monkeypatch)

@@ -228,3 +228,43 @@ def test_sigkill_and_resume_equals_uninterrupted_sync_run(tmp_path):
   rec = json.loads((killed / "summary.json").read_text())
   assert rec["resumed_from"] == latest
   assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == list(range(1, steps + 1))  # each step once
+
+
+def test_no_config_dict_reaches_a_component(tmp_path, monkeypatch):
+  """Past config.validate every piece of a run reads the typed RunConfig (or its section): a ConfigDict field read
+  anywhere else fails the run. The run covers build, both loops, eval, checkpoints, metrics, trace and telemetry."""
+  import ml_collections
+
+  from jaxrl import config as config_lib
+  from jaxrl.settings import RunConfig
+
+  c = _config("pipeline", **{"num_steps": 2, "eval.num_examples": 4, "log.trace": True, "checkpoint.every_steps": 1})
+  real_validate, inside = config_lib.validate, [0]
+  read = {name: getattr(ml_collections.ConfigDict, name) for name in ("__getattr__", "__getitem__", "to_dict")}
+  leaks, typed = [], []
+
+  def guarded(name):
+    def method(self, *args, **kwargs):
+      if not inside[0]:
+        leaks.append(f"ConfigDict.{name}{args}")
+        raise AssertionError(f"a ConfigDict reached a component: {name}{args}")
+      return read[name](self, *args, **kwargs)
+    return method
+
+  def validate(*args, **kwargs):
+    inside[0] += 1
+    try:
+      cfg = real_validate(*args, **kwargs)
+    finally:
+      inside[0] -= 1
+    typed.append(cfg)
+    return cfg
+
+  monkeypatch.setattr(config_lib, "validate", validate)
+  for name in read:
+    monkeypatch.setattr(ml_collections.ConfigDict, name, guarded(name))
+  summary = train(c, tmp_path)
+  assert not leaks and summary["steps"] == 2 and "eval_after" in summary
+  assert typed and all(isinstance(cfg, RunConfig) for cfg in typed)
+  with pytest.raises(AssertionError, match="a ConfigDict reached a component"):
+    c.rl.group_size  # noqa: B018 - the guard is live: a leak would have failed the run

@@ -219,8 +219,7 @@ def test_config_selects_the_paged_cache():
 
   c = config_lib.override(config_lib.base(), **{"sampler.kv": "paged", "sampler.page_size": 8,
                                                 "sampler.on_update": "keep_kv"})
-  config_lib.validate(c)
-  kw = config_lib.engine_kwargs(c)
+  kw = config_lib.engine_kwargs(config_lib.validate(c).sampler)
   assert (kw["kv"], kw["page_size"], kw["num_pages"]) == ("paged", 8, None)
   with pytest.raises(config_lib.ConfigError, match="multiple of sampler.page_size=5"):
     config_lib.validate(config_lib.override(c, **{"sampler.page_size": 5}))

@@ -15,7 +15,6 @@ one chosen) is appended to workdir/auto.json, which a resumed run reads back, an
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from collections.abc import Callable
@@ -64,18 +63,15 @@ class Segment:
 
 
 def segment_config(c, candidate: tuple[str, int, int | None], end: int):
-  """The fixed-mode config of a segment ending at step `end` (on the candidate's split, if it names one); its
-  learning-rate schedule is the whole run's (it decays over c.num_steps, not to the segment's end)."""
+  """The fixed-mode RunConfig of a segment ending at step `end` (on the candidate's split, if it names one): a copy
+  of the run's RunConfig c, whose learning-rate schedule is the whole run's (it decays over c.num_steps, not to the
+  segment's end)."""
+  from jaxrl import config as config_lib
+
   mode, k, split = candidate
-  seg = copy.deepcopy(c)
-  with seg.unlocked():
-    seg.mode = mode
-    seg.rl.max_staleness = k
-    seg.num_steps = end
-    seg.optimizer.decay_steps = c.optimizer.decay_steps or c.num_steps
-    if split is not None:
-      seg.mesh.sampler_devices = split
-  return seg
+  split = {} if split is None else {"mesh.sampler_devices": split}
+  return config_lib.replace(c, mode=mode, rl__max_staleness=k, num_steps=end,
+                            optimizer__decay_steps=c.optimizer.decay_steps or c.num_steps, **split)
 
 
 def measure(records: list[dict], batch_size: int, warmup: int) -> tuple[float, float]:
@@ -154,12 +150,16 @@ class AutoLog:
 
 def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any], Any]],
               segment_records: Callable[[int, int], list[dict]], context: Callable[[], dict]) -> dict[str, Any]:
-  """Runs an auto config to c.num_steps as fixed-mode segments; returns the last segment's summary with `auto`.
+  """Runs an auto config to c.num_steps as fixed-mode segments; returns the last segment's summary with `auto`. c: a
+  RunConfig, or a config validated here.
 
   run_segment(config, first, last) trains one segment (first: evaluate before; last: evaluate after) and returns
   (its summary, its trained completion lengths); segment_records(start, end) reads the metrics of steps
   (start, end]; context() gives what a calibration needs besides them (devices, prompt_len, weight_bytes; see
   run_context), asked once."""
+  from jaxrl import config as config_lib
+
+  c = config_lib.validate(c)
   log = AutoLog(workdir)
   warmup = c.auto.warmup_steps
   summary, predicted, step_pred, before = None, {}, {}, None

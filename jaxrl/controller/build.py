@@ -1,6 +1,7 @@
 """One build path for a run's pieces, used by jaxrl-train, the multi-process entry point and jaxrl.policy: the model
 source, the task (prompts and rewards), the learner (train step and state on its mesh), the sampler engine, the
-checkpointer, the restore and the metrics writer."""
+checkpointer, the restore and the metrics writer. Each is made from a validated RunConfig (config.validate), and
+hands each piece the settings of its own section."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.learner import (
-    LossConfig,
     batch_shards,
     init_train_state,
     make_optimizer,
@@ -33,9 +33,10 @@ from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
 from jaxrl.sampler.forced import ForcedLengths, LognormalLengths
+from jaxrl.settings import RunConfig
 
 
-def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
+def model_source(c: RunConfig) -> tuple[ModelConfig, Any, Path | None]:
   """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
   # bfloat16 compute (float32 master weights by default) on accelerators; float32 on CPU, where bf16 is slow.
   dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -56,13 +57,13 @@ def model_source(c) -> tuple[ModelConfig, Any, Path | None]:
   return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
 
 
-def lora_config(c) -> LoRAConfig | None:
+def lora_config(c: RunConfig) -> LoRAConfig | None:
   """The adapters of c.model.lora, None when it is off."""
   lo = c.model.lora
   return LoRAConfig(lo.rank, lo.alpha, lo.targets) if lo.enabled else None
 
 
-def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
+def base_params(c: RunConfig, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
   """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from. With
   LoRA (cfg.lora) the base model's params (as without it) and fresh adapters (B = 0: the base model's outputs)."""
   from jaxrl.models import Decoder, init_params
@@ -81,14 +82,14 @@ def base_params(c, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[M
   return cfg, graphdef, lora.merge(params, jax.device_put(adapters, shardings_fn(adapters)))
 
 
-def max_staleness(c) -> int:
+def max_staleness(c: RunConfig) -> int:
   """The hard staleness bound of a config: 0 in sync mode, auto_staleness.k_max under "auto"."""
   if c.mode != "pipeline":
     return 0
   return c.rl.auto_staleness.k_max if c.rl.max_staleness == "auto" else c.rl.max_staleness
 
 
-def run_spec(c, rows_unit: int = 1) -> RunSpec:
+def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
   """The loop sizes of a config (sync mode is the pipeline with max_staleness 0); packed row counts are multiples
   of rows_unit (the learner's batch devices, rows_unit(learner mesh)) times rl.num_minibatches, so that every
   mini-batch of a packed batch splits evenly over those devices too."""
@@ -109,14 +110,14 @@ def rows_unit(mesh) -> int:
   return batch_shards(sharding.batch_sharding(mesh, sharding.LEARNER_RULES))
 
 
-def build_task(c, tokenizer, model_cfg):
+def build_task(c: RunConfig, tokenizer, model_cfg):
   """(task, prompts, score); a bad data file, a missing chat template or an unknown reward is a ConfigError (checked
   before any params are loaded or compiled)."""
   try:
-    task, prompts = make_prompt_source(c, tokenizer, model_cfg)
+    task, prompts = make_prompt_source(c.task, c.seed, tokenizer, model_cfg)
     if c.eval.num_examples:  # a task too small for the eval would fail only at the first eval, the model built
       task.eval_examples(c.eval.num_examples)
-    return task, prompts, make_scorer(c, task, tokenizer)
+    return task, prompts, make_scorer(c.task, task, tokenizer)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise config_lib.ConfigError(f"task {c.task.name!r}: {e}") from e
 
@@ -137,21 +138,21 @@ def _param_shardings(mesh):
   return lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
 
 
-def run_optimizer(c):
+def run_optimizer(c: RunConfig):
   """The optimizer of a run config. Its schedule counts optimizer updates, rl.num_minibatches * rl.num_epochs per
   learner step, so warmup and decay (in learner steps in the config) are scaled to updates here."""
   per_step = c.rl.num_minibatches * c.rl.num_epochs
-  options = c.optimizer.to_dict()
-  options["warmup_steps"] = options.get("warmup_steps", 0) * per_step
-  decay = options.pop("decay_steps", 0) or c.num_steps
+  options = dataclasses.asdict(c.optimizer)
+  options["warmup_steps"] *= per_step
+  decay = options.pop("decay_steps") or c.num_steps
   return make_optimizer(**options, decay_steps=decay * per_step)
 
 
-def _with_ref(c) -> bool:
+def _with_ref(c: RunConfig) -> bool:
   return c.loss.kl_coef > 0  # the state then holds the frozen KL reference (the initial policy) too
 
 
-def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
+def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
   """The learner of a config; with LoRA its state trains the adapters (params) on the frozen base (frozen)."""
   model_cfg, graphdef, params = base_params(c, model_cfg, path, _param_shardings(mesh))
   frozen = frozen_sh = None
@@ -162,19 +163,20 @@ def build_learner(c, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunS
   state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh, with_ref=_with_ref(c),
                                    frozen=frozen, frozen_shardings=frozen_sh)
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
-  loss_cfg = LossConfig(**c.loss.to_dict(), sampling=spec.sampling)
-  train_step = make_train_step(graphdef, optimizer, loss_cfg, batch_size=spec.batch_size, seq_len=c.rl.seq_len,
-                               num_minibatches=c.rl.num_minibatches, num_epochs=c.rl.num_epochs,
+  rl = c.rl
+  loss = dataclasses.replace(c.loss, sampling=spec.sampling)  # the same as validated; spec's, to be sure
+  train_step = make_train_step(graphdef, optimizer, loss, batch_size=spec.batch_size, seq_len=rl.seq_len,
+                               num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
                                state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
-                               logprob_chunk=c.rl.logprob_chunk, atomic=c.rl.atomic_step,
-                               microbatch_rows=c.rl.microbatch_rows)
+                               logprob_chunk=rl.logprob_chunk, atomic=rl.atomic_step,
+                               microbatch_rows=rl.microbatch_rows)
   # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh, frozen=frozen,
                            ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
   return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)
 
 
-def abstract_train_state(c, abstract_params, mesh):
+def abstract_train_state(c: RunConfig, abstract_params, mesh):
   """The shapes and shardings of a run's TrainState on `mesh` (what a checkpoint of the run restores into; with
   LoRA the adapters' state, without the base: checkpoints leave it out)."""
   if lora_config(c) is not None:
@@ -188,13 +190,13 @@ def abstract_train_state(c, abstract_params, mesh):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
 
 
-def build_engine(c, model_cfg: ModelConfig, mesh, **overrides) -> Engine:
+def build_engine(c: RunConfig, model_cfg: ModelConfig, mesh, **overrides) -> Engine:
   """The sampler engine of a config (its sizes, KV layout, dtype and attention); `overrides`: Engine arguments a
   CLI flag set (jaxrl-generate's --max_slots, --max_len, --steps_per_call)."""
-  return make_engine(model_cfg, mesh, **{**config_lib.engine_kwargs(c), **overrides})
+  return make_engine(model_cfg, mesh, **{**config_lib.engine_kwargs(c.sampler), **overrides})
 
 
-def build_sampler(c, engine: Engine, params, version: int, tokenizer) -> Sampler:
+def build_sampler(c: RunConfig, engine: Engine, params, version: int, tokenizer) -> Sampler:
   detok = tokenizer.decode if tokenizer is not None else None
   kw = dict(seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
   forced = c.sampler.forced_lengths
@@ -249,16 +251,19 @@ class CompiledSteps:
     return step(state, batch, key)
 
 
-def open_checkpointer(c, workdir: Path, **kw) -> Checkpointer:
-  """workdir/checkpoints; kw: the saving processes of a multi-process job."""
-  return Checkpointer(workdir / "checkpoints", max_to_keep=c.checkpoint.max_to_keep,
-                      every_steps=c.checkpoint.every_steps, compress=c.checkpoint.compress, **kw)
+def open_checkpointer(c: RunConfig, workdir: Path, **kw) -> Checkpointer:
+  """workdir/checkpoints, saved as c.checkpoint says; kw: the saving processes of a multi-process job."""
+  ck = c.checkpoint
+  return Checkpointer(workdir / "checkpoints", max_to_keep=ck.max_to_keep, every_steps=ck.every_steps,
+                      compress=ck.compress, **kw)
 
 
-def open_metrics(c, workdir: Path, resumed_from: int | None) -> MetricsWriter:
-  backends = [b for b in c.log.backends if c.log.tensorboard or b != "tensorboard"]
-  return MetricsWriter(workdir, backends=backends, project=c.log.project, run_name=c.log.run_name,
-                       config=c.to_dict(), progress=c.log.progress, total_steps=c.num_steps,
+def open_metrics(c: RunConfig, workdir: Path, resumed_from: int | None) -> MetricsWriter:
+  """The metrics writer of c.log's backends; the trackers record the whole config (as plain dicts)."""
+  log = c.log
+  backends = [b for b in log.backends if log.tensorboard or b != "tensorboard"]
+  return MetricsWriter(workdir, backends=backends, project=log.project, run_name=log.run_name,
+                       config=config_lib.as_dict(c), progress=log.progress, total_steps=c.num_steps,
                        resume_step=resumed_from or 0)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl import settings
 from jaxrl.controller.spec import SkipPrompt
 from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, make_task
 from jaxrl.rollout import Rollout, SamplingParams
@@ -26,13 +27,14 @@ def is_correct(reward: str, value: float) -> bool | None:
   return None
 
 
-def make_prompt_source(c, tokenizer, model_cfg):
-  """(task, prompts) where prompts(group_id) -> (prompt tokens, meta) for the group's data position."""
-  kwargs = c.task.kwargs.to_dict()
-  if c.task.name in ("target_token", "token_turns"):
+def make_prompt_source(t: settings.Task, seed: int, tokenizer, model_cfg):
+  """(task, prompts) of a run's task settings (RunConfig.task) where prompts(group_id) -> (prompt tokens, meta) for
+  the group's data position."""
+  kwargs = t.kwargs.to_dict()
+  if t.name in ("target_token", "token_turns"):
     kwargs.setdefault("vocab_size", model_cfg.vocab_size)
-  task = make_task(c.task.name, seed=c.seed, **kwargs)
-  renderer = PromptRenderer(tokenizer, c.task.max_prompt_tokens, chat_template=c.task.chat_template,
+  task = make_task(t.name, seed=seed, **kwargs)
+  renderer = PromptRenderer(tokenizer, t.max_prompt_tokens, chat_template=t.chat_template,
                             text_prompts=task.text_prompts, vocab_size=model_cfg.vocab_size)
 
   def prompts(group_id: int) -> tuple[np.ndarray, dict[str, Any]]:
@@ -46,8 +48,8 @@ def make_prompt_source(c, tokenizer, model_cfg):
   task.renderer = renderer
   task.episodes = None
   if isinstance(task, EnvTask):  # multi-turn: the sampler runs each sample's episode (request meta "episode")
-    task.episodes = Episodes(task, tokenizer, vocab_size=model_cfg.vocab_size, chat_template=c.task.chat_template,
-                             timeout_s=c.task.reward_timeout_s, workers=c.task.env_workers)
+    task.episodes = Episodes(task, tokenizer, vocab_size=model_cfg.vocab_size, chat_template=t.chat_template,
+                             timeout_s=t.reward_timeout_s, workers=t.env_workers)
   return task, prompts
 
 
@@ -63,14 +65,14 @@ class Scorer:
   """Fills `reward` of every rollout of a group through isolating RewardRunners: the run's reward, and those a
   task's rows select by data source (`task.rewards`, meta "reward"), each started before the run."""
 
-  def __init__(self, c, task, tokenizer):
-    self.reward_name = c.task.reward or task.reward
+  def __init__(self, t: settings.Task, task, tokenizer):
+    self.reward_name = t.reward or task.reward
     names = sorted({self.reward_name, *getattr(task, "rewards", {}).values()})
     self.episodes = getattr(task, "episodes", None)  # before the runners: a runner that fails to start closes both
     self.runners: dict[str, RewardRunner] = {}
     try:
       for name in names:
-        self.runners[name] = RewardRunner(name, timeout_s=c.task.reward_timeout_s)
+        self.runners[name] = RewardRunner(name, timeout_s=t.reward_timeout_s)
     except BaseException:
       self.close()
       raise
@@ -102,8 +104,8 @@ class Scorer:
       self.episodes.close()
 
 
-def make_scorer(c, task, tokenizer) -> Scorer:
-  return Scorer(c, task, tokenizer)
+def make_scorer(t: settings.Task, task, tokenizer) -> Scorer:
+  return Scorer(t, task, tokenizer)
 
 
 def evaluate(run, params, version: int) -> dict[str, float]:

@@ -30,17 +30,16 @@ def has_config(args: list[str]) -> bool:
 def preflight(prog: str, args: list[str], devices_per_process: list[int]):
   """Parses a job's process arguments and validates its config for processes with these device counts, as each
   process would; a bad one ends this process with one line `prog: ...` naming the key, and exit status 2. Returns
-  (the config, the workdir). mode="auto" is checked as each of its segments' modes will run."""
+  (the RunConfig, the workdir). mode="auto" is checked as each of its segments' modes will run."""
   flag_values = flags.FlagValues()
   define_flags(flag_values)
   config_lib.parse_cli(prog, [prog, *args], flag_values)
-  c = flag_values.config
   try:
-    config_lib.validate(c, flag_values.workdir, num_devices=sum(devices_per_process))
+    c = config_lib.validate(flag_values.config, flag_values.workdir, num_devices=sum(devices_per_process))
     if c.mode == "auto":  # each segment's job: the config's split and every split it may try
       for split in (c.mesh.sampler_devices, *c.auto.splits):
-        config_lib.validate_job(config_lib.override(c.copy_and_resolve_references(), mode="pipeline",
-                                                    mesh__sampler_devices=split), devices_per_process)
+        config_lib.validate_job(config_lib.replace(c, mode="pipeline", mesh__sampler_devices=split),
+                                devices_per_process)
     else:
       config_lib.validate_job(c, devices_per_process)
     config_lib.validate_data_files(c)

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from jaxrl import config as config_lib
 from jaxrl.distributed import cli
 
 
@@ -245,7 +246,8 @@ def segment_flags(seg_c, first: bool, last: bool) -> list[str]:
   return flags
 
 
-def launch_auto(c, workdir: Path, job: list[str], run_job, devices: int, run_colocated=None) -> int:
+def launch_auto(c: config_lib.RunConfig, workdir: Path, job: list[str], run_job, devices: int,
+                run_colocated=None) -> int:
   """mode="auto" over processes: the job is launched once per segment (jaxrl.controller.auto), in the mode and
   staleness bound chosen for it, each launch resuming the last one's checkpoint (the checkpoint and the run record
   are the same in every topology); the trace is on (the segments' trained lengths calibrate the model). A sync

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
-from jaxrl import sharding, telemetry
+from jaxrl import settings, sharding, telemetry
 from jaxrl.checkpoint import IntegrityError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
@@ -61,19 +61,19 @@ from jaxrl.models import hf, lora, quant
 from jaxrl.sampler.slot_engine import compute_dtype_name
 
 
-def sampler_weights(c, abstract, model_cfg, mesh):
+def sampler_weights(s: settings.Sampler, abstract, model_cfg, mesh):
   """(what the learner applies to a version before sending it, the abstract params the samplers receive): the
   params as they are, or quantized to int8 in the sampler's compute dtype (sampler.weight_dtype="int8")."""
-  if c.sampler.weight_dtype != "int8":
+  if s.weight_dtype != "int8":
     return None, abstract
-  dtype = jnp.dtype(compute_dtype_name(c.sampler.dtype, model_cfg, mesh))
+  dtype = jnp.dtype(compute_dtype_name(s.dtype, model_cfg, mesh))
   prepare = lambda params: quant.quantize_params(params, dtype)  # noqa: E731
   return prepare, jax.eval_shape(prepare, abstract)
 
 
-def _sampler_shardings(c, abstract, mesh):
+def _sampler_shardings(s: settings.Sampler, abstract, mesh):
   shardings = sharding.param_shardings(abstract, mesh, sharding.SAMPLER_RULES)
-  return quant.quantized_shardings(shardings, abstract) if c.sampler.weight_dtype == "int8" else shardings
+  return quant.quantized_shardings(shardings, abstract) if s.weight_dtype == "int8" else shardings
 
 
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
@@ -84,7 +84,8 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
   workdir = Path(workdir)
   lead = topology.process_id == topology.lead
-  config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))  # one writer probes workdir
+  # A config, or a RunConfig checked again here; the typed RunConfig from here on. One writer probes workdir.
+  c = config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))
   config_lib.validate_job(c, topology.devices_per_process())
   model_cfg, tokenizer, path = build_lib.model_source(c)
   abstract = hf.abstract_params(model_cfg)[1]
@@ -93,9 +94,9 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   replicas = [sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices) for devices in topology.sampler_devices]
   num_samplers = len(replicas)
   # An int8 sampler gets int8 bytes: the learner quantizes each version once, before it is cut and sent
-  prepare, sent = sampler_weights(c, abstract, model_cfg, replicas[0])
+  prepare, sent = sampler_weights(c.sampler, abstract, model_cfg, replicas[0])
   try:
-    routes = [WeightRoute(sent, _sampler_shardings(c, abstract, mesh),
+    routes = [WeightRoute(sent, _sampler_shardings(c.sampler, abstract, mesh),
                           source_devices(topology.learner_devices, mesh.size, rank))
               for rank, mesh in enumerate(replicas)]
   except ValueError as e:
@@ -193,6 +194,7 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own
   (`stopped_by` in either: the job was stopped early by that signal, after a checkpoint)."""
   workdir = Path(workdir)
+  c = config_lib.validate(c)  # the typed RunConfig (build checks it against the devices)
   role = build(c, workdir, topology, store, dump_dir=dump_dir)
   t0 = time.perf_counter()
   try:
