@@ -4,11 +4,11 @@ cores) and the pipeline (a learner process and a sampler process on a core each)
 config and seed, held-out evaluation off; seconds per trained token and per step after the warm-up steps.
 
   PYTHONPATH=. .venv/bin/python -m bench.reasoning_headline --steps=10 --warmup=2
-  PYTHONPATH=. .venv/bin/python -m bench.reasoning_headline --variant=long --steps=6 --auto --auto_steps=12 \
+  PYTHONPATH=. .venv/bin/python -m bench.reasoning_headline --variant=long --steps=6 --auto --auto_steps=13 \
       --out=bench/results/reasoning_headline_long.json      # 256 tokens to think; mode=auto beside the fixed modes
 
 --auto also runs mode=auto through the launcher (bench/headline.py: sync segments colocated, pipeline segments as
-two processes), with measuring and re-check segments of 4 steps; it is reported after its measuring segment.
+two processes), with a measuring segment of 5 steps and re-check segments of 4; it is reported after its measuring segment.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _OUT = flags.DEFINE_string("out", str(ROOT / "bench" / "results" / "reasoning_he
 _DIR = flags.DEFINE_string("dir", "/tmp/jaxrl-reasoning-headline", "the runs' workdirs")
 _VARIANT = flags.DEFINE_string("variant", "", "configs/reasoning.py's argument besides the mode: '' or 'long'")
 _AUTO = flags.DEFINE_bool("auto", False, "also run mode=auto (through the launcher)")
-_AUTO_STEPS = flags.DEFINE_integer("auto_steps", 12, "mode=auto's steps (a 4-step sync segment, then 4-step ones)")
+_AUTO_STEPS = flags.DEFINE_integer("auto_steps", 13, "mode=auto's steps (a 5-step sync segment, then 4-step ones)")
 
 
 def main(argv):
@@ -52,7 +52,7 @@ def main(argv):
     argv, env = command(mode, config, workdir, steps)
     extra = ["--config.eval.num_examples=0"]
     if mode == AUTO:
-      extra += ["--config.auto.measure_steps=4", "--config.auto.recheck_steps=4"]
+      extra += ["--config.auto.measure_steps=5", "--config.auto.recheck_steps=4"]
     t0 = time.perf_counter()
     proc = subprocess.run([*argv, *extra], env={**os.environ, **env, **cache_env, "PYTHONPATH": str(ROOT)},
                           cwd=ROOT, capture_output=True, text=True)

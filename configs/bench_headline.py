@@ -76,9 +76,10 @@ def get_config(arg: str | None = None):
     c.num_steps = 6
     c.bench.warmup_steps = 2
     c.bench.rounds = 2
-    # mode=auto (bench/headline.py --auto) runs longer: a sync segment of 4 steps measures, two of 4 follow
-    c.bench.auto_steps = 12
-    c.auto.measure_steps = 4
+    # mode=auto (bench/headline.py --auto) runs longer: a sync segment of 5 steps measures (4 left too few steps with
+    # decode calls to calibrate the model), two of 4 follow
+    c.bench.auto_steps = 13
+    c.auto.measure_steps = 5
     c.auto.recheck_steps = 4
   elif arg:
     raise ValueError(f"configs/bench_headline.py: unknown argument {arg!r}; use '', 'test' or 'smollm2'")

@@ -98,6 +98,33 @@ def test_supervisor_segments_follow_measurements(tmp_path, monkeypatch):
   assert json.loads((tmp_path / "auto.json").read_text()) == summary["auto"]
 
 
+def test_a_segment_that_cannot_calibrate_the_model_is_followed_by_measuring_an_untried_candidate(tmp_path,
+                                                                                               monkeypatch):
+  """A calibration that fails (a short segment's logs: too few steps with decode calls) ends no run: the reason is
+  logged with the segment and the next segment measures the first candidate not measured yet; once the model
+  calibrates again, its predictions decide."""
+  c = tiny.get_config()
+  c.mode, c.num_steps = "auto", 24
+  c.auto.measure_steps, c.auto.recheck_steps = 4, 4
+  fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1": 8.0, "pipeline_k2": 12.0},
+                  {"sync": 10.0, "pipeline_k1": 9.0, "pipeline_k2": 14.0})
+  calls = []
+
+  def predict(*a, **k):
+    calls.append(fake.segments[-1][0])
+    if len(calls) == 1:
+      raise ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
+    return dict(fake.predicted), {}
+
+  monkeypatch.setattr(auto, "measure", lambda rs, batch, warmup: (1.0 / (rs[1]["time"] - rs[0]["time"]), 1.0))
+  monkeypatch.setattr(auto, "predict", predict)
+  summary = auto.supervise(c, tmp_path, fake.run_segment, fake.records, lambda: {})
+  assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k1"] + ["pipeline_k2"] * 4
+  assert "decode calls" in summary["auto"][0]["no_prediction"] and summary["auto"][1]["predicted"] == {}
+  assert not summary["auto"][1]["no_prediction"] and summary["auto"][2]["predicted"] == fake.predicted
+  assert auto.explore(["sync", "pipeline_k1"], {"sync": 3.0, "pipeline_k1": 5.0}) == "pipeline_k1"
+
+
 def test_a_stopped_auto_run_resumes_its_cut_segment(tmp_path, monkeypatch):
   c = tiny.get_config()
   c.mode, c.num_steps = "auto", 20

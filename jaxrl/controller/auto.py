@@ -41,6 +41,12 @@ def name(candidate: tuple[str, int, int | None]) -> str:
   return f"pipeline_k{k}" if split is None else f"pipeline_k{k}_s{split}"
 
 
+def explore(names: list[str], measured: dict[str, float]) -> str:
+  """Without predictions: the first candidate not measured yet (so a measurement replaces the missing prediction),
+  else the best measured one."""
+  return next((n for n in names if n not in measured), None) or max(measured, key=measured.get)
+
+
 def choose(predicted: dict[str, float], measured: dict[str, float]) -> str:
   """The candidate with the most trained tokens per second, each scored by its measurement where one exists, else
   by its prediction; ties go to the first listed (sync first: it needs no staleness correction)."""
@@ -60,6 +66,9 @@ class Segment:
   measured_tokens_per_s: float | None = None  # this segment's own trained tokens/s (after its warm-up step)
   predicted_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
   measured_step_s: float | None = None
+  # why no prediction was made after this segment (its logs could not calibrate the model): the next segment then
+  # measures a candidate not measured yet
+  no_prediction: str = ""
 
 
 def segment_config(c, candidate: tuple[str, int, int | None], end: int):
@@ -178,7 +187,9 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
     if first:
       choice, length = "sync", c.auto.measure_steps
     else:
-      choice, length = choose(predicted or {name(SYNC): 0.0}, log.measured()), c.auto.recheck_steps
+      names = [name(x) for x in candidates(c.auto.k_max, c.auto.splits)]
+      choice = choose(predicted, log.measured()) if predicted else explore(names, log.measured())
+      length = c.auto.recheck_steps
     end = min(done + length, c.num_steps)
     if c.num_steps - end < warmup + 3:  # too short a tail to measure: fold it into this segment
       end = c.num_steps
@@ -197,8 +208,11 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
       seg.measured_tokens_per_s, seg.measured_step_s = measure(records, batch, warmup)
       if end < c.num_steps:
         shapes = shapes or context()
-        predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup, measured_split=cand[2],
-                                       **shapes)
+        try:
+          predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup,
+                                         measured_split=cand[2], **shapes)
+        except ValueError as e:  # e.g. too few steps with decode calls to fit the decode curve
+          seg.no_prediction, predicted, step_pred = str(e), {}, {}
     else:
       seg.measured_tokens_per_s = 0.0  # nothing to measure: recorded as run, never preferred
     log.write()
