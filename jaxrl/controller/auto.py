@@ -7,10 +7,12 @@ counted, never lost or trained twice). The first segment is synchronous (`auto.m
 calibrate the simulator (jaxrl.sim.runlog, the costs the run paid) on its own completion lengths, and the simulator
 predicts the trained tokens per second of sync and of the pipeline at every k in 1..`auto.k_max`. Every later
 segment (`auto.recheck_steps` steps) runs the candidate with the best score, where a candidate's score is what a
-segment of it measured, else what the simulator predicts from the newest calibration. So a prediction is tried once
-and a measurement replaces it: a pipeline that the model overrates is measured and abandoned, and the run is never
-slower than sync for longer than one segment. Each decision (its candidates' predicted and measured tokens/s, the
-one chosen) is appended to workdir/auto.json, which a resumed run reads back, and lands in summary.json.
+segment of it measured, else what the simulator predicts from the newest calibration times its mode's correction
+(measured / predicted of the newest segment of that mode run on the same calibration: a calibration that overrated
+one pipeline candidate is taken to overrate the others as much). So a prediction is tried at most once and a
+measurement replaces it: a pipeline that the model overrates is measured and abandoned, and the run is slower than
+sync for one segment at most per overrated calibration. Each decision (its candidates' predicted and measured
+tokens/s, the one chosen) is appended to workdir/auto.json, which a resumed run reads back, and lands in summary.json.
 """
 
 from __future__ import annotations
@@ -66,9 +68,12 @@ class Segment:
   measured_tokens_per_s: float | None = None  # this segment's own trained tokens/s (after its warm-up step)
   predicted_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
   measured_step_s: float | None = None
-  # why no prediction was made after this segment (its logs could not calibrate the model): the next segment then
-  # measures a candidate not measured yet
+  # why no prediction was made after this segment (its logs could not calibrate the model): the previous
+  # predictions stand; without any, the next segment measures a candidate not measured yet (explore)
   no_prediction: str = ""
+  # per mode, measured / predicted tokens/s of the newest segment of that mode before this one: the factor this
+  # segment's choice applied to the predictions of that mode's candidates not measured yet
+  corrections: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def segment_config(c, candidate: tuple[str, int, int | None], end: int):
@@ -156,6 +161,23 @@ class AutoLog:
     """The newest measurement of each candidate."""
     return {s.choice: s.measured_tokens_per_s for s in self.segments if s.measured_tokens_per_s is not None}
 
+  def corrections(self, predicted: dict[str, float]) -> dict[str, float]:
+    """Per mode ("sync", "pipeline"): measured / predicted tokens/s of the newest segment of that mode chosen on
+    these same predictions, i.e. how far this calibration is off for that mode (on a 2-core CPU a calibration from
+    a sync segment overrates the pipeline: its roles contend for the cores). A newer calibration, made from a
+    later segment's logs, starts without corrections."""
+    out = {}
+    for s in self.segments:
+      pred = s.predicted.get(s.choice)
+      if s.measured_tokens_per_s and pred and s.predicted == predicted:
+        out[s.choice.split("_")[0]] = s.measured_tokens_per_s / pred
+    return out
+
+
+def corrected(predicted: dict[str, float], corrections: dict[str, float]) -> dict[str, float]:
+  """Each prediction times its mode's correction (jaxrl.controller.auto.AutoLog.corrections; 1 without one)."""
+  return {c: p * corrections.get(c.split("_")[0], 1.0) for c, p in predicted.items()}
+
 
 def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any], Any]],
               segment_records: Callable[[int, int], list[dict]], context: Callable[[], dict]) -> dict[str, Any]:
@@ -188,13 +210,16 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
       choice, length = "sync", c.auto.measure_steps
     else:
       names = [name(x) for x in candidates(c.auto.k_max, c.auto.splits)]
-      choice = choose(predicted, log.measured()) if predicted else explore(names, log.measured())
+      factors = log.corrections(predicted)
+      choice = (choose(corrected(predicted, factors), log.measured()) if predicted
+                else explore(names, log.measured()))
       length = c.auto.recheck_steps
     end = min(done + length, c.num_steps)
     if c.num_steps - end < warmup + 3:  # too short a tail to measure: fold it into this segment
       end = c.num_steps
     cand = next(x for x in candidates(c.auto.k_max, c.auto.splits) if name(x) == choice)
-    seg = Segment(start=done, end=end, choice=choice, predicted=predicted, predicted_step_s=step_pred)
+    seg = Segment(start=done, end=end, choice=choice, predicted=predicted, predicted_step_s=step_pred,
+                  corrections={} if first else factors)
     log.append(seg)
     summary, lengths = run_segment(segment_config(c, cand, end), first, end == c.num_steps)
     before = summary.get("eval_before", before)
@@ -211,8 +236,8 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
         try:
           predicted, step_pred = predict(c, records, sync_lengths or lengths, warmup=warmup,
                                          measured_split=cand[2], **shapes)
-        except ValueError as e:  # e.g. too few steps with decode calls to fit the decode curve
-          seg.no_prediction, predicted, step_pred = str(e), {}, {}
+        except ValueError as e:  # e.g. too few steps with decode calls: the previous predictions stand
+          seg.no_prediction = str(e)
     else:
       seg.measured_tokens_per_s = 0.0  # nothing to measure: recorded as run, never preferred
     log.write()
