@@ -167,11 +167,13 @@ def sampler_engine(c: RunConfig, model_cfg: ModelConfig, mesh, path: Path | None
   return engine
 
 
-def sampler_side(c: RunConfig, roles: Roles, mesh, source, *, task=None, base=None, **overrides) -> SamplerSide:
-  """A sampler replica's parts on `mesh`. source: build.model_source(c); task: (task, prompts, score) when already
-  built (jaxrl.train builds it first, so that bad data fails before any params load), else built here; base and
-  overrides: as sampler_engine's."""
+def sampler_side(c: RunConfig, roles: Roles | None, mesh, source, *, task=None, base=None,
+                 **overrides) -> SamplerSide:
+  """A sampler replica's parts on `mesh`. roles: this process's (None outside a run: jaxrl-generate); source:
+  build.model_source(c); task: (task, prompts, score) when already built (jaxrl.train builds it first, so that bad
+  data fails before any params load), else built here; base and overrides: as sampler_engine's."""
   model_cfg, tokenizer, path = source
   task, prompts, score = task or build_lib.build_task(c, tokenizer, model_cfg)
   engine = sampler_engine(c, model_cfg, mesh, path, base=base, **overrides)
-  return SamplerSide(c, engine, tokenizer, task, prompts, score, compile_rebuilds=roles.multi_process)
+  multi_process = roles is not None and roles.multi_process
+  return SamplerSide(c, engine, tokenizer, task, prompts, score, compile_rebuilds=multi_process)
