@@ -19,6 +19,7 @@ the default handler (the process dies; the others stop as on any failure).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -109,22 +110,39 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
               for rank, mesh in enumerate(replicas)]
   except ValueError as e:
     raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
-  log = TransferLog(store)
-  ferry_args = (topology, store, log, routes, c.sampler.max_len)
+  job = _Job(topology, store, TransferLog(store), routes, prepare, c.sampler.max_len, dump_dir, poll_s)
   if held.learner:
-    return _learner_process(c, workdir, held, source, replicas, store, log, ferry_args, prepare, dump_dir, poll_s)
-  return _sampler_process(c, held, source, replicas, store, log, ferry_args, dump_dir, poll_s)
+    return _learner_process(c, workdir, held, source, replicas, job)
+  return _sampler_process(c, held, source, replicas, job)
 
 
-def _sampler_process(c, held: sides.Roles, source, replicas, store, log, ferry_args, dump_dir,
-                     poll_s) -> SamplerProcess:
-  topology, rank = ferry_args[0], held.sampler_rank
+@dataclasses.dataclass
+class _Job:
+  """What either side of a job is wired with: the store, its transfer log, the weight routes (one per sampler
+  replica) and what the learner applies to a version before it is cut for them."""
+
+  topology: runtime.Topology
+  store: Any
+  log: TransferLog
+  routes: list[WeightRoute]
+  prepare: Any
+  max_len: int
+  dump_dir: Path | None
+  poll_s: float
+
+  def ferry(self, coord: StoreCoordinator, **channels) -> Ferry:
+    return Ferry(self.topology, self.store, self.log, self.routes, self.max_len, coord, dump_dir=self.dump_dir,
+                 **channels)
+
+
+def _sampler_process(c, held: sides.Roles, source, replicas, job: _Job) -> SamplerProcess:
+  rank = held.sampler_rank
   side = sides.sampler_side(c, held, replicas[rank], source)
   spec = build_lib.run_spec(c)
-  coord = StoreCoordinator(store, topology, RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
-                           poll_s=poll_s)
-  outbox = Outbox(store, log, rank, spec.queue_groups, c.sampler.max_len, held.sampler_devices[rank][0], coord.stop,
-                  poll_s)
+  coord = StoreCoordinator(job.store, job.topology, RunRecord(), spec.num_steps, spec.group_size,
+                           spec.max_failures_in_a_row, poll_s=job.poll_s)
+  outbox = Outbox(job.store, job.log, rank, spec.queue_groups, c.sampler.max_len, held.sampler_devices[rank][0],
+                  coord.stop, job.poll_s)
   received = ReceivedWeights()
 
   def make_loop(first):
@@ -137,29 +155,27 @@ def _sampler_process(c, held: sides.Roles, source, replicas, store, log, ferry_a
     def evaluate(params, version):
       return side.evaluate(params, version)[0]
 
-  ferry = Ferry(*ferry_args, coord, outbox=outbox, received=received, dump_dir=dump_dir)
-  return SamplerProcess(make_loop, coord, ferry, received, side.score, evaluate, poll_s)
+  ferry = job.ferry(coord, outbox=outbox, received=received)
+  return SamplerProcess(make_loop, coord, ferry, received, side.score, evaluate, job.poll_s)
 
 
-def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, store, log, ferry_args, prepare,
-                     dump_dir, poll_s) -> LearnerProcess:
-  topology = ferry_args[0]
+def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, job: _Job) -> LearnerProcess:
   mesh = held.learner_mesh(c)
   side = sides.learner_side(c, workdir, held, mesh, source, replicas[0])  # its train step compiled ahead
-  publisher = LearnerPublisher(ferry_args[3], NamedSharding(mesh, P()), log if held.lead else None, dump_dir,
-                               prepare)
+  publisher = LearnerPublisher(job.routes, NamedSharding(mesh, P()), job.log if held.lead else None, job.dump_dir,
+                               job.prepare)
   # Compile what has collectives before running any of it, then start together (learner_side compiled the step).
   publisher.compile(side.state.params)
-  store.barrier("learners_compiled", held.learner_processes)
+  job.store.barrier("learners_compiled", held.learner_processes)
   spec = side.spec
-  coord = StoreCoordinator(store, topology, side.record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
-                           side.resumed_from, poll_s)
-  inbox = Inbox(len(replicas), coord.stop, store if held.lead else None, poll_s)
+  coord = StoreCoordinator(job.store, job.topology, side.record, spec.num_steps, spec.group_size,
+                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s)
+  inbox = Inbox(len(replicas), coord.stop, job.store if held.lead else None, job.poll_s)
   loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
                      coord=coord, num_samplers=len(replicas), checkpointer=side.checkpointer, metrics=side.metrics,
                      trace=side.trace, telemetry=side.telemetry)
-  ferry = Ferry(*ferry_args, coord, inbox=inbox, publisher=publisher, dump_dir=dump_dir)
-  return LearnerProcess(loop, coord, ferry, log)
+  ferry = job.ferry(coord, inbox=inbox, publisher=publisher)
+  return LearnerProcess(loop, coord, ferry, job.log)
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
