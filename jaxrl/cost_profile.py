@@ -290,13 +290,15 @@ def pooled(ms: list[Measurements]) -> Measurements:
 
 
 def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
-  """Profiles a built jaxrl.train.Run (its engine, train step and state) and fits the calibration."""
-  c = run.config
+  """Profiles a built jaxrl.train.Run: the sampler engine and the learner's train step and state of its sides
+  (controller.sides, as every topology builds them), and fits the calibration. The state the steps leave is the
+  learner loop's again."""
+  c, learner, sampler = run.config, run.learner_side, run.sampler_side
   ctl = run.controller.learner_loop
-  prompt_len = len(run.controller.sampler_loop.prompts(0)[0])
-  m, details, ctl.state = profile(run.engine, ctl.train_step, ctl.state, batch_size=ctl.spec.batch_size,
+  prompt_len = len(sampler.prompts(0)[0])
+  m, details, ctl.state = profile(sampler.engine, learner.train_step, ctl.state, batch_size=learner.spec.batch_size,
                                   seq_len=c.rl.seq_len, group_size=c.rl.group_size, prompt_len=prompt_len,
-                                  learner_devices=run.meshes.learner.size, **kw)
+                                  learner_devices=learner.mesh.size, **kw)
   details["prompt_len"] = prompt_len
   return fit_calibration(m), details
 

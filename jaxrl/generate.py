@@ -177,22 +177,37 @@ def _from_config(c):
   return c, policy, sizes, sampling, _setting(_MAX_TOKENS, s.max_new_tokens), _setting(_SEED, c.seed)
 
 
-def _evaluate(c, policy, engine) -> None:
-  """The config's task on its held-out examples, greedy and scored, as jaxrl-train evaluates."""
-  from jaxrl.controller.data import evaluate_policy, make_prompt_source, make_scorer
+def _sampler_params(policy):
+  """(what the sampler places, a LoRA policy's frozen base or None): a run's sampler holds a LoRA base once and
+  places the adapters on it (controller.sides.sampler_engine); the merged policy it makes is the same."""
+  if policy.model_cfg.lora is None:
+    return policy.params, None
+  from jaxrl.models import lora
 
-  task, _ = make_prompt_source(c.task, c.seed, policy.tokenizer, policy.model_cfg)
+  return lora.split(policy.params)
+
+
+def _evaluate(c, policy, mesh, sizes) -> None:
+  """The config's task on its held-out examples, greedy and scored, by the sampler side jaxrl-train evaluates with
+  (controller.sides), its engine sized as flagged."""
+  from jaxrl import config as config_lib
+  from jaxrl.controller import sides
+
   num = _NUM_EXAMPLES.value if _NUM_EXAMPLES.value is not None else (c.eval.num_examples or 64)
   if num < 1:
     raise app.UsageError(f"--num_examples must be >= 1 (got {num})")
-  score = make_scorer(c.task, task, policy.tokenizer)
+  c = config_lib.replace(c, eval__num_examples=num, eval__max_new_tokens=_setting(_MAX_TOKENS, c.eval.max_new_tokens))
+  params, base = _sampler_params(policy)
+  try:
+    side = sides.sampler_side(c, None, mesh, (policy.model_cfg, policy.tokenizer, policy.source_dir), base=base,
+                              **sizes)
+  except config_lib.ConfigError as e:
+    _fail(str(e))
   start = time.perf_counter()
   try:
-    summary, rollouts = evaluate_policy(engine, task, score, policy.params, policy.version, num_examples=num,
-                                        max_new_tokens=_setting(_MAX_TOKENS, c.eval.max_new_tokens), seed=c.seed,
-                                        detokenize=policy.tokenizer.decode if policy.tokenizer else None)
+    summary, rollouts = side.evaluate(params, policy.version)
   finally:
-    score.close()
+    side.score.close()
   out = _open_output()
   try:
     for r in rollouts:
@@ -235,15 +250,16 @@ def main(argv):
   if len(devices) % _TENSOR.value:
     raise app.UsageError(f"--tensor={_TENSOR.value} does not divide the {len(devices)} devices")
   mesh = make_mesh({"data": len(devices) // _TENSOR.value, "tensor": _TENSOR.value}, devices)
+  if c is not None and prompts is None:
+    _evaluate(c, policy, mesh, sizes)
+    return
   if c is None:
     engine = make_engine(cfg, mesh, **sizes)
-  else:  # the run's own engine: its KV layout (sampler.kv, pages), dtype and attention, sizes as flagged
-    from jaxrl.controller.build import build_engine
+  else:  # the run's own sampler engine: its KV layout (sampler.kv, pages), dtype and attention, sizes as flagged
+    from jaxrl.controller import sides
 
-    engine = build_engine(c, cfg, mesh, **sizes)
-  if c is not None and prompts is None:
-    _evaluate(c, policy, engine)
-    return
+    params, base = _sampler_params(policy)
+    engine = sides.sampler_engine(c, cfg, mesh, policy.source_dir, base=base, **sizes)
   eos = set(cfg.eos_token_ids)
   if tokenizer is not None and tokenizer.eos_token_id is not None:
     eos.add(tokenizer.eos_token_id)

@@ -22,11 +22,11 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, sharding, telemetry
+from jaxrl import hostmem, sharding
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import build as build_lib
+from jaxrl.controller import sides
 from jaxrl.controller import summary as summary_lib
-from jaxrl.controller.data import evaluate
 from jaxrl.controller.local import LocalController
 from jaxrl.controller.weights import WeightPublisher
 from jaxrl.metrics import MetricsWriter, TraceWriter
@@ -51,44 +51,37 @@ class Run:
   task: Any
   resumed_from: int | None
   trace: TraceWriter | None = None
+  learner_side: sides.LearnerSide | None = None  # the parts above, as controller.sides built them
+  sampler_side: sides.SamplerSide | None = None
 
 
 def build(c, workdir: str | Path) -> Run:
   """The run of config c (an ml_collections config or a RunConfig, validated here against this host's devices): from
-  here on every piece gets the typed RunConfig, or its own section of it."""
+  here on every piece gets the typed RunConfig, or its own section of it. This process holds both sides of the run
+  (controller.sides), joined by the in-process channels of a LocalController."""
   workdir = Path(workdir)
   c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))
   config_lib.validate_data_files(c)
-  model_cfg, tokenizer, path = build_lib.model_source(c)
-  task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
+  source = build_lib.model_source(c)
+  model_cfg, tokenizer, _ = source
+  task = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
-  meshes = sharding.split_mesh(c.mesh.sampler_devices, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(),
-                               devices)
-  spec = build_lib.run_spec(c, build_lib.rows_unit(meshes.learner))
-  learner = build_lib.build_learner(c, meshes.learner, model_cfg, path, spec)
-  checkpointer = build_lib.open_checkpointer(c, workdir)
-  state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
-  resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
-  train_step = learner.train_step
-  if c.rl.compile_ahead:
-    train_step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed))
-
-  engine = build_lib.build_engine(c, learner.model_config, meshes.sampler)
-  if state.frozen is not None:  # LoRA: the sampler holds the base once; publishes move the adapters
-    engine.hold_base(state.frozen)
-  sampler = build_lib.build_sampler(c, engine, state.params, int(jax.device_get(state.version)), tokenizer)
-  metrics = build_lib.open_metrics(c, workdir, resumed_from)
-  trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
+  roles = sides.Roles.single(c, devices)
+  meshes = sharding.SplitMeshes(learner=roles.learner_mesh(c), sampler=roles.sampler_meshes(c)[0])
+  learner = sides.learner_side(c, workdir, roles, meshes.learner, source, meshes.sampler)
+  state = learner.state
+  # LoRA: the sampler holds the learner's base once; publishes move the adapters
+  sampler = sides.sampler_side(c, roles, meshes.sampler, source, task=task, base=state.frozen)
+  engine = sampler.engine
   publisher = WeightPublisher(engine.publish_shardings, engine.dtype, weight_dtype=engine.weight_dtype)
-  roofline = None
-  if c.log.telemetry:
-    roofline = telemetry.for_run(c, learner.model_config, learner_devices=meshes.learner.size,
-                                 sampler_devices=meshes.sampler.size, sampler_dtype=engine.dtype)
-  controller = LocalController(spec, sampler=sampler, train_step=train_step, state=state, publisher=publisher,
-                        prompts=prompts, score=score, record=record, checkpointer=checkpointer, metrics=metrics,
-                        trace=trace, resumed_from=resumed_from, telemetry=roofline)
-  return Run(c, workdir, meshes, learner.model_config, learner.graphdef, tokenizer, engine, controller, checkpointer,
-             metrics, task, resumed_from, trace)
+  controller = LocalController(learner.spec, sampler=sampler.sampler(state.params, int(jax.device_get(state.version))),
+                               train_step=learner.train_step, state=state, publisher=publisher,
+                               prompts=sampler.prompts, score=sampler.score, record=learner.record,
+                               checkpointer=learner.checkpointer, metrics=learner.metrics, trace=learner.trace,
+                               resumed_from=learner.resumed_from, telemetry=learner.telemetry)
+  return Run(c, workdir, meshes, learner.learner.model_config, learner.learner.graphdef, tokenizer, engine,
+             controller, learner.checkpointer, learner.metrics, sampler.task, learner.resumed_from, learner.trace,
+             learner, sampler)
 
 
 def _close(run, *, score: bool) -> None:
@@ -134,7 +127,7 @@ def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evalua
   evals = {}
   try:
     if evaluate_before and c.eval.num_examples and run.resumed_from is None:
-      evals["eval_before"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
+      evals["eval_before"] = run.sampler_side.evaluate(ctl.learner_loop.state.params, ctl.version)[0]
   except BaseException:  # (e.g. a task with fewer held-out examples than asked) nothing ran: close what was opened
     _close(run, score=True)
     raise
@@ -152,7 +145,7 @@ def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evalua
     _close(run, score=not (finished and evaluate_after))  # a failed run closes its reward workers too
   train_seconds = time.perf_counter() - t0
   if finished and evaluate_after:
-    evals["eval_after"] = evaluate(run, ctl.learner_loop.state.params, ctl.version)
+    evals["eval_after"] = run.sampler_side.evaluate(ctl.learner_loop.state.params, ctl.version)[0]
     ctl.sampler_loop.score.close()
   summary = summary_lib.run_summary(c.mode, version=ctl.version, ledger=ctl.ledger.to_json(),
                                     staleness=ctl.learner_loop.trained_staleness,

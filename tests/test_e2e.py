@@ -180,6 +180,28 @@ def test_generate_with_a_config_uses_the_runs_sampler_engine(monkeypatch, tmp_pa
   assert len(row["completion_tokens"]) == 4
 
 
+def test_generate_holds_a_lora_policys_base_as_a_runs_sampler_and_generates_as_the_merged_policy(monkeypatch,
+                                                                                                   tmp_path):
+  """jaxrl-generate --config builds the run's sampler engine (controller.sides): a LoRA policy's base held once, its
+  adapters placed on it. The samples equal those of the merged policy placed whole on a plain engine."""
+  from jaxrl import generate
+  from jaxrl.controller import build, sides
+
+  built, real = [], build.build_engine
+  monkeypatch.setattr(build, "build_engine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+  argv = [f"--config={REPO / 'configs' / 'tiny.py'}", "--config.model.lora.enabled=True", "--config.model.lora.rank=4",
+          "--prompt_ids=3,4,5", "--prompt_ids=7,8", "--n=2", "--max_tokens=6", "--temperature=0.7"]
+  _cli(generate.main, [*argv, f"--output={tmp_path / 'held.jsonl'}"])
+  (engine,) = built
+  assert engine.base is not None  # the base, held once
+  monkeypatch.setattr(generate, "_sampler_params", lambda policy: (policy.params, None))
+  monkeypatch.setattr(sides, "sampler_engine", lambda c, cfg, mesh, path, base, **kw: real(c, cfg, mesh, **kw))
+  _cli(generate.main, [*argv, f"--output={tmp_path / 'merged.jsonl'}"])
+  held, merged = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+                  for n in ("held", "merged"))
+  assert len(held) == 4 and held == merged
+
+
 def _params(workdir):
   from jaxrl.checkpoint import Checkpointer
 

@@ -108,14 +108,6 @@ def make_scorer(t: settings.Task, task, tokenizer) -> Scorer:
   return Scorer(t, task, tokenizer)
 
 
-def evaluate(run, params, version: int) -> dict[str, float]:
-  """Greedy completions of the first c.eval.num_examples held-out examples: mean reward and accuracy."""
-  c = run.config
-  return evaluate_policy(run.engine, run.task, run.controller.sampler_loop.score, params, version,
-                         num_examples=c.eval.num_examples, max_new_tokens=c.eval.max_new_tokens, seed=c.seed,
-                         detokenize=run.controller.sampler_loop.sampler.detokenize)[0]
-
-
 def evaluate_policy(engine, task, score, params, version: int, *, num_examples: int, max_new_tokens: int,
                     seed: int = 0, eos_token_ids=None, detokenize=None) -> tuple[dict[str, float], list[Rollout]]:
   """(summary, rollouts): greedy completions of the task's first `num_examples` held-out examples, scored.

@@ -19,6 +19,7 @@ the default handler (the process dies; the others stop as on any failure).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -34,11 +35,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
-from jaxrl import settings, sharding, telemetry
+from jaxrl import settings, sharding
 from jaxrl.checkpoint import IntegrityError
 from jaxrl.controller import build as build_lib
+from jaxrl.controller import sides
 from jaxrl.controller import summary as summary_lib
-from jaxrl.controller.data import evaluate_policy
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.controller.spec import RunRecord
@@ -55,8 +56,6 @@ from jaxrl.distributed.channels import (
 from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
-from jaxrl.learner import batch_shardings
-from jaxrl.metrics import TraceWriter
 from jaxrl.models import hf, lora, quant
 from jaxrl.sampler.slot_engine import compute_dtype_name
 
@@ -79,20 +78,30 @@ def _sampler_shardings(s: settings.Sampler, abstract, mesh):
 EXIT_FAILED = 1  # this process failed (its traceback is printed above the one-line reason)
 
 
+def roles(topology: runtime.Topology) -> sides.Roles:
+  """The side of the run this process of the job holds (controller.sides): the learner (its share of the learner
+  mesh) or one sampler replica."""
+  sampler = topology.role == "sampler"
+  return sides.Roles(topology.learner_devices, topology.sampler_devices, learner=not sampler,
+                     sampler_rank=topology.sampler_rank if sampler else None,
+                     learner_processes=topology.learner_processes, lead=topology.process_id == topology.lead)
+
+
 def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
           poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
-  """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task)."""
+  """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task), each
+  made by the side builders every topology uses (controller.sides), joined by the store's channels."""
   workdir = Path(workdir)
-  lead = topology.process_id == topology.lead
+  held = roles(topology)
   # A config, or a RunConfig checked again here; the typed RunConfig from here on. One writer probes workdir.
-  c = config_lib.validate(c, workdir if lead else None, num_devices=len(jax.devices()))
+  c = config_lib.validate(c, workdir if held.lead else None, num_devices=len(jax.devices()))
   config_lib.validate_job(c, topology.devices_per_process())
-  model_cfg, tokenizer, path = build_lib.model_source(c)
+  source = build_lib.model_source(c)
+  model_cfg = source[0]
   abstract = hf.abstract_params(model_cfg)[1]
   if model_cfg.lora is not None:  # a publish moves the adapters alone; each sampler holds the base
     abstract = lora.split(abstract)[0]
-  replicas = [sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices) for devices in topology.sampler_devices]
-  num_samplers = len(replicas)
+  replicas = held.sampler_meshes(c)
   # An int8 sampler gets int8 bytes: the learner quantizes each version once, before it is cut and sent
   prepare, sent = sampler_weights(c.sampler, abstract, model_cfg, replicas[0])
   try:
@@ -101,74 +110,72 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
               for rank, mesh in enumerate(replicas)]
   except ValueError as e:
     raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
+  job = _Job(topology, store, TransferLog(store), routes, prepare, c.sampler.max_len, dump_dir, poll_s)
+  if held.learner:
+    return _learner_process(c, workdir, held, source, replicas, job)
+  return _sampler_process(c, held, source, replicas, job)
+
+
+@dataclasses.dataclass
+class _Job:
+  """What either side of a job is wired with: the store, its transfer log, the weight routes (one per sampler
+  replica) and what the learner applies to a version before it is cut for them."""
+
+  topology: runtime.Topology
+  store: Any
+  log: TransferLog
+  routes: list[WeightRoute]
+  prepare: Any
+  max_len: int
+  dump_dir: Path | None
+  poll_s: float
+
+  def ferry(self, coord: StoreCoordinator, **channels) -> Ferry:
+    return Ferry(self.topology, self.store, self.log, self.routes, self.max_len, coord, dump_dir=self.dump_dir,
+                 **channels)
+
+
+def _sampler_process(c, held: sides.Roles, source, replicas, job: _Job) -> SamplerProcess:
+  rank = held.sampler_rank
+  side = sides.sampler_side(c, held, replicas[rank], source)
   spec = build_lib.run_spec(c)
-  log = TransferLog(store)
-  ferry_args = (topology, store, log, routes, c.sampler.max_len)
+  coord = StoreCoordinator(job.store, job.topology, RunRecord(), spec.num_steps, spec.group_size,
+                           spec.max_failures_in_a_row, poll_s=job.poll_s)
+  outbox = Outbox(job.store, job.log, rank, spec.queue_groups, c.sampler.max_len, held.sampler_devices[rank][0],
+                  coord.stop, job.poll_s)
+  received = ReceivedWeights()
 
-  if topology.role == "sampler":
-    task, prompts, score = build_lib.build_task(c, tokenizer, model_cfg)
-    rank = topology.sampler_rank
-    engine = build_lib.build_engine(c, model_cfg, replicas[rank])
-    if model_cfg.lora is not None:
-      shardings_fn = lambda params: sharding.param_shardings(params, replicas[rank], sharding.SAMPLER_RULES)
-      engine.hold_base(lora.split(build_lib.base_params(c, model_cfg, path, shardings_fn)[2])[1])
-    coord = StoreCoordinator(store, topology, RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
-                             poll_s=poll_s)
-    outbox = Outbox(store, log, rank, spec.queue_groups, c.sampler.max_len, topology.sampler_devices[rank][0],
-                    coord.stop, poll_s)
-    received = ReceivedWeights()
+  def make_loop(first):
+    return SamplerLoop(spec, sampler=side.sampler(first.params, first.version), prompts=side.prompts,
+                       score=side.score, rollouts=outbox, weights=received, coord=coord, num_samplers=len(replicas))
 
-    def make_loop(first):
-      if spec.max_staleness and c.sampler.on_update == "recompute" and engine.kv == "dense":
-        build_lib.compile_rebuilds(engine, engine.place(first.params, first.version))
-      sampler = build_lib.build_sampler(c, engine, first.params, first.version, tokenizer)
-      return SamplerLoop(spec, sampler=sampler, prompts=prompts, score=score, rollouts=outbox, weights=received,
-                         coord=coord, num_samplers=num_samplers)
+  evaluate = None
+  if c.eval.num_examples and rank == 0:  # the first replica scores the held-out examples
 
-    evaluate = None
-    if c.eval.num_examples and topology.sampler_rank == 0:  # the first replica scores the held-out examples
+    def evaluate(params, version):
+      return side.evaluate(params, version)[0]
 
-      def evaluate(params, version):
-        return evaluate_policy(engine, task, score, params, version, num_examples=c.eval.num_examples,
-                               max_new_tokens=c.eval.max_new_tokens, seed=c.seed)[0]
+  ferry = job.ferry(coord, outbox=outbox, received=received)
+  return SamplerProcess(make_loop, coord, ferry, received, side.score, evaluate, job.poll_s)
 
-    ferry = Ferry(*ferry_args, coord, outbox=outbox, received=received, dump_dir=dump_dir)
-    return SamplerProcess(make_loop, coord, ferry, received, score, evaluate, poll_s)
 
-  learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), topology.learner_devices)
-  spec = build_lib.run_spec(c, build_lib.rows_unit(learner_mesh))  # the learner's packed row buckets
-  learner = build_lib.build_learner(c, learner_mesh, model_cfg, path, spec)
-  train_step = learner.train_step
-  # Every learner process saves its own shards (the lead also the run record); the samplers hold no state.
-  checkpointer = build_lib.open_checkpointer(c, workdir, processes=topology.learner_processes, primary=topology.lead)
-  state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
-  resumed = checkpointer.restored_step  # the newest checkpoint that verifies
-  batch_sh = batch_shardings(learner.batch_sharding)
-
-  publisher = LearnerPublisher(routes, NamedSharding(learner_mesh, P()), log if lead else None, dump_dir, prepare)
-  # Compile what has collectives before running any of it, then start together: gloo gives up on a peer that
-  # reaches the first collective 30 s late (e.g. still compiling while the other process found a cached binary).
-  key = jax.random.fold_in(jax.random.key(c.seed), 0)
-  # Every learner process holds the whole (identical) numpy batch; device_put keeps each one's rows.
-  step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, key, lambda b: jax.device_put(b, batch_sh))
-  publisher.compile(state.params)
-  store.barrier("learners_compiled", topology.learner_processes)
-  metrics = trace = roofline = None
-  if lead:  # the lead learner's loop sees every step, drop and checkpoint of the job
-    metrics = build_lib.open_metrics(c, workdir, resumed)
-    trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
-    if c.log.telemetry:  # rates per replica: the summed counters over the summed busy time
-      sampler_dtype = compute_dtype_name(c.sampler.dtype, model_cfg, replicas[0])
-      roofline = telemetry.for_run(c, learner.model_config, learner_devices=learner_mesh.size,
-                                   sampler_devices=replicas[0].size, sampler_dtype=sampler_dtype)
-  coord = StoreCoordinator(store, topology, record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
-                           resumed, poll_s)
-  inbox = Inbox(num_samplers, coord.stop, store if lead else None, poll_s)
-  loop = LearnerLoop(spec, train_step=step, state=state, rollouts=inbox, weights=publisher, coord=coord,
-                     num_samplers=num_samplers, checkpointer=checkpointer, metrics=metrics, trace=trace,
-                     telemetry=roofline)
-  ferry = Ferry(*ferry_args, coord, inbox=inbox, publisher=publisher, dump_dir=dump_dir)
-  return LearnerProcess(loop, coord, ferry, log)
+def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, job: _Job) -> LearnerProcess:
+  mesh = held.learner_mesh(c)
+  side = sides.learner_side(c, workdir, held, mesh, source, replicas[0])  # its train step compiled ahead
+  publisher = LearnerPublisher(job.routes, NamedSharding(mesh, P()), job.log if held.lead else None, job.dump_dir,
+                               job.prepare)
+  # Compile what has collectives before running any of it, then start together (learner_side compiled the step).
+  publisher.compile(side.state.params)
+  job.store.barrier("learners_compiled", held.learner_processes)
+  spec = side.spec
+  coord = StoreCoordinator(job.store, job.topology, side.record, spec.num_steps, spec.group_size,
+                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s)
+  inbox = Inbox(len(replicas), coord.stop, job.store if held.lead else None, job.poll_s)
+  loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
+                     coord=coord, num_samplers=len(replicas), checkpointer=side.checkpointer, metrics=side.metrics,
+                     trace=side.trace, telemetry=side.telemetry)
+  ferry = job.ferry(coord, inbox=inbox, publisher=publisher)
+  return LearnerProcess(loop, coord, ferry, job.log)
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
