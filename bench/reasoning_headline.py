@@ -8,7 +8,8 @@ config and seed, held-out evaluation off; seconds per trained token and per step
       --out=bench/results/reasoning_headline_long.json      # 256 tokens to think; mode=auto beside the fixed modes
 
 --auto also runs mode=auto through the launcher (bench/headline.py: sync segments colocated, pipeline segments as
-two processes), with a measuring segment of 5 steps and re-check segments of 4; it is reported after its measuring segment.
+two processes), with a measuring segment of 5 steps and re-check segments of 4; reported after its measuring
+segment.
 """
 
 from __future__ import annotations
