@@ -73,15 +73,21 @@ class _FakeRun:
     return [{"step": s, "time": s / rate, "completion_len": 1.0} for s in range(start + 1, end + 1)]
 
 
+NO_FIT = ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
+
+
 def _supervise(c, fake, workdir, monkeypatch):
   """auto.supervise over the fake run; its predictions: fake.predicted, or the i-th of a list at the i-th call (the
-  last one from then on)."""
+  last one from then on), where an exception is raised (a calibration that fails)."""
   calls = []
 
   def predict(*a, **k):
     calls.append(1)
     given = fake.predicted
-    return dict(given[min(len(calls), len(given)) - 1] if isinstance(given, list) else given), {}
+    given = given[min(len(calls), len(given)) - 1] if isinstance(given, list) else given
+    if isinstance(given, Exception):
+      raise given
+    return dict(given), {}
 
   monkeypatch.setattr(auto, "measure", lambda rs, batch, warmup: (1.0 / (rs[1]["time"] - rs[0]["time"]), 1.0))
   monkeypatch.setattr(auto, "predict", predict)
@@ -116,22 +122,12 @@ def test_a_segment_that_cannot_calibrate_the_model_is_followed_by_measuring_an_u
   c = tiny.get_config()
   c.mode, c.num_steps = "auto", 24
   c.auto.measure_steps, c.auto.recheck_steps = 4, 4
-  fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1": 8.0, "pipeline_k2": 12.0},
-                  {"sync": 10.0, "pipeline_k1": 9.0, "pipeline_k2": 14.0})
-  calls = []
-
-  def predict(*a, **k):
-    calls.append(fake.segments[-1][0])
-    if len(calls) == 1:
-      raise ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
-    return dict(fake.predicted), {}
-
-  monkeypatch.setattr(auto, "measure", lambda rs, batch, warmup: (1.0 / (rs[1]["time"] - rs[0]["time"]), 1.0))
-  monkeypatch.setattr(auto, "predict", predict)
-  summary = auto.supervise(c, tmp_path, fake.run_segment, fake.records, lambda: {})
+  predicted = {"sync": 10.0, "pipeline_k1": 9.0, "pipeline_k2": 14.0}
+  fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1": 8.0, "pipeline_k2": 12.0}, [NO_FIT, predicted])
+  summary = _supervise(c, fake, tmp_path, monkeypatch)
   assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k1"] + ["pipeline_k2"] * 4
   assert "decode calls" in summary["auto"][0]["no_prediction"] and summary["auto"][1]["predicted"] == {}
-  assert not summary["auto"][1]["no_prediction"] and summary["auto"][2]["predicted"] == fake.predicted
+  assert not summary["auto"][1]["no_prediction"] and summary["auto"][2]["predicted"] == predicted
   assert auto.explore(["sync", "pipeline_k1"], {"sync": 3.0, "pipeline_k1": 5.0}) == "pipeline_k1"
 
 
@@ -142,23 +138,13 @@ def test_a_model_that_overrated_the_pipeline_is_corrected_for_its_other_candidat
   c = tiny.get_config()
   c.mode, c.num_steps = "auto", 17
   c.auto.measure_steps, c.auto.recheck_steps = 5, 4
-  fake = _FakeRun(c, {"sync": 24.6, "pipeline_k1": 20.3, "pipeline_k2": 21.2},
-                  {"sync": 17.0, "pipeline_k1": 25.0, "pipeline_k2": 27.0})
-  calls = []
-
-  def predict(*a, **k):
-    calls.append(1)
-    if len(calls) > 1:
-      raise ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
-    return dict(fake.predicted), {}
-
-  monkeypatch.setattr(auto, "measure", lambda rs, batch, warmup: (1.0 / (rs[1]["time"] - rs[0]["time"]), 1.0))
-  monkeypatch.setattr(auto, "predict", predict)
-  summary = auto.supervise(c, tmp_path, fake.run_segment, fake.records, lambda: {})
+  predicted = {"sync": 17.0, "pipeline_k1": 25.0, "pipeline_k2": 27.0}
+  fake = _FakeRun(c, {"sync": 24.6, "pipeline_k1": 20.3, "pipeline_k2": 21.2}, [predicted, NO_FIT])
+  summary = _supervise(c, fake, tmp_path, monkeypatch)
   assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k2", "sync", "sync"]
   assert summary["auto"][2]["corrections"] == {"pipeline": pytest.approx(21.2 / 27.0)}
   assert auto.AutoLog(tmp_path).corrections({"sync": 1.0}) == {}  # other predictions: no correction
-  assert summary["auto"][2]["predicted"] == fake.predicted  # the failed calibration left the previous predictions
+  assert summary["auto"][2]["predicted"] == predicted  # the failed calibration left the previous predictions
   assert auto.corrected({"sync": 17.0, "pipeline_k1": 25.0}, {"pipeline": 0.5}) == {"sync": 17.0, "pipeline_k1": 12.5}
 
 
