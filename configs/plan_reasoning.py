@@ -5,17 +5,18 @@ completion lengths.
   jaxrl-plan --config=configs/plan_reasoning.py --outdir=/tmp/jaxrl-plan-reasoning          # 8 x H100, roofline
   jaxrl-plan --config=configs/plan_reasoning.py:batch16 --outdir=/tmp/jaxrl-plan-reasoning  # the CPU run's batch
 
-The lengths are a lognormal fit (median and sigma of log length, capped at 256) of the completions the sync run of
-bench/reasoning_headline.py --variant=long trained (docs/BENCHMARKS.md, "The headline table"): replace them with
-your own run's (`jaxrl-profile --from-run`) for a plan of your workload.
+The lengths are a lognormal fit (capped at 256) of the completions the long variant trained on this CPU (below);
+replace them with your own run's for a plan of your workload. The learner and sampler costs are the roofline
+defaults of jaxrl/sim/plan_config.py for H100 (not calibrated on a GPU: no accelerator was lent when this was made).
 """
 
 import ml_collections
 
 from jaxrl.sim import plan_config
 
-# Lognormal fit of the long variant's sync run (bench/results/reasoning_headline_long.json, completion lengths)
-MEDIAN, SIGMA = 60.0, 0.6
+# Lognormal fit of the 80 completions the auto run's sync segment of bench/reasoning_headline.py --variant=long trained
+# (2026-12-06: median 44, mean 56, max 256 tokens)
+MEDIAN, SIGMA = 44.0, 0.82
 
 
 def get_config(arg: str | None = None):

@@ -212,3 +212,14 @@ def test_plan_cli_prints_the_published_comparison(tmp_path):
   out = subprocess.run([sys.executable, "-m", "jaxrl.sim.plan", config, f"--outdir={tmp_path}"], capture_output=True,
                        text=True, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
   assert "published (verl recipe/fully_async_policy/README.md, Qwen2.5-Math-7B on 64 H20): sync 365.3 s/step" in out
+
+
+def test_the_reasoning_workload_on_h100s_is_generation_bound_and_the_plan_says_pipeline():
+  """configs/plan_reasoning.py (SmolLM2-135M, the long reasoning variant's lengths, roofline H100 costs): unlike the
+  2-core CPU, where the learner costs ~2x the sampler per step, the learner idles and the pipeline's overlap pays."""
+  p = run_plan(build(load_config("plan_reasoning", "batch16")))
+  rec = p.recommended
+  assert rec.mode == "pipeline" and rec.ratio > 1.5 and rec.row.max_staleness == 2
+  assert p.sync[16].learner_idle_frac > 0.9  # generation-bound: the learner waits
+  with pytest.raises(ValueError, match="unknown argument 'x'"):
+    load_config("plan_reasoning", "x")
