@@ -107,7 +107,8 @@ def after_measuring(c, workdir: Path, records: list[dict], batch: int) -> dict[s
               choices=[(seg["start"], seg["end"], seg["choice"]) for seg in segments])
 
 
-def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_auto: bool = False) -> dict[str, Any]:
+def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_auto: bool = False,
+                  fill: bool = True) -> dict[str, Any]:
   config = f"{ROOT / 'configs' / 'bench_headline.py'}:{workload}"
   c = _load(workload)
   warmup, rounds = c.bench.warmup_steps, rounds or c.bench.rounds
@@ -115,7 +116,7 @@ def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_
   out: dict[str, Any] = dict(workload=workload, config=config, rounds=[], load_before=os.getloadavg())
   modes = (*MODES, AUTO) if with_auto else MODES
   steps = {m: c.num_steps for m in MODES} | {AUTO: c.bench.get("auto_steps", c.num_steps)}
-  for mode in modes:  # fills the compilation cache (untimed)
+  for mode in modes if fill else ():  # fills the compilation cache (untimed)
     out[f"{mode}_cache_fill_s"] = run(mode, config, scratch / f"fill-{mode}", steps[mode], cache)
   for i in range(rounds):
     order = modes if i % 2 == 0 else modes[::-1]  # neither mode always runs first
@@ -200,6 +201,8 @@ def main(argv=None):
   flags.DEFINE_integer("rounds", 0, "rounds of both modes (0: the config's bench.rounds)")
   flags.DEFINE_bool("auto", False, "also run mode=auto each round (through the launcher: sync segments colocated, "
                     "pipeline segments as two processes)")
+  flags.DEFINE_bool("fill", True, "run each mode once untimed first, to fill the compilation cache (--nofill: --keep's "
+                    "folder holds a filled one)")
   flags.DEFINE_string("keep", "", "a folder for the runs' workdirs, kept afterwards (default: a temporary one)")
 
   def _main(argv):
@@ -208,10 +211,10 @@ def main(argv=None):
     fl = flags.FLAGS
     if fl.keep:
       Path(fl.keep).mkdir(parents=True, exist_ok=True)
-      out = run_benchmark(fl.workload, Path(fl.keep), fl.rounds or None, fl.auto)
+      out = run_benchmark(fl.workload, Path(fl.keep), fl.rounds or None, fl.auto, fl.fill)
     else:
       with tempfile.TemporaryDirectory(prefix="jaxrl-headline-") as scratch:
-        out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None, fl.auto)
+        out = run_benchmark(fl.workload, Path(scratch), fl.rounds or None, fl.auto, fl.fill)
     print(report(out))
     write_json(fl.out, out)
 
