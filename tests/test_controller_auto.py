@@ -73,6 +73,15 @@ class _FakeRun:
     return [{"step": s, "time": s / rate, "completion_len": 1.0} for s in range(start + 1, end + 1)]
 
 
+def _auto_config(**auto_fields):
+  """configs/tiny.py in mode="auto" with num_steps and auto.* fields (keyword names without the section)."""
+  c = tiny.get_config()
+  c.mode, c.num_steps = "auto", auto_fields.pop("num_steps")
+  for k, v in auto_fields.items():
+    c.auto[k] = v
+  return c
+
+
 NO_FIT = ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
 
 
@@ -95,9 +104,7 @@ def _supervise(c, fake, workdir, monkeypatch):
 
 
 def test_supervisor_segments_follow_measurements(tmp_path, monkeypatch):
-  c = tiny.get_config()
-  c.mode, c.num_steps = "auto", 30
-  c.auto.measure_steps, c.auto.recheck_steps = 5, 6
+  c = _auto_config(num_steps=30, measure_steps=5, recheck_steps=6)
   # The model overrates k1; recalibrated on k1's own logs it predicts k2 above sync; measured, k2 is best
   fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1": 8.0, "pipeline_k2": 12.0},
                   [{"sync": 10.0, "pipeline_k1": 20.0, "pipeline_k2": 15.0},
@@ -119,9 +126,7 @@ def test_a_segment_that_cannot_calibrate_the_model_is_followed_by_measuring_an_u
   """A calibration that fails (a short segment's logs: too few steps with decode calls) ends no run: the reason is
   logged with the segment and the next segment measures the first candidate not measured yet; once the model
   calibrates again, its predictions decide."""
-  c = tiny.get_config()
-  c.mode, c.num_steps = "auto", 24
-  c.auto.measure_steps, c.auto.recheck_steps = 4, 4
+  c = _auto_config(num_steps=24, measure_steps=4, recheck_steps=4)
   predicted = {"sync": 10.0, "pipeline_k1": 9.0, "pipeline_k2": 14.0}
   fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1": 8.0, "pipeline_k2": 12.0}, [NO_FIT, predicted])
   summary = _supervise(c, fake, tmp_path, monkeypatch)
@@ -135,9 +140,7 @@ def test_a_model_that_overrated_the_pipeline_is_corrected_for_its_other_candidat
   """SmolLM2 on this box (bench/headline.py --auto, smollm2): sync measured 24.6 tokens/s, the model predicted the
   pipeline at 25 (k1) and 27 (k2); k2 measured 21.2 (0.79 of its prediction) and the next calibration failed. k1's
   prediction times the pipeline's correction (19.6) loses to sync's measurement: sync, not another pipeline try."""
-  c = tiny.get_config()
-  c.mode, c.num_steps = "auto", 17
-  c.auto.measure_steps, c.auto.recheck_steps = 5, 4
+  c = _auto_config(num_steps=17, measure_steps=5, recheck_steps=4)
   predicted = {"sync": 17.0, "pipeline_k1": 25.0, "pipeline_k2": 27.0}
   fake = _FakeRun(c, {"sync": 24.6, "pipeline_k1": 20.3, "pipeline_k2": 21.2}, [predicted, NO_FIT])
   summary = _supervise(c, fake, tmp_path, monkeypatch)
@@ -149,9 +152,7 @@ def test_a_model_that_overrated_the_pipeline_is_corrected_for_its_other_candidat
 
 
 def test_a_stopped_auto_run_resumes_its_cut_segment(tmp_path, monkeypatch):
-  c = tiny.get_config()
-  c.mode, c.num_steps = "auto", 20
-  c.auto.measure_steps, c.auto.recheck_steps = 5, 8
+  c = _auto_config(num_steps=20, measure_steps=5, recheck_steps=8)
   rates = {"sync": 10.0, "pipeline_k1": 20.0, "pipeline_k2": 5.0}
   fake = _FakeRun(c, rates, dict(rates), stop_at=5)
   summary = _supervise(c, fake, tmp_path, monkeypatch)
