@@ -224,7 +224,8 @@ def train_step_batches(spec: RunSpec, seq_len: int) -> list:
 
 
 def _shapes(batch) -> tuple:
-  return tuple((np.shape(x), np.result_type(x).str) for x in jax.tree.leaves(batch))
+  dtype = lambda x: np.dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))  # an array's, or a scalar's
+  return tuple((np.shape(x), dtype(x).str) for x in jax.tree.leaves(batch))
 
 
 class CompiledSteps:
