@@ -53,9 +53,11 @@ def command(mode: str, config: str, workdir: Path, steps: int) -> tuple[list[str
           "--cpu_affinity=split", "--timeout_s=1800", "--", *flags, *mode_flag], {}
 
 
-def run(mode: str, config: str, workdir: Path, steps: int, cache: Path) -> float:
-  """Runs one job to the end; returns its wall seconds (start-up and compilation included)."""
+def run(mode: str, config: str, workdir: Path, steps: int, cache: Path, extra: tuple[str, ...] = ()) -> float:
+  """Runs one job to the end (`extra`: more flags for its processes); returns its wall seconds (start-up and
+  compilation included)."""
   argv, env = command(mode, config, workdir, steps)
+  argv = [*argv, *extra]
   env = {**os.environ, **env, "PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(cache),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
   t0 = time.perf_counter()
@@ -107,6 +109,20 @@ def after_measuring(c, workdir: Path, records: list[dict], batch: int) -> dict[s
               choices=[(seg["start"], seg["end"], seg["choice"]) for seg in segments])
 
 
+def ratios(runs: dict[str, dict]) -> dict[str, float]:
+  """The pipeline's speedup over sync per trained token and per step; with an auto run, auto's trained tokens/s
+  (after its measuring segment) over the better fixed mode's and over sync's, and over the better one's for its
+  whole run."""
+  sync, pipe = runs["sync"], runs["pipeline"]
+  out = dict(speedup_per_token=sync["s_per_token"] / pipe["s_per_token"],
+             speedup_per_step=sync["step_s"] / pipe["step_s"])
+  if AUTO in runs:
+    best, auto_s = min(sync["s_per_token"], pipe["s_per_token"]), runs[AUTO]["s_per_token_after_measuring"]
+    out.update(auto_vs_best=best / auto_s, auto_vs_sync=sync["s_per_token"] / auto_s,
+               auto_whole_run_vs_best=best / runs[AUTO]["s_per_token"])
+  return out
+
+
 def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_auto: bool = False,
                   fill: bool = True) -> dict[str, Any]:
   config = f"{ROOT / 'configs' / 'bench_headline.py'}:{workload}"
@@ -125,13 +141,7 @@ def run_benchmark(workload: str, scratch: Path, rounds: int | None = None, with_
       workdir = scratch / f"round{i}-{mode}"
       wall = run(mode, config, workdir, steps[mode], cache)
       row[mode] = dict(wall_s=wall, **measure(c, mode, workdir, warmup))
-    row.update(speedup_per_token=row["sync"]["s_per_token"] / row["pipeline"]["s_per_token"],
-               speedup_per_step=row["sync"]["step_s"] / row["pipeline"]["step_s"], load_average=os.getloadavg())
-    if with_auto:  # auto's trained tokens/s over the better fixed mode's, and over sync's
-      best = min(row["sync"]["s_per_token"], row["pipeline"]["s_per_token"])
-      auto_s = row[AUTO]["s_per_token_after_measuring"]
-      row.update(auto_vs_best=best / auto_s, auto_vs_sync=row["sync"]["s_per_token"] / auto_s,
-                 auto_whole_run_vs_best=best / row[AUTO]["s_per_token"])
+    row.update(ratios(row), load_average=os.getloadavg())
     out["rounds"].append(row)
     print(_round_line(i, row), flush=True)
   med = lambda f: float(np.median([f(r) for r in out["rounds"]]))

@@ -15,14 +15,12 @@ segment.
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from pathlib import Path
 
 from absl import app, flags
 
 from bench.common import write_json
-from bench.headline import AUTO, MODES, ROOT, command, measure
+from bench.headline import AUTO, MODES, ROOT, measure, ratios, run
 
 _STEPS = flags.DEFINE_integer("steps", 10, "learner steps per run")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "steps left out of the measurement")
@@ -45,33 +43,20 @@ def main(argv):
                                                                                                "reasoning.py")
   out = dict(config=config, steps=_STEPS.value, warmup=_WARMUP.value, load_before=os.getloadavg())
   cache = Path(_DIR.value) / "compilation_cache"  # the auto run's segments reuse what the fixed runs compiled
-  cache_env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
   for mode in (*MODES, AUTO) if _AUTO.value else MODES:
     workdir = Path(_DIR.value) / mode
     steps = _AUTO_STEPS.value if mode == AUTO else _STEPS.value
-    argv, env = command(mode, config, workdir, steps)
     extra = ["--config.eval.num_examples=0"]
     if mode == AUTO:
       extra += ["--config.auto.measure_steps=5", "--config.auto.recheck_steps=4"]
-    t0 = time.perf_counter()
-    proc = subprocess.run([*argv, *extra], env={**os.environ, **env, **cache_env, "PYTHONPATH": str(ROOT)},
-                          cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-      raise RuntimeError(f"{mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    out[mode] = dict(wall_s=time.perf_counter() - t0, **measure(c, mode, workdir, _WARMUP.value))
+    wall = run(mode, config, workdir, steps, cache, tuple(extra))
+    out[mode] = dict(wall_s=wall, **measure(c, mode, workdir, _WARMUP.value))
     print(f"{mode}: {out[mode]['s_per_token'] * 1e3:.1f} ms per trained token, {out[mode]['step_s']:.1f} s per step, "
           f"completion {out[mode]['completion_len_mean']:.1f} tokens (load {os.getloadavg()[0]:.1f})", flush=True)
-  out["speedup_per_token"] = out["sync"]["s_per_token"] / out["pipeline"]["s_per_token"]
-  out["speedup_per_step"] = out["sync"]["step_s"] / out["pipeline"]["step_s"]
-  out["load_after"] = os.getloadavg()
+  out.update(ratios(out), load_after=os.getloadavg())
   print(f"pipeline vs colocated sync: {out['speedup_per_token']:.2f}x per trained token, "
         f"{out['speedup_per_step']:.2f}x per step")
   if _AUTO.value:
-    auto_s = out[AUTO]["s_per_token_after_measuring"]
-    best = min(out["sync"]["s_per_token"], out["pipeline"]["s_per_token"])
-    out.update(auto_vs_best=best / auto_s, auto_vs_sync=out["sync"]["s_per_token"] / auto_s,
-               auto_whole_run_vs_best=best / out[AUTO]["s_per_token"])
     print(f"auto ({','.join(ch for _, _, ch in out[AUTO]['choices'])}) after its measuring segment: "
           f"{out['auto_vs_best']:.2f}x the better fixed mode, {out['auto_vs_sync']:.2f}x sync per trained token "
           f"(whole run: {out['auto_whole_run_vs_best']:.2f}x)")
