@@ -43,6 +43,11 @@ def name(candidate: tuple[str, int, int | None]) -> str:
   return f"pipeline_k{k}" if split is None else f"pipeline_k{k}_s{split}"
 
 
+def mode_of(candidate_name: str) -> str:
+  """"sync" or "pipeline": the mode of a candidate named by name()."""
+  return candidate_name.split("_")[0]
+
+
 def explore(names: list[str], measured: dict[str, float]) -> str:
   """Without predictions: the first candidate not measured yet (so a measurement replaces the missing prediction),
   else the best measured one."""
@@ -71,8 +76,8 @@ class Segment:
   # why no prediction was made after this segment (its logs could not calibrate the model): the previous
   # predictions stand; without any, the next segment measures a candidate not measured yet (explore)
   no_prediction: str = ""
-  # per mode, measured / predicted tokens/s of the newest segment of that mode before this one: the factor this
-  # segment's choice applied to the predictions of that mode's candidates not measured yet
+  # per mode, measured / predicted tokens/s of the newest earlier segment of that mode chosen on the same
+  # predictions (AutoLog.corrections): the factor this segment's choice applied to that mode's unmeasured candidates
   corrections: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -170,13 +175,13 @@ class AutoLog:
     for s in self.segments:
       pred = s.predicted.get(s.choice)
       if s.measured_tokens_per_s and pred and s.predicted == predicted:
-        out[s.choice.split("_")[0]] = s.measured_tokens_per_s / pred
+        out[mode_of(s.choice)] = s.measured_tokens_per_s / pred
     return out
 
 
 def corrected(predicted: dict[str, float], corrections: dict[str, float]) -> dict[str, float]:
   """Each prediction times its mode's correction (jaxrl.controller.auto.AutoLog.corrections; 1 without one)."""
-  return {c: p * corrections.get(c.split("_")[0], 1.0) for c, p in predicted.items()}
+  return {c: p * corrections.get(mode_of(c), 1.0) for c, p in predicted.items()}
 
 
 def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any], Any]],
@@ -204,20 +209,20 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
     predicted, step_pred = log.segments[-1].predicted, log.segments[-1].predicted_step_s
   sync_lengths = None  # the lengths a sync segment trained: every generated sample, no length bias
   shapes = None  # context(), once
+  cands = {name(x): x for x in candidates(c.auto.k_max, c.auto.splits)}
   while done < c.num_steps:
     first = not log.segments
     if first:
       choice, length = "sync", c.auto.measure_steps
     else:
-      names = [name(x) for x in candidates(c.auto.k_max, c.auto.splits)]
       factors = log.corrections(predicted)
       choice = (choose(corrected(predicted, factors), log.measured()) if predicted
-                else explore(names, log.measured()))
+                else explore(list(cands), log.measured()))
       length = c.auto.recheck_steps
     end = min(done + length, c.num_steps)
     if c.num_steps - end < warmup + 3:  # too short a tail to measure: fold it into this segment
       end = c.num_steps
-    cand = next(x for x in candidates(c.auto.k_max, c.auto.splits) if name(x) == choice)
+    cand = cands[choice]
     seg = Segment(start=done, end=end, choice=choice, predicted=predicted, predicted_step_s=step_pred,
                   corrections={} if first else factors)
     log.append(seg)
