@@ -199,6 +199,14 @@ class Task:
                          "untrusted)")
   max_prompt_tokens: int = Int(64, 1, "longer prompts are skipped and counted")
   chat_template: bool = Bool(True, "render prompts with the tokenizer's chat template (text tasks)")
+  # Rewards and envs cannot fail silently (jaxrl/envs/guard.py): before the first prompt each scores known right and
+  # wrong answers in its real (sandboxed) worker; once running, more than max_failure_frac of the last
+  # failure_window scored samples failing stops the run, after a checkpoint, with one line naming the reward and
+  # its most common error. A transient failure (a timeout on a loaded host) is dropped and counted instead
+  self_check: bool = Bool(True, "score each reward's known right and wrong answers in its real worker at start-up")
+  failure_window: int = Int(64, 1, "scored samples in the reward-failure window")
+  max_failure_frac: float = Real(0.5, lambda v: 0 <= v < 1, "in [0, 1)",
+                                 "failed samples in the window above this fraction stop the run")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from jaxrl.controller import sides
 from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.local import LocalController
 from jaxrl.controller.weights import WeightPublisher
+from jaxrl.envs.guard import RewardsBroken
 from jaxrl.metrics import MetricsWriter, TraceWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.sampler import Engine
@@ -180,7 +181,7 @@ def main(argv=None):
   config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
     summary = train(flags_def.config, flags_def.workdir)
-  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError) as e:
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError, RewardsBroken) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
   except SaveError as e:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
+from jaxrl.envs.guard import RewardsBroken
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned
 
@@ -120,6 +121,8 @@ class Coordination:
   def raise_errors(self) -> None:
     if self.errors:
       where, err, tb = self.errors[0]
+      if isinstance(err, RewardsBroken):  # one line: the reward and its error say what is wrong
+        raise err
       msg = f"jaxrl {where} failed: {type(err).__name__}: {err}\n--- original traceback ---\n{tb}"
       raise RuntimeError(msg) from err
 

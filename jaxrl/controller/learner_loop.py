@@ -199,7 +199,7 @@ class LearnerLoop:
     metrics.update(step_time_s=step_time, version=version, samples_generated=led.samples_generated,
                    samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
                    updates_skipped_total=led.skipped_updates, partial_steps_total=led.partial_steps,
-                   zero_advantage_groups=led.zero_advantage_groups,
+                   zero_advantage_groups=led.zero_advantage_groups, reward_failures_total=led.reward_failures,
                    **{f"length/{k}": v for k, v in led.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)

@@ -56,6 +56,7 @@ from jaxrl.distributed.channels import (
 from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
+from jaxrl.envs.guard import RewardsBroken
 from jaxrl.models import hf, lora, quant
 from jaxrl.sampler.slot_engine import compute_dtype_name
 
@@ -257,7 +258,7 @@ def main(argv=None):
     reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
     watchdog.stop_job(reason)
     print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
-    watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError)) else EXIT_FAILED)
+    watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError, RewardsBroken)) else EXIT_FAILED)
   watchdog.close()
   jax.distributed.shutdown()
   if me == topology.lead:
