@@ -147,6 +147,9 @@ def validate(c: ml_collections.ConfigDict | RunConfig, workdir: str | os.PathLik
   _validate_model_and_task(c, need, get)
   _validate_log(need, get)
   _validate_mesh(c, need, get, num_devices)
+  need(c.rl.filter_groups == "none" or c.rl.group_size >= 2,
+       f"rl.filter_groups={c.rl.filter_groups!r} would filter every group of rl.group_size=1 (one reward has no "
+       "variance): use groups of 2 or more")
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % c.rl.num_minibatches == 0,
        f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")

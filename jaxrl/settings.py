@@ -19,6 +19,7 @@ DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
 KV_LAYOUTS = ("dense", "paged")
+FILTER_GROUPS = ("none", "zero_variance")  # dynamic sampling (jaxrl.controller.assembly.reject_reason)
 WEIGHT_DTYPES = ("float", "int8")  # the sampler's weights (jaxrl.models.quant)
 PEAK_MODES = ("auto", "measure")  # roofline telemetry's peak: the device table's (else measured), or measured
 DECODE_ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")  # paged decode attention (kernels.paged_attention)
@@ -249,6 +250,12 @@ class Sampler:
 class RL:
   group_size: int = Int(4, 1, "samples per prompt (GRPO group)")
   groups_per_step: int = Int(4, 1, "groups per learner step; batch = group_size * groups_per_step")
+  # Dynamic sampling: "zero_variance" trains no group whose rewards are all equal (its policy-gradient term is zero
+  # while it costs a forward and backward); it is dropped as "filtered", counted with its samples and tokens, and
+  # its place in the admission window goes to a new prompt, so every step still trains groups_per_step groups
+  filter_groups: str = Choice("none", FILTER_GROUPS, 'groups not trained: "zero_variance" (all rewards equal)')
+  max_filtered_in_a_row: int = Int(1000, 1, "groups filtered in a row with no applied update before the run stops "
+                                   "(a prompt set the policy always solves or always fails)")
   seq_len: int = Int(48, 2, "learner sequence length (prompt + completion, right-padded), the packed row length")
   # Several samples per row of seq_len tokens (first-fit decreasing, each sample its own segment), rows rounded up
   # to a few buckets (one compilation each): train cost follows the real tokens, not batch x seq_len

@@ -102,7 +102,8 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
                  max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
-                 num_minibatches=c.rl.num_minibatches)
+                 num_minibatches=c.rl.num_minibatches, filter_groups=c.rl.filter_groups,
+                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row)
 
 
 def rows_unit(mesh) -> int:

@@ -108,13 +108,14 @@ class LearnerLoop:
   def _accept(self, group: list[Rollout]) -> bool:
     """Drops (and counts) a group that cannot be trained (the sampler side left it out of every share already);
     never one for its staleness."""
-    reason = reject_reason(group, self.spec.seq_len)
+    reason = reject_reason(group, self.spec.seq_len, self.spec.filter_groups)
     if reason is None:
       return True
     if reason == "reward_failed":
       self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
     with self.coord.lock:
       self.ledger.drop(group, reason)
+      self.ledger.filtered_groups += reason == "filtered"
       self.coord.settle(group[0].group_id)
       self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
       self.coord.progress.failed(reason)
@@ -200,6 +201,7 @@ class LearnerLoop:
                    samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
                    updates_skipped_total=led.skipped_updates, partial_steps_total=led.partial_steps,
                    zero_advantage_groups=led.zero_advantage_groups, reward_failures_total=led.reward_failures,
+                   filtered_groups=led.filtered_groups,
                    **{f"length/{k}": v for k, v in led.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)

@@ -59,7 +59,7 @@ class SamplerLoop:
         self._admit_one()
       if self.sampler.num_active or self.sampler.num_waiting:
         for g in self._complete_groups(self.sampler.step()):
-          if reject_reason(g, spec.seq_len) is None:
+          if reject_reason(g, spec.seq_len, spec.filter_groups) is None:
             self.book.finish(g)
           else:  # sent on its own: the learner drops and counts it
             self.book.discard(g[0].group_id)

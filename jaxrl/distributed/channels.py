@@ -224,8 +224,9 @@ class StoreCoordinator(Coordination):
   that no sampler admitted yet as unadmitted; a resumed job's samplers admit both first (sampler_started)."""
 
   def __init__(self, store, topology, record: RunRecord, num_steps: int, group_size: int,
-               max_failures_in_a_row: int, resumed_from: int | None = None, poll_s: float = 0.05):
-    super().__init__(record, max_failures_in_a_row, resumed_from)
+               max_failures_in_a_row: int, resumed_from: int | None = None, poll_s: float = 0.05,
+               max_filtered_in_a_row: int = 1000):
+    super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
     self.store, self.topology, self.num_steps, self.poll_s = store, topology, num_steps, poll_s
     self.group_size = group_size
     self.is_lead = topology.process_id == topology.lead

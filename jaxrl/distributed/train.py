@@ -170,7 +170,7 @@ def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, job:
   job.store.barrier("learners_compiled", held.learner_processes)
   spec = side.spec
   coord = StoreCoordinator(job.store, job.topology, side.record, spec.num_steps, spec.group_size,
-                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s)
+                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s, spec.max_filtered_in_a_row)
   inbox = Inbox(len(replicas), coord.stop, job.store if held.lead else None, job.poll_s)
   loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
                      coord=coord, num_samplers=len(replicas), checkpointer=side.checkpointer, metrics=side.metrics,
