@@ -17,7 +17,7 @@ from jaxrl.envs.calculator import CalculatorEnv, CalculatorTask
 from jaxrl.envs.env import Turn
 from jaxrl.envs.rewards import Check, right_and_wrong
 from jaxrl.envs.runner import RewardResult
-from jaxrl.envs.sandbox import _reachable_by_others
+from jaxrl.envs.sandbox import _reachable_by_others, run_code
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sandbox_rewards  # noqa: E402
@@ -50,8 +50,18 @@ def test_math_verify_scores_in_its_sandbox_from_an_install_nobody_can_read(tmp_p
   assert [(r.ok, r.value, r.import_errors) for r in results] == [(True, 1.0, ()), (True, 0.0, ()), (True, 1.0, ())]
 
 
+def test_run_code_imports_from_an_install_nobody_can_read(tmp_path, monkeypatch):
+  site = _private_site(tmp_path, [])
+  (site / "lazy_pkg").mkdir()
+  (site / "lazy_pkg" / "__init__.py").write_text("")
+  (site / "lazy_pkg" / "sub.py").write_text("VALUE = 42\n")
+  monkeypatch.syspath_prepend(str(site))
+  result = run_code("import os, lazy_pkg.sub; print(os.getuid(), lazy_pkg.sub.VALUE)")
+  assert result.ok and result.stdout == f"{65534 if ROOT else os.getuid()} 42\n", result
+
+
 def test_reasoning_gym_scores_in_its_sandbox_from_an_install_nobody_can_read(tmp_path, monkeypatch):
-  site = _private_site(tmp_path, ["reasoning_gym"])
+  site = _private_site(tmp_path, ["reasoning_gym", "sympy"])  # sympy imports parts of itself on first use
   monkeypatch.syspath_prepend(str(site))
   task = make_task("reasoning_gym", dataset="polynomial_multiplication", size=40, eval_fraction=0.1)
   meta = task.eval_examples(1)[0].reward_meta
