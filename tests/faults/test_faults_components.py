@@ -8,19 +8,9 @@ import threading
 import time
 
 import faults_rewards  # noqa: F401 - imported here first, so that breaking its import later hits only workers
+import faults_util
 import pytest
-from faults_util import (
-  NUM_STEPS,
-  REPO,
-  TALLY,
-  check_history,
-  child_env,
-  cli,
-  committed_steps,
-  inject,
-  read_trace,
-  tiny_config,
-)
+from faults_util import NUM_STEPS, TALLY, check_history, committed_steps, inject, read_trace, tiny_config
 
 from jaxrl import train as train_lib
 from jaxrl.config import ConfigError
@@ -104,8 +94,8 @@ def test_a_raising_reward_fn_drops_its_group_and_the_run_goes_on(tmp_path, monke
 
 
 def test_a_reward_fn_that_always_raises_stops_the_jaxrl_train_within_its_failure_window_with_one_line(tmp_path):
-  out = subprocess.run(cli(tmp_path, task__reward="faults_rewards:always_raises", task__failure_window=16),
-                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+  out = subprocess.run(faults_util.cli(tmp_path, task__reward="faults_rewards:always_raises", task__failure_window=16),
+                       cwd=faults_util.REPO, env=faults_util.child_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-3000:]
   last = out.stderr.strip().splitlines()[-1]
   assert last == ("jaxrl-train: reward 'faults_rewards:always_raises' failed 9 of the last 9 samples scored (over "
