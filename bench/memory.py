@@ -27,7 +27,7 @@ from configs.default import get_config
 from jaxrl import config as config_lib
 from jaxrl import integrity, sharding
 from jaxrl.controller import build as build_lib
-from jaxrl.learner import make_train_step
+from jaxrl.learner import StepConfig, jit_train_step
 from jaxrl.models import hf
 from jaxrl.rollout import Batch
 
@@ -49,9 +49,10 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
   rows = sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES)
   optimizer = build_lib.run_optimizer(c)
   loss = dataclasses.replace(c.loss, sampling=spec.sampling)
-  step = make_train_step(graphdef, optimizer if fused else optimizer.chain, loss,
-                         batch_size=spec.batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
-                         state_shardings=state_sh, batch_sharding=rows, logprob_chunk=logprob_chunk, atomic=atomic)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=optimizer if fused else optimizer.chain, loss=loss,
+                                   batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                                   num_minibatches=c.rl.num_minibatches, batch_sharding=rows,
+                                   logprob_chunk=logprob_chunk, atomic=atomic), state_sh)
   bl = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size, c.rl.seq_len), dtype)
   b = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size,), dtype)
   i32, f32 = jnp.int32, jnp.float32

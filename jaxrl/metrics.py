@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrl.trackers import TRACKERS, check_backends
 
-PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
+PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("sample_staleness_mean", "stale"),
                  ("ess_frac", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
                  ("learner_busy", "lrn"), ("step_time_s", "s/step"), ("learner_mfu", "mfu/l"),
                  ("learner_mbu", "mbu/l"), ("sampler_mfu", "mfu/s"), ("sampler_mbu", "mbu/s"))

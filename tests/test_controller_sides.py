@@ -161,7 +161,7 @@ def test_a_process_of_a_job_holds_the_side_of_its_topology_role():
 
 
 PIECES = {"build_engine", "build_learner", "build_sampler", "build_task", "open_checkpointer", "open_metrics",
-          "restore", "base_params", "CompiledSteps", "make_engine", "make_train_step", "TraceWriter"}
+          "restore", "base_params", "CompiledSteps", "make_engine", "jit_train_step", "TraceWriter"}
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "jaxrl" / "distributed").glob("*.py")), ids=lambda p: p.name)

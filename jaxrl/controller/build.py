@@ -19,14 +19,9 @@ from jaxrl import sharding
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.spec import RunRecord, RunSpec
-from jaxrl.learner import (
-    batch_shards,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
-    train_state_shardings,
-)
+from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_optimizer, train_state_shardings
 from jaxrl.learner.packing import pack_batch, row_buckets
+from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import ModelConfig, hf, lora
 from jaxrl.models.lora import LoRAConfig
@@ -165,11 +160,11 @@ def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None,
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
   rl = c.rl
   loss = dataclasses.replace(c.loss, sampling=spec.sampling)  # the same as validated; spec's, to be sure
-  train_step = make_train_step(graphdef, optimizer, loss, batch_size=spec.batch_size, seq_len=rl.seq_len,
-                               num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
-                               state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
-                               logprob_chunk=rl.logprob_chunk, atomic=rl.atomic_step,
-                               microbatch_rows=rl.microbatch_rows)
+  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=loss, batch_size=spec.batch_size,
+                           seq_len=rl.seq_len, num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
+                           batch_sharding=rows, row_buckets=spec.row_buckets, logprob_chunk=rl.logprob_chunk,
+                           atomic=rl.atomic_step, microbatch_rows=rl.microbatch_rows)
+  train_step = jit_train_step(step_config, state_sh)
   # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh, frozen=frozen,
                            ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)

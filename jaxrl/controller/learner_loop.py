@@ -163,11 +163,10 @@ class LearnerLoop:
       self.trained_lengths += [r.num_model_tokens for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
     metrics["applied"] = applied
-    rewards = np.array([r.reward for r in samples])
+    # Per sample (learner step - its oldest token's version), beside the step's per-token staleness_mean/max.
     staleness = [step - r.min_version for r in samples]
-    metrics.update(reward_mean=float(rewards.mean()),
-                   completion_len=float(np.mean([r.num_model_tokens for r in samples])),
-                   staleness_mean=float(np.mean(staleness)), staleness_max=float(max(staleness)),
+    metrics.update(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
+                   sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)),
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
     accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
     if accuracy:

@@ -26,7 +26,7 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller import build as build_lib
 from jaxrl.controller.data import evaluate_policy
 from jaxrl.controller.spec import RunRecord, RunSpec
-from jaxrl.learner import batch_shardings
+from jaxrl.learner.step import batch_shardings
 from jaxrl.metrics import MetricsWriter, TraceWriter
 from jaxrl.models import ModelConfig, lora
 from jaxrl.sampler import Engine, Sampler
