@@ -41,12 +41,12 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
   c.model.remat, c.rl.logprob_chunk = remat, logprob_chunk
   c = config_lib.validate(c)
   cfg = build_lib.model_source(c)[0]
-  meshes = sharding.split_mesh(1, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(), jax.devices()[:2])
+  learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), sharding.split_devices(1, jax.devices()[:2])[0])
   spec = build_lib.run_spec(c)
   graphdef, abstract = hf.abstract_params(cfg)
-  state = build_lib.abstract_train_state(c, abstract, meshes.learner)
+  state = build_lib.abstract_train_state(c, abstract, learner_mesh)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
-  rows = sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES)
+  rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
   optimizer = build_lib.run_optimizer(c)
   loss = dataclasses.replace(c.loss, sampling=spec.sampling)
   step = jit_train_step(StepConfig(model=graphdef, optimizer=optimizer if fused else optimizer.chain, loss=loss,

@@ -79,11 +79,6 @@ class MetricsWriter:
       elapsed = time.monotonic() - self._t0
       print(f"[step {step}{total} {elapsed:6.1f}s] " + "  ".join(parts), file=sys.stderr, flush=True)
 
-  def write_histogram(self, step: int, name: str, values) -> None:
-    if len(values):
-      for tracker in self._trackers:
-        tracker.histogram(step, name, np.asarray(values))
-
   def close(self) -> None:
     self._jsonl.close()
     for tracker in self._trackers:

@@ -119,7 +119,7 @@ CONFIGS = {
     "decoupled_epochs_seqmeanIS_ess": LossConfig(proximal="recompute", is_level="sequence_mean", is_ess_min=0.95,
                                                  dual_clip=3.0),
 }
-# Extra make_train_step arguments: two epochs over one mini-batch make the second update's prox / mu weights
+# Extra StepConfig fields: two epochs over one mini-batch make the second update's prox / mu weights
 # non-trivial (the pre-step pass), and each update sees the whole batch, so row order does not matter.
 STEP_KW = {"decoupled_epochs_seqmeanIS_ess": dict(num_epochs=2), "rloo_seqmean_seqIS": dict(num_epochs=2)}
 
