@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
+from jaxrl.assets import smollm2_path
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.spec import RunRecord, RunSpec
@@ -23,7 +24,7 @@ from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_opt
 from jaxrl.learner.packing import pack_batch, row_buckets
 from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import ModelConfig, hf, lora
+from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
@@ -42,14 +43,20 @@ def model_source(c: RunConfig) -> tuple[ModelConfig, Any, Path | None]:
     cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
     return cfg, None, None
   if c.model.source == "smollm2":
-    from jaxrl.assets import smollm2_path
-
     path = smollm2_path()
   else:
     path = Path(c.model.source).expanduser()
   import transformers
 
   return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+
+
+def run_shapes(c: RunConfig) -> tuple[int, float]:
+  """(prompt tokens of the run's first prompt, bytes of its model's params): what a calibration from a run's logs
+  needs besides them (cost_profile.from_run; mode="auto")."""
+  model_cfg, tokenizer, _ = model_source(c)
+  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
+  return len(make_prompt_source(c.task, c.seed, tokenizer, model_cfg)[1](0)[0]), weight_bytes
 
 
 def lora_config(c: RunConfig) -> LoRAConfig | None:
@@ -61,8 +68,6 @@ def lora_config(c: RunConfig) -> LoRAConfig | None:
 def base_params(c: RunConfig, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
   """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from. With
   LoRA (cfg.lora) the base model's params (as without it) and fresh adapters (B = 0: the base model's outputs)."""
-  from jaxrl.models import Decoder, init_params
-
   plain = cfg.replace(lora=None)
   if path is None:
     graphdef, params = init_params(plain, c.seed)

@@ -34,7 +34,10 @@ import time
 from pathlib import Path
 
 from jaxrl import config as config_lib
+from jaxrl.controller import auto
+from jaxrl.controller import summary as summary_lib
 from jaxrl.distributed import cli
+from jaxrl.metrics import read_jsonl
 
 
 def free_ports(n: int) -> list[int]:
@@ -254,10 +257,6 @@ def launch_auto(c: config_lib.RunConfig, workdir: Path, job: list[str], run_job,
   segment runs through `run_colocated` where given (one process with every device: the colocated baseline, whose
   phases each get every core), else as the job's processes. Writes the whole run's summary.json; returns the failed
   launch's status."""
-  from jaxrl.controller import auto
-  from jaxrl.controller import summary as summary_lib
-  from jaxrl.metrics import read_jsonl
-
   def run_segment(seg_c, first: bool, last: bool):
     flags = segment_flags(seg_c, first, last)
     colocated = seg_c.mode == "sync" and run_colocated is not None
