@@ -1,6 +1,6 @@
 """The learner loop: asks for each step's groups, takes them from the rollouts channel (share after share, sampler
 by sampler: every learner process of a job builds the same batch), trains, publishes the new params to the weights
-channel, checkpoints. It talks to the sampler side only through the three channels (controller.channels)."""
+channel, checkpoints. It talks to the sampler side only through the three channels (controller.interfaces)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import reject_reason
-from jaxrl.controller.channels import Coordination, Rollouts, Weights
+from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
 from jaxrl.controller.spec import RunSpec
 from jaxrl.metrics import sampler_metrics
 from jaxrl.rollout import Rollout, check_sampling

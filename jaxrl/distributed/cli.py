@@ -1,4 +1,4 @@
-"""The command line of a multi-process job's processes (`python -m jaxrl.distributed.train`): its flags, declared
+"""The command line of a multi-process job's processes (`python -m jaxrl.distributed.job`): its flags, declared
 once, and the check the launcher makes of a job's command line before it starts any process. It touches no
 device, so that a bad config costs the launcher no more than it costs jaxrl-train."""
 
