@@ -30,8 +30,11 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from jaxrl.models import Decoder, ModelConfig
+from jaxrl import config as config_lib
+from jaxrl.controller import sides
+from jaxrl.models import Decoder, ModelConfig, hf, lora
 from jaxrl.models.hf import load_config, load_params
+from jaxrl.policy import load_policy
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Request, Sampler, make_engine
 from jaxrl.sharding import make_mesh
@@ -156,10 +159,6 @@ def _open_output():
 def _from_config(c):
   """(the validated RunConfig, policy, engine settings, sampling, max_tokens, seed) of --config (and --workdir),
   flags overriding."""
-  from jaxrl import config as config_lib
-  from jaxrl.models import hf
-  from jaxrl.policy import load_policy
-
   if _MODEL_DIR.value is not None or _TINY.value:
     raise app.UsageError("give one of --config, --model_dir and --tiny")
   if _given(_DTYPE):
@@ -182,17 +181,12 @@ def _sampler_params(policy):
   places the adapters on it (controller.sides.sampler_engine); the merged policy it makes is the same."""
   if policy.model_cfg.lora is None:
     return policy.params, None
-  from jaxrl.models import lora
-
   return lora.split(policy.params)
 
 
 def _evaluate(c, policy, mesh, sizes) -> None:
   """The config's task on its held-out examples, greedy and scored, by the sampler side jaxrl-train evaluates with
   (controller.sides), its engine sized as flagged."""
-  from jaxrl import config as config_lib
-  from jaxrl.controller import sides
-
   num = _NUM_EXAMPLES.value if _NUM_EXAMPLES.value is not None else (c.eval.num_examples or 64)
   if num < 1:
     raise app.UsageError(f"--num_examples must be >= 1 (got {num})")
@@ -256,8 +250,6 @@ def main(argv):
   if c is None:
     engine = make_engine(cfg, mesh, **sizes)
   else:  # the run's own sampler engine: its KV layout (sampler.kv, pages), dtype and attention, sizes as flagged
-    from jaxrl.controller import sides
-
     params, base = _sampler_params(policy)
     engine = sides.sampler_engine(c, cfg, mesh, policy.source_dir, base=base, **sizes)
   eos = set(cfg.eos_token_ids)

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxrl.trackers import TRACKERS, check_backends
 
-PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
+PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("sample_staleness_mean", "stale"),
                  ("ess_frac", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
                  ("learner_busy", "lrn"), ("step_time_s", "s/step"), ("learner_mfu", "mfu/l"),
                  ("learner_mbu", "mbu/l"), ("sampler_mfu", "mfu/s"), ("sampler_mbu", "mbu/s"),
@@ -81,11 +81,6 @@ class MetricsWriter:
                if k in scalars and (scalars[k] or k not in SHOWN_IF_NONZERO)]
       elapsed = time.monotonic() - self._t0
       print(f"[step {step}{total} {elapsed:6.1f}s] " + "  ".join(parts), file=sys.stderr, flush=True)
-
-  def write_histogram(self, step: int, name: str, values) -> None:
-    if len(values):
-      for tracker in self._trackers:
-        tracker.histogram(step, name, np.asarray(values))
 
   def close(self) -> None:
     self._jsonl.close()

@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-  from jaxrl.learner.config import LossConfig
+# Each module owns the values its options take; the settings offer them.
+from jaxrl.controller.assembly import FILTER_GROUPS
+from jaxrl.kernels.paged_attention import IMPLS as PAGED_ATTENTION
+from jaxrl.kernels.train_attention import IMPLEMENTATIONS as TRAIN_ATTENTION
+from jaxrl.learner.config import LossConfig
+from jaxrl.models.quant import WEIGHT_DTYPES
+from jaxrl.sampler.engine import KV_LAYOUTS
+from jaxrl.sampler.sampler import ON_UPDATE
+from jaxrl.telemetry import PEAK_MODES
 
 MODES = ("pipeline", "sync", "auto")
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
-ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
-KV_LAYOUTS = ("dense", "paged")
-FILTER_GROUPS = ("none", "zero_variance")  # dynamic sampling (jaxrl.controller.assembly.reject_reason)
-WEIGHT_DTYPES = ("float", "int8")  # the sampler's weights (jaxrl.models.quant)
-PEAK_MODES = ("auto", "measure")  # roofline telemetry's peak: the device table's (else measured), or measured
-DECODE_ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")  # paged decode attention (kernels.paged_attention)
-TRAIN_ATTENTION = ("reference", "chunked", "cudnn", "splash")  # learner attention implementations
+DECODE_ATTENTION = ("auto", *PAGED_ATTENTION)  # "auto": the Pallas kernel where one runs, else XLA
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
@@ -302,8 +303,6 @@ LOSS = dict(advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_
 
 
 def _default_loss():
-  from jaxrl.learner.config import LossConfig  # jax-free here: only a RunConfig made at its defaults needs it
-
   return LossConfig(**LOSS)
 
 

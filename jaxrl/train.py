@@ -24,8 +24,8 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl import hostmem, sharding
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
+from jaxrl.controller import auto, sides
 from jaxrl.controller import build as build_lib
-from jaxrl.controller import sides
 from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.local import LocalController
 from jaxrl.controller.weights import WeightPublisher
@@ -107,8 +107,6 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
     summary, _ = _train_fixed(c, workdir, stop_signals)
     summary_lib.write_summary(workdir, summary)
     return summary
-  from jaxrl.controller import auto
-
   def run_segment(seg_c, first: bool, last: bool):
     return _train_fixed(seg_c, workdir, stop_signals, evaluate_before=first, evaluate_after=last)
 

@@ -21,6 +21,8 @@ import numpy as np
 
 from jaxrl.rollout import Rollout
 
+FILTER_GROUPS = ("none", "zero_variance")  # rl.filter_groups: which scored groups are not trained (reject_reason)
+
 
 def reject_reason(group: list[Rollout], seq_len: int, filter_groups: str = "none") -> str | None:
   """Why a finished group is not trained ("reward_failed", "too_long", or "filtered": rl.filter_groups), or None.

@@ -1,6 +1,6 @@
 """The learner loop: asks for each step's groups, takes them from the rollouts channel (share after share, sampler
 by sampler: every learner process of a job builds the same batch), trains, publishes the new params to the weights
-channel, checkpoints. It talks to the sampler side only through the three channels (controller.channels)."""
+channel, checkpoints. It talks to the sampler side only through the three channels (controller.interfaces)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import reject_reason
-from jaxrl.controller.channels import Coordination, Rollouts, Weights
+from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
 from jaxrl.controller.spec import RunSpec
 from jaxrl.metrics import sampler_metrics
 from jaxrl.rollout import Rollout, check_sampling
@@ -164,11 +164,10 @@ class LearnerLoop:
       self.trained_lengths += [r.num_model_tokens for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
     metrics["applied"] = applied
-    rewards = np.array([r.reward for r in samples])
+    # Per sample (learner step - its oldest token's version), beside the step's per-token staleness_mean/max.
     staleness = [step - r.min_version for r in samples]
-    metrics.update(reward_mean=float(rewards.mean()),
-                   completion_len=float(np.mean([r.num_model_tokens for r in samples])),
-                   staleness_mean=float(np.mean(staleness)), staleness_max=float(max(staleness)),
+    metrics.update(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
+                   sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)),
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
     accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
     if accuracy:

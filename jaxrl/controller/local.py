@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.interfaces import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import RolloutQueue
 from jaxrl.controller.sampler_loop import SamplerLoop

@@ -1,4 +1,5 @@
-"""jaxrl-train on a multi-process JAX job: every process runs this same command, with the same config.
+"""One process of a multi-process jaxrl-train job (`python -m jaxrl.distributed.job`): every process runs this same
+command, with the same config.
 
   python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
   (TPU VMs and Slurm: see launch/README.md)
@@ -44,7 +45,7 @@ from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.controller.spec import RunRecord
 from jaxrl.distributed import cli, runtime
-from jaxrl.distributed.channels import (
+from jaxrl.distributed.cross_process import (
   Ferry,
   Inbox,
   LearnerPublisher,
@@ -229,7 +230,7 @@ def main(argv=None):
 
   flags_def = flags.FLAGS
   cli.define_flags(flags_def)
-  config_lib.parse_cli("jaxrl.distributed.train", argv)  # bad flags end here with one line, before any work
+  config_lib.parse_cli("jaxrl.distributed.job", argv)  # bad flags end here with one line, before any work
   # JAX's own heartbeat abort is the backstop, well after the watchdog's.
   runtime.initialize(heartbeat_timeout_s=int(3 * flags_def.heartbeat_timeout_s) + 10)
   store = runtime.Store()

@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxrl.controller.channels import Coordination
+from jaxrl.controller.interfaces import Coordination
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
 from jaxrl.controller.summary import SAMPLER_COUNTS, merge_ledgers
@@ -155,7 +155,7 @@ class LearnerPublisher:
   def __init__(self, routes: list[WeightRoute], replicated_sharding, log: TransferLog | None,
                dump_dir: Path | None = None, prepare=None):
     """prepare: applied to each version on the learner before it is cut for the routes (e.g. int8 quantization:
-    jaxrl.distributed.train.sampler_weights); None sends the params as they are."""
+    jaxrl.distributed.job.sampler_weights); None sends the params as they are."""
     self.routes, self.log, self.dump_dir = routes, log, dump_dir
     prepare = prepare or (lambda params: params)
     self._replicate = jax.jit(lambda params: prepare(params), out_shardings=replicated_sharding)

@@ -8,7 +8,7 @@
                sampler, logged by the learner with every step for jaxrl-profile --from-run)
 
 In one process: `rollouts.RolloutQueue`, `weights.WeightPublisher` and `LocalCoordinator` below, the two loops in two
-threads (`controller.local`). Across processes: `jaxrl.distributed.channels` (JAX cross-host copies and the
+threads (`controller.local`). Across processes: `jaxrl.distributed.cross_process` (JAX cross-host copies and the
 coordination store), one loop per process.
 """
 
