@@ -1,6 +1,7 @@
 r"""Offline generation with the sampler engine: prompts in, completions (with behavior logprobs) out as JSON lines.
 
   jaxrl-generate --config=configs/default.py --workdir=runs/smollm2     # held-out eval of the trained policy
+  jaxrl-generate --config=configs/default.py --workdir=runs/smollm2 --step=10   # ... of its step-10 checkpoint
   jaxrl-generate --config=configs/default.py --prompt="What is 7 * 8?"  # the config's base model and sampling
   jaxrl-generate --model_dir=~/.cache/jaxrl/smollm2-135m-instruct --prompt="What is 7 * 8?" \
       --n=4 --max_tokens=128 --temperature=0.7
@@ -43,6 +44,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "run config (configs/<name>.py[:arg]): model, sampler sizes, sampling; without prompts its task's "
     "held-out examples are evaluated", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "with --config: the newest checkpoint of this run (a trained policy)")
+_STEP = flags.DEFINE_integer("step", None, "with --workdir: this checkpoint step instead of the newest")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "with --config and no prompts: held-out examples to "
                                      "evaluate (default: the config's eval.num_examples, or 64 if that is 0)")
 _SUMMARY_OUT = flags.DEFINE_string("summary_out", None, "with --config, no prompts: write the eval summary JSON here")
@@ -165,7 +167,9 @@ def _from_config(c):
     raise app.UsageError("--dtype is for --model_dir and --tiny; with --config set --config.model.dtype")
   try:
     c = config_lib.validate(c)
-    policy = load_policy(c, _WORKDIR.value)
+    if _STEP.value is not None and _WORKDIR.value is None:
+      raise app.UsageError("--step needs --workdir (a run's checkpoints)")
+    policy = load_policy(c, _WORKDIR.value, step=_STEP.value)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
     _fail(str(e))
   s = c.sampler
