@@ -22,4 +22,5 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-pytest_plugins = ["conftest_assets"]  # the session fixture smollm2_dir (real model, fetched once)
+# conftest_assets: the session fixture smollm2_dir (real model, fetched once); conftest_timeouts: no test hangs
+pytest_plugins = ["conftest_assets", "conftest_timeouts"]

@@ -53,6 +53,7 @@ def test_first_fit_decreasing_respects_budget_and_slots():
   assert sorted(i for r in rows for i in r) == list(range(8))
   assert all(sum(lengths[i] for i in r) <= 8 and len(r) <= 2 for r in rows)
   assert rows == [[6], [0, 5], [2, 3], [7, 4], [1]]  # longest first, each into the first row with room
+  assert first_fit_decreasing([1] * 5, 8, max_segments=2) == [[0, 1], [2, 3], [4]]  # rows full of segments
 
 
 def test_pack_batch_layout():
