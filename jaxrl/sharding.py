@@ -7,6 +7,7 @@ step serves FSDP, tensor parallel or both, chosen by the rules alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,6 +71,19 @@ def resolve_axis_sizes(axes: Mapping[str, int] | Sequence[tuple[str, int]], num_
   if math.prod(axes.values()) != num_devices:
     raise ValueError(f"mesh axes {axes} need {math.prod(axes.values())} devices, {num_devices} given")
   return axes
+
+
+def under_mesh(fn, mesh: Mesh):
+  """fn traced with `mesh` in scope (jax.sharding.get_abstract_mesh() inside it; a jit of it needs no jax.set_mesh
+  around its calls): the kernels a program calls run in shard_map over it (XLA cannot partition a Mosaic call),
+  and "auto" kernels pick by its devices' platform, which is the target's also in a deviceless TPU compile."""
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return traced
 
 
 def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None) -> Mesh:

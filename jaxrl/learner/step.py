@@ -43,6 +43,7 @@ from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.models import lora
 from jaxrl.rollout import Batch
+from jaxrl.sharding import under_mesh
 
 LogitsFn = Callable[[object, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -219,6 +220,7 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   if state_shardings is None:
     return jax.jit(step, donate_argnums=0)
   replicated = NamedSharding(batch_sharding.mesh, P())
+  step = under_mesh(step, batch_sharding.mesh)  # its attention kernel runs in shard_map over the learner's mesh
   return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, batch_shardings(batch_sharding), replicated),
                  out_shardings=(state_shardings, replicated))
 
