@@ -134,3 +134,28 @@ def test_train_step_with_splash_compiles_for_a_multichip_mesh():
   batch = jax.eval_shape(lambda: make_batch([], rows, seq_len))
   exe = step.lower(state, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile(TPU_OPTIONS)
   assert kernels(exe) == 3  # in the layer scan: forward, dq, dkv
+
+
+def test_decode_step_with_the_paged_kernel_compiles_for_a_multichip_sampler():
+  """A decoder's cached step over a paged pool, laid out as the paged engine lays it out on a sampler mesh of
+  data 2 x tensor 2 (slots over data, kv heads over tensor, the pool not split by slot): one kernel in the layer
+  loop, each chip holding only its heads' pages."""
+  from jaxrl.models import ModelConfig, PagedKVCache, forward_cached, hf
+  from jaxrl.sharding import SAMPLER_RULES, param_shardings
+
+  cfg = ModelConfig.tiny(vocab_size=1024, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                         head_dim=128, dtype="bfloat16", param_dtype="bfloat16")
+  mesh = make_mesh({"data": 2, "tensor": 2}, chips("v5e:2x2"))
+  on = lambda spec: NamedSharding(mesh, spec)
+  graphdef, abstract = hf.abstract_params(cfg)
+  slots, pages, per_slot = 16, 512, 32
+  pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, cfg.num_layers, pages, 16, cfg.head_dim), jnp.bfloat16,
+                              sharding=on(P("tensor")))
+  ints = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=on(P("data")))
+  cache = PagedKVCache(pool, pool, ints((slots, per_slot)), ints((slots,)), layout="KNPZD", attention="pallas_tpu")
+  step = jax.jit(lambda *a: forward_cached(graphdef, *a),
+                 in_shardings=(param_shardings(abstract, mesh, SAMPLER_RULES), None, None, None))
+  with jax.set_mesh(mesh):
+    exe = step.lower(abstract, ints((slots, 1)), ints((slots, 1)), cache).compile(TPU_OPTIONS)
+  assert kernels(exe) == 1
+  assert exe.memory_analysis().temp_size_in_bytes < shard_bytes(pool)  # the pool is updated in place, not copied
