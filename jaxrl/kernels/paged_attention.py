@@ -16,7 +16,8 @@ Implementations behind `paged_attention(..., impl=)`:
   reads only its own pages) and a [K, pages, Z, D] pool. In the "KNPZD" layout the stacked pool is that array for
   all layers at once ([K, N * P, Z, D], a free reshape) and layer n's page p is page n * P + p: the kernel reads
   the pages of one layer in place, with no per-layer copy of the pool. Rows of several queries (a prefill chunk:
-  rebuild, an observation's append) take the XLA path over the same layout.
+  rebuild, an observation's append) take the XLA path over the same layout. Under a mesh a kernel runs in
+  shard_map (slots over "data", kv heads over "tensor"; docs/KERNELS.md); the TPU kernel needs head_dim % 128 == 0.
 """
 
 from __future__ import annotations

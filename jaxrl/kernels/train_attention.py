@@ -7,7 +7,10 @@ queries (segment 0) see no key; their output is finite and unused. Implementatio
              key blocks wholly after the query block are skipped. Memory O(T * block) per head, not O(T^2).
   cudnn:     jax.nn.dot_product_attention(implementation="cudnn") on GPU (bf16 / fp16), segments as a boolean
              [B, 1, T, T] mask (one byte per pair, no per-head float tensor).
-  splash:    the Pallas splash-attention kernel on TPU (causal mask, segment ids); `interpret` runs it on CPU.
+  splash:    the Pallas splash-attention kernel on TPU (causal mask, segment ids); `interpret` runs it on CPU. Under
+             a mesh it runs in shard_map, each device on its rows and heads (docs/KERNELS.md).
+"auto" (implementation None) picks by the platform of the mesh in scope, which is the target's also when a TPU
+program is compiled deviceless on a CPU host.
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ def cudnn_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, implementa
 
 def _splash_block(t: int) -> int:
   """The kernel's block (queries and keys, forward and backward): the largest of 512, 256, 128 dividing the padded
-  row (Mosaic tiles a block by 128 lanes; 512 keeps VMEM well under v5e's 16 MiB scoped limit in float32)."""
+  row (Mosaic tiles a block by 128 lanes; these compile for v5e and v5p at head dim 64 and 128 in float32 and
+  bfloat16, rows of 1k to 32k tokens: tests/test_kernels_mosaic.py, bench/kernels_mosaic.py)."""
   return next(b for b in (512, 256, 128) if t % b == 0)
 
 
