@@ -5,7 +5,10 @@ decode attention at real models' shapes, each in shard_map over a multi-chip mes
     nice -n 19 .venv/bin/python -m bench.kernels_mosaic
 
 Writes bench/results/kernels_mosaic.json; docs/KERNELS.md has the table. Compile times are this 2-core box's
-(shared, niced), the memory figures the compiler's memory_analysis() per chip.
+(shared, niced), the memory figures the compiler's memory_analysis() per chip. With --train_steps instead:
+Qwen2.5-7B's whole train step (remat, bf16 compute, f32 master weights, AdamW; 32 rows x 4096 tokens) on
+v5p:4x4x2, splash (fsdp 32; fsdp 8 x tensor 4) against the chunked XLA attention (fsdp 32), about 10 minutes
+(bench/results/kernels_mosaic_steps.json).
 """
 
 from __future__ import annotations
@@ -76,10 +79,50 @@ def paged_case(topology, slots, kv, g, d, layers, pages, z, per_slot, dtype) -> 
   return compile_on(mesh, attend, args)
 
 
+def train_step_case(topology: str, attention: str, axes: dict, rows: int = 32, seq_len: int = 4096) -> dict:
+  from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+  from jaxrl.models import ModelConfig, hf
+  from jaxrl.rollout import make_batch
+  from jaxrl.sharding import LEARNER_RULES, batch_sharding, param_shardings
+
+  # Qwen2.5-7B's published shape (no weights are read).
+  cfg = ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                    num_kv_heads=4, head_dim=128, attention_bias=True, rope_theta=1e6, architecture="qwen2",
+                    max_position_embeddings=32768, dtype="bfloat16", remat=True, train_attention=attention)
+  mesh = make_mesh(axes, topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+  graphdef, abstract = hf.abstract_params(cfg)
+  opt = make_optimizer(1e-6, warmup_steps=1, decay_steps=100)
+  state_sh = train_state_shardings(abstract, opt, param_shardings(abstract, mesh, LEARNER_RULES), mesh)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(lambda p: init_train_state(p, opt), abstract), state_sh)
+  step = make_train_step(graphdef, opt, LossConfig(), batch_size=rows, seq_len=seq_len, state_shardings=state_sh,
+                         batch_sharding=batch_sharding(mesh, LEARNER_RULES), logprob_chunk=1024)
+  t = time.perf_counter()
+  exe = step.lower(state, jax.eval_shape(lambda: make_batch([], rows, seq_len)),
+                   jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
+  m = exe.memory_analysis()
+  return {"model": "qwen2.5-7b", "topology": topology, "axes": axes, "attention": attention, "rows": rows,
+          "seq_len": seq_len, "compile_s": round(time.perf_counter() - t, 1),
+          "mosaic_calls": exe.as_text().count('custom_call_target="tpu_custom_call"'),
+          "arguments_gib": m.argument_size_in_bytes / 2**30, "temporaries_gib": m.temp_size_in_bytes / 2**30}
+
+
+def train_steps(out: str):
+  rows = []
+  for attention, axes in (("splash", {"fsdp": -1}), ("splash", {"fsdp": -1, "tensor": 4}), ("chunked", {"fsdp": -1})):
+    rows.append(train_step_case("v5p:4x4x2", attention, axes))
+    print(json.dumps(rows[-1]), flush=True)
+  pathlib.Path(out).write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=1) + "\n")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default="bench/results/kernels_mosaic.json")
+  parser.add_argument("--train_steps", action="store_true", help="Qwen2.5-7B's train step instead (--out "
+                      "defaults to bench/results/kernels_mosaic_steps.json)")
   args = parser.parse_args()
+  if args.train_steps:
+    return train_steps(args.out.replace(".json", "_steps.json"))
   rows = []
   for dtype in (jnp.float32, jnp.bfloat16):
     name = jnp.dtype(dtype).name

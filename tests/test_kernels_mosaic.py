@@ -21,6 +21,16 @@ from jaxrl.sharding import make_mesh
 MIB = 2**20
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_compilation_cache():
+  """The suite's persistent cache cannot load an executable compiled without its devices ("PjRtCompiler must be
+  constructed with a Client"): these would be written and never read."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+
+
 @functools.cache
 def chips(topology: str):
   return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
