@@ -80,7 +80,7 @@ def paged_case(topology, slots, kv, g, d, layers, pages, z, per_slot, dtype) -> 
 
 
 def train_step_case(topology: str, attention: str, axes: dict, rows: int = 32, seq_len: int = 4096) -> dict:
-  from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+  from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_optimizer, train_state_shardings
   from jaxrl.models import ModelConfig, hf
   from jaxrl.rollout import make_batch
   from jaxrl.sharding import LEARNER_RULES, batch_sharding, param_shardings
@@ -95,8 +95,8 @@ def train_step_case(topology: str, attention: str, axes: dict, rows: int = 32, s
   state_sh = train_state_shardings(abstract, opt, param_shardings(abstract, mesh, LEARNER_RULES), mesh)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(lambda p: init_train_state(p, opt), abstract), state_sh)
-  step = make_train_step(graphdef, opt, LossConfig(), batch_size=rows, seq_len=seq_len, state_shardings=state_sh,
-                         batch_sharding=batch_sharding(mesh, LEARNER_RULES), logprob_chunk=1024)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, batch_size=rows, seq_len=seq_len,
+                                   batch_sharding=batch_sharding(mesh, LEARNER_RULES), logprob_chunk=1024), state_sh)
   t = time.perf_counter()
   exe = step.lower(state, jax.eval_shape(lambda: make_batch([], rows, seq_len)),
                    jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()

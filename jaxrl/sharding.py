@@ -18,29 +18,11 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# The logical-axis rules live in jaxrl.axes (no model imports: the kernels read them too); imported from here as before.
+from jaxrl.axes import LEARNER_RULES as LEARNER_RULES
+from jaxrl.axes import SAMPLER_RULES as SAMPLER_RULES
+from jaxrl.axes import logical_to_spec
 from jaxrl.models import quant
-
-# Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
-LEARNER_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("layers", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-)
-SAMPLER_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", "data"),
-    ("layers", None),
-    ("vocab", "tensor"),
-    ("embed", None),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-)
 
 
 def _ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
@@ -121,12 +103,6 @@ def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None
   return learner, sampler
 
 
-def split_mesh(num_sampler: int | float, learner_axes: Mapping[str, int], sampler_axes: Mapping[str, int],
-               devices: Sequence[jax.Device] | None = None, whole_processes: bool = False) -> SplitMeshes:
-  learner, sampler = split_devices(num_sampler, devices, whole_processes)
-  return SplitMeshes(learner=make_mesh(learner_axes, learner), sampler=make_mesh(sampler_axes, sampler))
-
-
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
@@ -144,23 +120,6 @@ def logical_axes(params: nnx.State) -> nnx.State:
     return axes
 
   return jax.tree_util.tree_map_with_path(axes_of, params, is_leaf=_is_variable)
-
-
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                    rules: Sequence[tuple[str, Any]]) -> P:
-  """Maps logical axes to a PartitionSpec; a mesh axis is used once, and only where it divides the dimension."""
-  table = dict(rules)
-  used: set[str] = set()
-  spec = []
-  for name, dim in zip(axes, shape, strict=True):
-    targets = table.get(name) if name is not None else None
-    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
-    chosen = tuple(t for t in targets if t in mesh.shape and t not in used and mesh.shape[t] > 1)
-    while chosen and dim % math.prod(mesh.shape[t] for t in chosen):
-      chosen = chosen[:-1]  # replicate what does not divide evenly (e.g. 2 kv heads on a tensor axis of 4)
-    used.update(chosen)
-    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-  return P(*spec)
 
 
 def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> nnx.State:

@@ -125,7 +125,7 @@ def test_auto_picks_by_the_mesh_in_scope():
 def test_train_step_with_splash_compiles_for_a_multichip_mesh():
   """A decoder's whole train step (forward, backward, AdamW) on v5e:2x2, fsdp 2 x tensor 2, "auto" attention: the
   step traces under its mesh, so auto is splash and every kernel runs in shard_map (the reference pass included)."""
-  from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+  from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_optimizer, train_state_shardings
   from jaxrl.models import ModelConfig, hf
   from jaxrl.rollout import make_batch
   from jaxrl.sharding import LEARNER_RULES, batch_sharding, param_shardings
@@ -139,8 +139,8 @@ def test_train_step_with_splash_compiles_for_a_multichip_mesh():
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        jax.eval_shape(lambda p: init_train_state(p, opt), abstract), state_sh)
   rows, seq_len = 4, 1024
-  step = make_train_step(graphdef, opt, LossConfig(), batch_size=rows, seq_len=seq_len, state_shardings=state_sh,
-                         batch_sharding=batch_sharding(mesh, LEARNER_RULES))
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, batch_size=rows, seq_len=seq_len,
+                                   batch_sharding=batch_sharding(mesh, LEARNER_RULES)), state_sh)
   batch = jax.eval_shape(lambda: make_batch([], rows, seq_len))
   exe = step.lower(state, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile(TPU_OPTIONS)
   assert kernels(exe) == 3  # in the layer scan: forward, dq, dkv

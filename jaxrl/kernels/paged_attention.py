@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.axes import SAMPLER_RULES, logical_to_spec
 from jaxrl.kernels.cached_attention import online_softmax
 from jaxrl.kernels.mosaic import LANES, mosaic_precision, per_device
 
@@ -125,8 +126,6 @@ def _kernel_specs(mesh, s: int, kh: int):
   """shard_map specs of (q, k pool, v pool, layer, table, positions) and of the output: slots over the sampler's
   "batch" axis, kv heads over its "kv_heads" axis where that divides them; the pool is not split by slot (any slot
   may own any page), as the engine lays it out, so each device reads its heads' pages in place."""
-  from jaxrl.sharding import SAMPLER_RULES, logical_to_spec  # at call time: jaxrl.sharding imports the models
-
   rows, heads = logical_to_spec(("batch", "kv_heads"), (s, kh), mesh, SAMPLER_RULES)
   q, pool = P(rows, None, heads, None, None), P(heads, None, None, None, None)
   return (q, pool, pool, P(), P(rows, None), P(rows, None)), q

@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxrl.axes import LEARNER_RULES, logical_to_spec
 from jaxrl.kernels.mosaic import mosaic_precision, per_device
-from jaxrl.settings import TRAIN_ATTENTION as IMPLEMENTATIONS  # declared once, with the run config
+
+IMPLEMENTATIONS = ("reference", "chunked", "cudnn", "splash")  # the run config's model.train_attention choices
 
 _NEG_INF = -1e30
 
@@ -161,8 +163,6 @@ def _splash_specs(mesh, shape_BxTxKxD):
   """shard_map specs of (q, k, v, segment ids) and of the output: rows over the learner's batch axes, heads over
   its tensor axis where that axis divides the kv heads (query head h uses kv head h // G, so q splits the same
   way); an axis that does not divide is left out (the kernel runs replicated along it)."""
-  from jaxrl.sharding import LEARNER_RULES, logical_to_spec  # at call time: jaxrl.sharding imports the models
-
   batch, _, heads, _ = logical_to_spec(("batch", None, "kv_heads", None), shape_BxTxKxD, mesh, LEARNER_RULES)
   x = P(batch, None, heads, None)
   return (x, x, x, P(batch, None)), x
