@@ -1,4 +1,5 @@
-"""Meshes, the sampler/learner split, logical-axis rules, and versioned parameter transfer between submeshes.
+"""Meshes, the sampler/learner split, shardings from the logical-axis rules (jaxrl.axes), and versioned parameter
+transfer between submeshes.
 
 Meshes use Auto axes (GSPMD: shardings given at jit boundaries and by constraints), so one train step or decode
 step serves FSDP, tensor parallel or both, chosen by the rules alone.
