@@ -18,8 +18,6 @@ from jaxrl.kernels import paged_attention
 from jaxrl.kernels.train_attention import default_implementation, splash_attention
 from jaxrl.sharding import make_mesh
 
-MIB = 2**20
-
 
 @pytest.fixture(autouse=True, scope="module")
 def no_compilation_cache():
