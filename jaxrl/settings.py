@@ -241,7 +241,7 @@ class Sampler:
                    "slots)")
   page_size: int = Int(16, 1, "paged: positions per page (must divide max_len)")
   attention: str = Choice("auto", DECODE_ATTENTION, 'paged: decode attention ("auto": the Pallas kernel on a GPU or '
-                          "TPU sampler of one device, XLA otherwise)")
+                          "TPU sampler, in shard_map over its mesh; TPU: head_dim % 128 == 0; XLA otherwise)")
   num_pages: int = Int(0, 0, "paged: pages in the pool; 0: the dense cache's memory (max_slots * max_len / "
                        "page_size)")
   forced_lengths: ForcedLengths = Section(ForcedLengths)

@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# libtpu (the test extra) takes a lock file per process when it loads: parallel workers, and a deviceless TPU compile
+# (tests/test_kernels_mosaic.py) beside another engineer's run, would otherwise fail to load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The suite is dominated by XLA compiling many small programs, not by running them: LLVM's backend optimisations
 # make a tiny model's init program take 9.7 s to compile here instead of 1.1 s. Tests (and the subprocesses they
 # start, which inherit this) compile without them; results agree within every test's tolerance, and timing tests

@@ -43,6 +43,7 @@ from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.models import lora
 from jaxrl.rollout import Batch
+from jaxrl.sharding import under_mesh
 
 LogitsFn = Callable[[object, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -211,6 +212,7 @@ def jit_train_step(config: StepConfig, shardings: TrainState | None = None):
   if shardings is None:
     return jax.jit(step, donate_argnums=0)
   replicated = NamedSharding(config.batch_sharding.mesh, P())
+  step = under_mesh(step, config.batch_sharding.mesh)  # its attention kernel runs in shard_map over the mesh
   return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch_shardings(config.batch_sharding), replicated),
                  out_shardings=(shardings, replicated))
 
