@@ -107,12 +107,6 @@ def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None
   return learner, sampler
 
 
-def split_mesh(num_sampler: int | float, learner_axes: Mapping[str, int], sampler_axes: Mapping[str, int],
-               devices: Sequence[jax.Device] | None = None, whole_processes: bool = False) -> SplitMeshes:
-  learner, sampler = split_devices(num_sampler, devices, whole_processes)
-  return SplitMeshes(learner=make_mesh(learner_axes, learner), sampler=make_mesh(sampler_axes, sampler))
-
-
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 

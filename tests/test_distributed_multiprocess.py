@@ -149,7 +149,7 @@ def _normalized(tree) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_sync_multiprocess_equals_single_host(tmp_path):
   """The same config and seed, by the same CLI flags: `jaxrl.train` on one process with 3 CPU devices, and
-  `jaxrl.distributed.train` on 3 processes of 1 device (learner 2, sampler 1)."""
+  `jaxrl.distributed.job` on 3 processes of 1 device (learner 2, sampler 1)."""
   import jax
   import orbax.checkpoint as ocp
 

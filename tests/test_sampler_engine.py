@@ -107,7 +107,7 @@ def test_decode_state_is_sharded_on_the_sampler_mesh(engine):
   state = engine.init_decode_state()
   assert state.cache.k_NxSxTxKxD.sharding.spec == P(None, "data", None, "tensor", None)
   assert state.tokens_SxT.sharding.spec == P("data", None)
-  assert engine.max_concurrent_decodes == 4 and engine.buckets == (8, 16, 32, 48)
+  assert engine.max_slots == 4 and engine.buckets == (8, 16, 32, 48)
 
 
 def test_greedy_continuous_batching_equals_one_at_a_time(model, engine):

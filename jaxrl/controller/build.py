@@ -16,19 +16,15 @@ from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
+from jaxrl.assets import smollm2_path
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.spec import RunRecord, RunSpec
-from jaxrl.learner import (
-    batch_shards,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
-    train_state_shardings,
-)
+from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_optimizer, train_state_shardings
 from jaxrl.learner.packing import pack_batch, row_buckets
+from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import ModelConfig, hf, lora
+from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
@@ -47,14 +43,20 @@ def model_source(c: RunConfig) -> tuple[ModelConfig, Any, Path | None]:
     cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
     return cfg, None, None
   if c.model.source == "smollm2":
-    from jaxrl.assets import smollm2_path
-
     path = smollm2_path()
   else:
     path = Path(c.model.source).expanduser()
   import transformers
 
   return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+
+
+def run_shapes(c: RunConfig) -> tuple[int, float]:
+  """(prompt tokens of the run's first prompt, bytes of its model's params): what a calibration from a run's logs
+  needs besides them (cost_profile.from_run; mode="auto")."""
+  model_cfg, tokenizer, _ = model_source(c)
+  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
+  return len(make_prompt_source(c.task, c.seed, tokenizer, model_cfg)[1](0)[0]), weight_bytes
 
 
 def lora_config(c: RunConfig) -> LoRAConfig | None:
@@ -66,8 +68,6 @@ def lora_config(c: RunConfig) -> LoRAConfig | None:
 def base_params(c: RunConfig, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
   """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from. With
   LoRA (cfg.lora) the base model's params (as without it) and fresh adapters (B = 0: the base model's outputs)."""
-  from jaxrl.models import Decoder, init_params
-
   plain = cfg.replace(lora=None)
   if path is None:
     graphdef, params = init_params(plain, c.seed)
@@ -102,7 +102,8 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
                  max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
-                 num_minibatches=c.rl.num_minibatches)
+                 num_minibatches=c.rl.num_minibatches, filter_groups=c.rl.filter_groups,
+                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row)
 
 
 def rows_unit(mesh) -> int:
@@ -165,11 +166,11 @@ def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None,
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
   rl = c.rl
   loss = dataclasses.replace(c.loss, sampling=spec.sampling)  # the same as validated; spec's, to be sure
-  train_step = make_train_step(graphdef, optimizer, loss, batch_size=spec.batch_size, seq_len=rl.seq_len,
-                               num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
-                               state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
-                               logprob_chunk=rl.logprob_chunk, atomic=rl.atomic_step,
-                               microbatch_rows=rl.microbatch_rows)
+  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=loss, batch_size=spec.batch_size,
+                           seq_len=rl.seq_len, num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
+                           batch_sharding=rows, row_buckets=spec.row_buckets, logprob_chunk=rl.logprob_chunk,
+                           atomic=rl.atomic_step, microbatch_rows=rl.microbatch_rows)
+  train_step = jit_train_step(step_config, state_sh)
   # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
   state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh, frozen=frozen,
                            ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)

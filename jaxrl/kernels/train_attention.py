@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrl.settings import TRAIN_ATTENTION as IMPLEMENTATIONS  # declared once, with the run config
+IMPLEMENTATIONS = ("reference", "chunked", "cudnn", "splash")  # the run config's model.train_attention choices
 
 _NEG_INF = -1e30
 
