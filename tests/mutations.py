@@ -1,6 +1,6 @@
 """Wiring proof: cut each wire in turn and show that a test fails.
 
-    JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m tests.mutations [--only NAME ...] [--area AREA ...] [--first-only]
+    JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m tests.mutations [--only NAME ...] [--area PATH ...] [--first-only]
         [--out bench/results/mutations.json]
 
 Each mutation below replaces one snippet of the code in a copy of the repository: the learner's objective (each
@@ -175,7 +175,7 @@ OBJECTIVE = (
 )
 
 SP, SD, SE = "jaxrl/sampler/sampling.py", "jaxrl/sampler/decode.py", "jaxrl/sampler/sampler.py"
-PA = "jaxrl/sampler/page_allocator.py"
+PA, AD = "jaxrl/sampler/page_allocator.py", "jaxrl/sampler/admission.py"
 SAMPLING = "tests/test_sampler_sampling.py::test_filtered_logprobs_match_numpy_reference"
 ENGINE = "tests/test_sampler_engine.py::test_"
 ALLOC = "tests/test_sampler_page_allocator.py"
@@ -221,6 +221,12 @@ SAMPLER = (
              (ALLOC,)),
     Mutation("pages: preemption takes the oldest slot", PA, "victims.append(live.pop())",
              "victims.append(live.pop(0))", (ALLOC,)),
+    Mutation("admission: a group's prompt keys reused across an update", AD,
+             "if g.prefix is None or g.prefix.version != params.version:", "if g.prefix is None:",
+             (ENGINE + "a_group_admitted_across_an_update_prefills_its_prompt_again_with_the_new_params",)),
+    Mutation("admission: a resumed sample's draws start over", AD, "self.policy.insert(slot, prefix, settings, drawn)",
+             "self.policy.insert(slot, prefix, settings, 0)",
+             ("tests/test_sampler_paged.py::test_out_of_pages_preempts_and_keeps_every_sample",)),
 )
 
 AS, LL, LE, WP = ("jaxrl/controller/assembly.py", "jaxrl/controller/learner_loop.py", "jaxrl/controller/ledger.py",
@@ -306,12 +312,20 @@ CK, BUILD, SPEC = "jaxrl/checkpoint.py", "jaxrl/controller/build.py", "jaxrl/con
 NEWEST = "tests/test_checkpoint.py::test_the_newest_checkpoint_is_restored_and_the_newest_ones_are_kept"
 RESUME = ("tests/test_checkpoint.py::"
           "test_a_resume_gets_back_its_state_and_data_position_and_counts_the_samples_it_discards")
+DAMAGED = ("tests/faults/test_faults_checkpoint.py::"
+           "test_damaged_newest_checkpoint_is_named_and_the_previous_one_restored")
 CHECKPOINT = (
     Mutation("restore: the oldest checkpoint, not the newest", CK,
              "steps = self._steps_on_disk()[::-1] if step is None else [step]",
              "steps = self._steps_on_disk() if step is None else [step]", (NEWEST,)),
     Mutation("retention: the oldest checkpoints kept", CK, "keep = self.verified_steps()[-self.max_to_keep :]",
              "keep = self.verified_steps()[: self.max_to_keep]", (NEWEST,)),
+    Mutation("restore: arrays and record not checked against the marker", CK,
+             'integrity.check_restored(step_dir, marker, integrity.to_hex(integrity.array_checksums(out["state"])),',
+             '(lambda *unchecked: None)(step_dir, marker, integrity.to_hex(integrity.array_checksums(out["state"])),',
+             (DAMAGED + "[arrays_differ]",)),
+    Mutation("restore: files not checked against the marker", CK, "    integrity.check_files(step_dir, marker)\n", "",
+             (DAMAGED + "[missing_file]",)),
     Mutation("restore: a fresh rng", CK, "return state.replace(rng=jax.random.wrap_key_data(state.rng)), out",
              "return state.replace(rng=jax.random.key(0)), out", (NEWEST,)),
     Mutation("resume: the live state, not the restored one", BUILD, "state = state.replace(frozen=live.frozen)",
@@ -320,7 +334,7 @@ CHECKPOINT = (
              "  record.ledger.samples_discarded_at_resume += record.ledger.held_at_checkpoint()\n", "", (RESUME,)),
     Mutation("resume: data position from 0", SPEC, 'return cls(d["next_group_id"], list(d["pending_group_ids"])',
              'return cls(0, list(d["pending_group_ids"])', (RESUME,)),
-    Mutation("resume: pending groups not generated again", "jaxrl/controller/channels.py",
+    Mutation("resume: pending groups not generated again", "jaxrl/controller/interfaces.py",
              "self.regenerate = list(record.pending_group_ids)", "self.regenerate = []", (RESUME,)),
     Mutation("ledger: in flight ignores what a resume discarded", LE,
              "return self.samples_generated - self.samples_trained - self.samples_dropped - "
@@ -344,8 +358,10 @@ def _pytest(root: pathlib.Path, files: list[str], timeout: int) -> tuple[str, st
   """(outcome, detail) of pytest -x over `files` in `root`: "passed", "failed" (detail: the first failing test) or
   "hang" (the run past `timeout`, or a test failed by pytest-timeout: a hang is no kill)."""
   # The checkout's compilation cache: the copy's unmutated programs compile once, not once per mutation.
+  # COLUMNS: the short summary's lines whole, not cut at 80 characters.
   env = dict(os.environ, PYTHONPATH=str(root), JAX_NUM_CPU_DEVICES=os.environ.get("JAX_NUM_CPU_DEVICES", "8"),
-             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
+             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")),
+             COLUMNS="1000")
   try:
     run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files], cwd=root,
                          env=env, capture_output=True, text=True, timeout=timeout)
@@ -355,8 +371,8 @@ def _pytest(root: pathlib.Path, files: list[str], timeout: int) -> tuple[str, st
   summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr.strip()[-200:]
   if run.returncode == 0:
     return "passed", summary
-  if failed and "Timeout (>" in failed[0]:
-    return "hang", failed[0].split(" - ")[0]
+  if "from pytest-timeout" in run.stdout:  # -x: the one failure is a test past its time limit
+    return "hang", failed[0].split(" - ")[0] if failed else summary
   return "failed", failed[0].split(" - ")[0] if failed else f"exit code {run.returncode}: {summary}"
 
 
@@ -380,7 +396,7 @@ def run_one(mutation: Mutation, timeout: int, first_only: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--only", nargs="*", default=None, help="mutation names to run (default: all)")
-  parser.add_argument("--area", nargs="*", default=None, help="run the mutations of these GROUPS path prefixes")
+  parser.add_argument("--area", nargs="*", default=None, help="mutations of the code under these paths")
   parser.add_argument("--first-only", action="store_true", help="each mutation's first tests only, not its group")
   parser.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
   parser.add_argument("--out", default="bench/results/mutations.json")

@@ -9,7 +9,7 @@ import optax
 
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller import build
-from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.interfaces import LocalCoordinator
 from jaxrl.controller.ledger import Ledger
 from jaxrl.controller.spec import RunRecord
 from jaxrl.learner import init_train_state

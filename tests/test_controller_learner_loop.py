@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.interfaces import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.rollout import Rollout, SamplingParams
