@@ -32,7 +32,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Each area's test group (tests/ globs), by the path prefix of the code it tests: what a cut there must fail.
 GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sampler_*.py",),
           "jaxrl/controller/": ("test_controller_*.py", "test_checkpoint*.py"),
-          "jaxrl/envs/runner.py": ("test_envs_runner.py",), "jaxrl/checkpoint.py": ("test_checkpoint*.py",)}
+          "jaxrl/envs/runner.py": ("test_envs_runner.py",), "jaxrl/checkpoint.py": ("test_checkpoint*.py",),
+          "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
+          "jaxrl/envs/guard.py": ("test_envs_guard.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -342,7 +344,34 @@ CHECKPOINT = (
              "return self.samples_generated - self.samples_trained - self.samples_dropped", (RESUME,)),
 )
 
-MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT
+GUARD_T = "tests/test_envs_guard.py::test_"
+FILTER_T = "tests/faults/test_faults_filter.py::test_"
+GUARD = (
+    Mutation("sandbox: import roots nobody can reach left as they are", "jaxrl/envs/sandbox.py",
+             "    keep_imports_reachable()\n", "",
+             (GUARD_T + "math_verify_scores_in_its_sandbox_from_an_install_nobody_can_read",)),
+    Mutation("self-check: a right answer scored 0 passes", "jaxrl/envs/guard.py",
+             "check.right is None or check.right and result.value == 1.0",
+             "check.right is None or check.right and result.value >= 0.0", (GUARD_T + "verdict",)),
+    Mutation("self-check: skipped by the run's scorer", "jaxrl/controller/data.py",
+             "  if t.self_check:\n", "  if False:\n",
+             (GUARD_T + "the_run_scorer_self_checks_its_rewards_before_it_scores",)),
+    Mutation("failure window: never stops the run", "jaxrl/envs/guard.py",
+             "if failed and len(errors) > self.max_frac * self.size:", "if False:",
+             (GUARD_T + "the_failure_window_stops_on_the_first_failure_over_its_fraction",)),
+    Mutation("failure window: counts every failure of the run, not the window's", "jaxrl/envs/guard.py",
+             "errors = [e for e in self._recent if e is not None]",
+             "errors = [e for e in self._recent if e is not None] + [None] * (self.failures - 1)",
+             (GUARD_T + "the_failure_window_forgets_old_failures_and_passes_scattered_ones",)),
+    Mutation("dynamic sampling: zero-variance groups trained", "jaxrl/controller/assembly.py",
+             'if filter_groups == "zero_variance" and len({r.reward for r in group}) == 1:', "if False:",
+             (FILTER_T + "only_groups_with_signal_are_trained_and_every_filtered_group_is_counted",)),
+    Mutation("dynamic sampling: filtered groups never bounded", "jaxrl/controller/interfaces.py",
+             "if filtered >= self.max_filtered_in_a_row:", "if False:",
+             (FILTER_T + "a_policy_that_leaves_nothing_to_train_stops_the_run_with_one_line",)),
+)
+
+MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD
 
 
 def apply(mutation: Mutation, root: pathlib.Path) -> None:

@@ -4,6 +4,7 @@ balances with the filtered groups counted by reason, in every topology and acros
 leaves nothing to train stops the run with one line instead of sampling for ever."""
 
 import json
+import threading
 
 import pytest
 from faults_util import NUM_STEPS, check_history, committed_steps, inject, read_trace, tiny_config, wait_for
@@ -42,11 +43,25 @@ def test_only_groups_with_signal_are_trained_and_every_filtered_group_is_counted
   assert counts["trained"] == NUM_STEPS * 16
 
 
-def test_a_policy_that_leaves_nothing_to_train_stops_the_run_with_one_line(tmp_path):
+def test_a_policy_that_leaves_nothing_to_train_stops_the_run_with_one_line(tmp_path, monkeypatch):
+  # Without the bound the run would sample for ever: a deadline stops it (cleanly, so the test fails, not hangs).
+  deadline = []
+
+  def stop_late(run):
+    timer = threading.Timer(120.0, run.controller.request_stop, args=("the test's deadline",))
+    timer.daemon = True
+    timer.start()
+    deadline.append(timer)
+
+  inject(monkeypatch, stop_late)
   c = tiny_config("pipeline", task__reward="faults_rewards:always_zero", rl__filter_groups="zero_variance",
                   rl__max_filtered_in_a_row=12)
-  with pytest.raises(RuntimeError, match=r"no progress: 12 groups in a row filtered out \(all their rewards equal\)"):
-    train_lib.train(c, tmp_path)
+  try:
+    with pytest.raises(RuntimeError, match=r"no progress: 12 groups in a row filtered out \(all their rewards "
+                                           r"equal\)"):
+      train_lib.train(c, tmp_path)
+  finally:
+    deadline[0].cancel()
   assert committed_steps(tmp_path) == [0]
 
 
