@@ -28,7 +28,7 @@ from jaxrl.learner import (
 )
 from jaxrl.learner.packing import pack_batch, row_buckets
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import ModelConfig, hf, lora
+from jaxrl.models import ModelConfig, hf, lora, presets
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
@@ -37,24 +37,39 @@ from jaxrl.settings import RunConfig
 
 
 def model_source(c: RunConfig) -> tuple[ModelConfig, Any, Path | None]:
-  """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
+  """(model config, tokenizer, HF folder of the weights or None) of c.model: cheap, read before any params are
+  loaded. With model.preset the weights are random (no folder), the tokenizer still model.source's."""
+  cfg = model_config(c)
+  if c.model.source == "tiny":
+    return cfg, None, None
+  import transformers
+
+  path = _source_path(c)
+  return cfg, transformers.AutoTokenizer.from_pretrained(str(path)), None if c.model.preset else path
+
+
+def model_config(c: RunConfig, platform: str | None = None) -> ModelConfig:
+  """The ModelConfig of c.model for a run on `platform` (default: this host's backend): model.preset's shape, the
+  "tiny" sizes, or the HF folder's config.json (no weights read)."""
   # bfloat16 compute (float32 master weights by default) on accelerators; float32 on CPU, where bf16 is slow.
-  dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  platform = platform or jax.default_backend()
+  dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if platform == "cpu" else "bfloat16"
   overrides = dict(dtype=dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                    remat_policy=c.model.remat_policy, train_attention=c.model.train_attention,
                    scan_unroll=c.model.scan_unroll, lora=lora_config(c))
+  if c.model.preset:
+    return ModelConfig(**{**presets.shape(c.model.preset), **overrides})
   if c.model.source == "tiny":
-    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
-    return cfg, None, None
+    return ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
+  return hf.load_config(_source_path(c), **overrides)
+
+
+def _source_path(c: RunConfig) -> Path:
   if c.model.source == "smollm2":
     from jaxrl.assets import smollm2_path
 
-    path = smollm2_path()
-  else:
-    path = Path(c.model.source).expanduser()
-  import transformers
-
-  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+    return smollm2_path()
+  return Path(c.model.source).expanduser()
 
 
 def lora_config(c: RunConfig) -> LoRAConfig | None:
