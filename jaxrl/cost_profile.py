@@ -38,6 +38,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrl import platforms
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
 from jaxrl.sampler import Sampler
 from jaxrl.sharding import Versioned, transfer
@@ -409,6 +410,7 @@ def summary(cal: Calibration, details: dict) -> str:
 
 
 def main(argv=None):
+  platforms.skip_tpu_probe()
   from absl import app, flags
   from ml_collections import config_flags
 

@@ -30,6 +30,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from jaxrl import platforms
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.models.hf import load_config, load_params
 from jaxrl.rollout import Rollout, SamplingParams
@@ -281,6 +282,7 @@ def main(argv):
 
 def run():
   """Console entry point (jaxrl-generate)."""
+  platforms.skip_tpu_probe()
   app.run(main)
 
 
