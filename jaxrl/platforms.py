@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import importlib.metadata
+import math
 import os
 from pathlib import Path
 
@@ -58,3 +59,17 @@ def skip_tpu_probe() -> None:
   import jax
 
   jax.config.update("jax_platforms", platforms)
+
+
+def tpu_compiler_env(chip: str, topology: str) -> None:
+  """The environment of libtpu compiling deviceless for `chip` ("v5e", "v5p", "v6e") at `topology` ("2x2", ...): no
+  lock file (compiles may run side by side, and beside a run), and on a host without a TPU the slice's accelerator
+  type and a local worker named, so libtpu does not probe the metadata server and print its failures (the type
+  does not change the topology libtpu describes). Call before the first topology is made."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if tpu_attached():
+    return
+  chips = math.prod(int(x) for x in topology.split("x"))
+  accelerator = {"v5e": f"v5litepod-{chips}", "v5p": f"v5p-{2 * chips}", "v6e": f"v6e-{chips}"}[chip]  # v5p: cores
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")

@@ -170,10 +170,28 @@ def _with_ref(c: RunConfig) -> bool:
 def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
   """The learner of a config; with LoRA its state trains the adapters (params) on the frozen base (frozen)."""
   model_cfg, graphdef, params = base_params(c, model_cfg, path, _param_shardings(mesh))
-  frozen = frozen_sh = None
+  frozen = None
   if model_cfg.lora is not None:
     params, frozen = lora.split(params)
-    frozen_sh = _param_shardings(mesh)(frozen)
+  step = learner_step(c, mesh, graphdef, params, spec, frozen)
+  # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
+  state = init_train_state(params, step.optimizer, rng=c.seed, shardings=step.state_shardings, frozen=frozen,
+                           ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
+  return Learner(model_cfg, graphdef, step.train_step, state, step.state_shardings, step.batch_sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerStep:
+  optimizer: Any
+  train_step: Any  # (state, batch, key) -> (state, metrics), jitted with in/out shardings
+  state_shardings: Any
+  batch_sharding: Any
+
+
+def learner_step(c: RunConfig, mesh, graphdef, params, spec: RunSpec, frozen=None) -> LearnerStep:
+  """The run's train step on `mesh` for params (arrays, or abstract ones: jaxrl-compile builds the step from
+  shapes alone) and, with LoRA, the frozen base."""
+  frozen_sh = None if frozen is None else _param_shardings(mesh)(frozen)
   optimizer = run_optimizer(c)
   state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh, with_ref=_with_ref(c),
                                    frozen=frozen, frozen_shardings=frozen_sh)
@@ -185,10 +203,14 @@ def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None,
                                state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
                                logprob_chunk=rl.logprob_chunk, atomic=rl.atomic_step,
                                microbatch_rows=rl.microbatch_rows)
-  # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh, frozen=frozen,
-                           ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
-  return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)
+  return LearnerStep(optimizer, train_step, state_sh, rows)
+
+
+def abstract_init_state(c: RunConfig, optimizer, params, frozen=None):
+  """The shapes of the run's initial TrainState from (abstract) params: what init_train_state makes."""
+  with_ref = _with_ref(c)
+  return jax.eval_shape(lambda p, f: init_train_state(p, optimizer, rng=c.seed, frozen=f,
+                                                      ref_params=p if with_ref else None), params, frozen)
 
 
 def abstract_train_state(c: RunConfig, abstract_params, mesh):
@@ -200,8 +222,7 @@ def abstract_train_state(c: RunConfig, abstract_params, mesh):
   with_ref = _with_ref(c)
   state_sh = train_state_shardings(abstract_params, optimizer, _param_shardings(mesh)(abstract_params), mesh,
                                    with_ref)
-  abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed, ref_params=p if with_ref else None),
-                            abstract_params)
+  abstract = abstract_init_state(c, optimizer, abstract_params)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
 
 
