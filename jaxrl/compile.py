@@ -348,6 +348,8 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
       split=dict(learner=learner_mesh.size, learner_axes=dict(learner_mesh.shape), sampler=engine.mesh.size,
                  sampler_axes=dict(engine.mesh.shape), sampler_replicas=len(sampler_meshes)),
       model=dict(preset=c.model.preset, source=c.model.source, param_count=info["param_count"],
+                 **{k: getattr(model_cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                                       "num_heads", "num_kv_heads", "head_dim", "tie_embeddings")},
                  dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype, sampler_dtype=str(jnp.dtype(engine.dtype)),
                  sampler_weights=engine.weight_dtype, train_attention=model_cfg.train_attention,
                  decode_attention=getattr(engine, "attention", "xla"), remat=model_cfg.remat,
@@ -368,6 +370,7 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
     for p in programs:
       report["programs"].append(compile_program(p, chip, log, hlo_dir))
   report["programs"].append(_receive(sampled, info["trained_params"], engine, chip))
+  report["kv_capacity"] = kv_capacity(report["programs"], sampled["state"].cache, engine, chip)
   report["fits"] = all(p["fits"] for p in report["programs"])
   if not report["fits"]:
     worst = next(p for p in report["programs"] if not p["fits"])
@@ -396,6 +399,23 @@ def _receive(sampled: dict, trained, engine, chip: Hardware) -> dict:
   return dict(name="publish_receive", side="sampler", compiled=None, memory=memory,
               hbm_fraction=memory["total"] / chip.hbm_bytes, fits=memory["total"] <= chip.hbm_bytes,
               transfer_s=received / chip.link_bandwidth)
+
+
+def kv_capacity(programs: list[dict], cache, engine, chip: Hardware, lengths=(4096, 16384, 32768)) -> dict:
+  """Sequences of each length whose keys and values fit one sampler replica: the HBM its fullest program leaves
+  beside everything but the KV cache, over a token's KV bytes per chip (an estimate from the compiled sizes, not a
+  compile at that size). A dense cache splits slots over the "data" axis; the paged pool is whole on every chip."""
+  sampler = [p for p in programs if p["side"] == "sampler" and p["memory"]["total"] != float("inf")]
+  if not sampler:
+    return {}
+  held = max(p["memory"]["total"] - p["memory"].get("kv", 0) for p in sampler)
+  pool_tokens = engine.num_pages * engine.page_size if engine.kv == "paged" else engine.max_slots * engine.max_len
+  data = 1 if engine.kv == "paged" else engine.mesh.shape.get("data", 1)
+  keys = cache.k_pages if engine.kv == "paged" else cache.k_NxSxTxKxD
+  per_token = per_device_bytes(keys) * 2 * data / pool_tokens
+  free = max(0.0, chip.hbm_bytes - held)
+  return {str(n): int(free // (per_token * n)) * data for n in lengths} | dict(kv_bytes_per_token_chip=per_token,
+                                                                             free_bytes=free)
 
 
 def format_table(report: dict) -> str:
