@@ -240,9 +240,9 @@ def _memory(program: Program, compiled) -> dict[str, int]:
   """Per-device bytes while the program runs: its inputs by kind, what else the chip holds, the compiler's
   temporaries, and the outputs that do not reuse a donated input's buffer."""
   mem = compiled.memory_analysis()
-  out = {kind: per_device_bytes(tree) for kind, tree in program.groups.items() if tree is not None}
-  out["other_inputs"] = max(0, int(mem.argument_size_in_bytes) - sum(out.values()))
-  out.update(program.resident)
+  out = _held(program)
+  inputs = sum(out.values()) - sum(program.resident.values())
+  out["other_inputs"] = max(0, int(mem.argument_size_in_bytes) - inputs)
   out["temporaries"] = int(mem.temp_size_in_bytes)
   out["outputs"] = int(mem.output_size_in_bytes - mem.alias_size_in_bytes)
   out["total"] = sum(out.values())
@@ -266,10 +266,16 @@ def compile_program(program: Program, chip: Hardware, log=print, hlo_dir: str | 
     if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
       raise
     message = " ".join(str(e).split())
+    memory = _held(program)
+    # libtpu says either the whole ("Used 20.5G of 15.75G hbm") or the temporaries ("for HLO temporaries (15.92G)")
     used = re.search(r"Used ([0-9.]+)([KMGT]) of", message)
-    total = float(used.group(1)) * 1024 ** " KMGT".index(used.group(2)) if used else float("inf")
-    return dict(name=program.name, side=program.side, compiled=False, error=message[:300],
-                memory=dict(total=total), hbm_fraction=total / chip.hbm_bytes, fits=False)
+    temps = re.search(r"HLO temporaries \(([0-9.]+)([KMGT])\)", message)
+    size = lambda m: float(m.group(1)) * 1024 ** " KMGT".index(m.group(2))  # noqa: E731
+    if temps:
+      memory["temporaries"] = size(temps)
+    memory["total"] = size(used) if used else sum(memory.values())
+    return dict(name=program.name, side=program.side, compiled=False, error=message[:300], memory=memory,
+                hbm_fraction=memory["total"] / chip.hbm_bytes, fits=False)
   seconds = time.perf_counter() - t0
   text = compiled.as_text()
   if hlo_dir is not None:
@@ -295,12 +301,17 @@ def compile_program(program: Program, chip: Hardware, log=print, hlo_dir: str | 
 def _precheck(programs: list[Program], chip: Hardware) -> dict | None:
   """The first program whose inputs and held buffers alone exceed the chip's HBM (no compile needed to say so)."""
   for p in programs:
-    held = sum(per_device_bytes(t) for t in p.groups.values() if t is not None) + sum(p.resident.values())
+    memory = _held(p)
+    held = sum(memory.values())
     if held > chip.hbm_bytes:
-      memory = {k: per_device_bytes(t) for k, t in p.groups.items() if t is not None} | dict(p.resident)
       return dict(name=p.name, side=p.side, compiled=False, error="its inputs alone exceed HBM",
                   memory=dict(memory, total=held), hbm_fraction=held / chip.hbm_bytes, fits=False)
   return None
+
+
+def _held(program: Program) -> dict[str, int]:
+  """Per-device bytes of a program's inputs by kind and of what else the chip holds while it runs."""
+  return {k: per_device_bytes(t) for k, t in program.groups.items() if t is not None} | dict(program.resident)
 
 
 def remedies(c: RunConfig, program: dict, chip: Hardware, learner_chips: int, sampler_chips: int) -> list[str]:

@@ -1,0 +1,132 @@
+"""docs/TPU.md's table: configs/tpu.py compiled by jaxrl-compile for TPU slices (deviceless: no TPU runs any of it),
+then planned by jaxrl-plan on the compiled costs and on the model shape's roofline (configs/plan_tpu.py).
+
+  python -m bench.tpu_compile            # compiles the rows whose report is missing, one at a time (RAM), then tables
+  python -m bench.tpu_compile --table    # the table from the saved reports only
+
+Each row's report is bench/results/compile_<preset>_<target>.json (its command is in the table); the table is
+bench/results/tpu_table.json. A compile of a 7B-70B model's programs takes 5-15 minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+# (preset, target, extra flags, name of a variant): configs/tpu.py's run, half of each slice sampling (whole hosts)
+ROWS = [
+    ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2"], ""),
+    ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32slots"),
+    ("qwen2.5-7b", "v5p:4x4x2", [], ""),
+    ("qwen2.5-7b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32"], ""),
+    ("qwen3-32b", "v5p:8x8x2", ["--config.mesh.sampler_devices=64", "--config.mesh.sampler_axes.tensor=4"], ""),
+    ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
+]
+GiB = 2**30
+
+
+def report_path(preset: str, target: str, tag: str = "") -> Path:
+  return RESULTS / f"compile_{preset}_{target.replace(':', '-')}{'_' + tag if tag else ''}.json"
+
+
+def command(preset: str, target: str, extra: list[str], tag: str) -> list[str]:
+  return ["jaxrl-compile", f"--config=configs/tpu.py:{preset}", f"--target={target}", *extra,
+          f"--out={report_path(preset, target, tag).relative_to(REPO)}"]
+
+
+def compile_row(preset: str, target: str, extra: list[str], tag: str, hlo_root: str | None) -> None:
+  cmd = command(preset, target, extra, tag)
+  print(" ".join(cmd), flush=True)
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  hlo = [f"--hlo_dir={hlo_root}/{report_path(preset, target, tag).stem}"] if hlo_root else []
+  run = subprocess.run(["nice", "-n", "19", sys.executable, "-m", "jaxrl.compile", *cmd[1:], *hlo], cwd=REPO, env=env,
+                       capture_output=True, text=True)
+  print(run.stdout[-4000:], run.stderr.strip().splitlines()[-1] if run.returncode else "", flush=True)
+
+
+def plan_row(path: Path, roofline: bool) -> dict:
+  """jaxrl-plan's recommendation for the report's slice: the mode and its trained-token speedup over sync."""
+  import importlib.util
+
+  from jaxrl.sim import plan
+
+  spec = importlib.util.spec_from_file_location("plan_tpu", REPO / "configs" / "plan_tpu.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  p = plan.run_plan(plan.build(module.get_config(f"{path.relative_to(REPO)}{',roofline' if roofline else ''}")))
+  rec, best = p.recommended, p.best
+  return dict(mode=rec.mode, pipeline_over_sync=(1 / rec.ratio if rec.mode == "sync" else rec.ratio),
+              split=None if best is None else [best.sampler_devices, best.learner_devices])
+
+
+def row(preset: str, target: str, extra: list[str], tag: str) -> dict | None:
+  path = report_path(preset, target, tag)
+  if not path.exists():
+    return None
+  r = json.loads(path.read_text())
+  programs = {p["name"]: p for p in r["programs"]}
+  side = lambda s: max(p["memory"]["total"] for p in r["programs"] if p["side"] == s) / GiB  # noqa: E731
+  out = dict(model=preset, target=target, chips=r["chips"], split=f"{r['split']['learner']}+{r['split']['sampler']}",
+             sampler_replicas=r["split"]["sampler_replicas"], fits=r["fits"], learner_gib=side("learner"),
+             sampler_gib=side("sampler"), command=" ".join(command(preset, target, extra, tag)),
+             variant=" ".join(f for f in extra if "sampler_devices" not in f))
+  if r["fits"]:
+    train = next(p for n, p in programs.items() if n.startswith("train_step"))
+    decode = next(p for n, p in programs.items() if n.startswith("decode"))
+    out.update(kv_sequences={k: r["kv_capacity"][k] for k in ("4096", "16384", "32768")},
+               learner_step_s=train["roofline"]["bound_s"],
+               decode_step_s=decode["roofline"]["bound_s"] / decode["steps_per_call"],
+               efficiency={k: v["ratio"] for k, v in r["efficiency"].items()},
+               plan_compiled=plan_row(path, False), plan_roofline=plan_row(path, True))
+  else:
+    out["over"] = r["over"]
+  return out
+
+
+def markdown(rows: list[dict]) -> str:
+  head = ("| model | target (chips) | learner + sampler chips | learner GiB/chip | sampler GiB/chip | KV sequences "
+          "4k / 16k / 32k (per replica) | learner step s | decode step ms | planner: compiled costs | planner: "
+          "roofline |\n|---|---|---|---|---|---|---|---|---|---|")
+  lines = [head]
+  for r in rows:
+    name = f"{r['model']} {r['variant']}".strip()
+    if not r["fits"]:
+      lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} | {r['learner_gib']:.1f} | "
+                   f"{r['sampler_gib']:.1f} | does not fit: {r['over']['program']} | | | | |")
+      continue
+    kv = " / ".join(str(r["kv_sequences"][k]) for k in ("4096", "16384", "32768"))
+    plan = lambda p: f"{p['mode']} {p['pipeline_over_sync']:.2f}x" + (f" at {p['split'][0]}+{p['split'][1]}"  # noqa: E731
+                                                                       if p["mode"] == "pipeline" else "")
+    replicas = f"{r['sampler_replicas']} replica{'s' if r['sampler_replicas'] > 1 else ''}"
+    lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} ({replicas}) | "
+                 f"{r['learner_gib']:.1f} | {r['sampler_gib']:.1f} | {kv} | {r['learner_step_s']:.2f} | "
+                 f"{1e3 * r['decode_step_s']:.1f} | {plan(r['plan_compiled'])} | "
+                 f"{plan(r['plan_roofline'])} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="bench.tpu_compile")
+  parser.add_argument("--table", action="store_true", help="only the table, from the saved reports")
+  parser.add_argument("--hlo_root", help="keep each row's optimized HLO under this folder")
+  args = parser.parse_args(argv)
+  if not args.table:
+    for preset, target, extra, tag in ROWS:
+      if not report_path(preset, target, tag).exists():
+        compile_row(preset, target, extra, tag, args.hlo_root)
+  rows = [r for r in (row(*spec) for spec in ROWS) if r is not None]
+  (RESULTS / "tpu_table.json").write_text(json.dumps(rows, indent=1))
+  print(markdown(rows))
+  for r in rows:
+    print(f"{r['model']} {r['target']}: {r['command']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
