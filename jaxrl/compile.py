@@ -331,10 +331,10 @@ def remedies(c: RunConfig, program: dict, chip: Hardware, learner_chips: int, sa
     if c.rl.atomic_step and c.rl.num_minibatches > 1:
       out.append("rl.atomic_step=False (no copy of the pre-step state)")
     return out
-  out = []
-  if c.sampler.weight_dtype != "int8" and not c.model.lora.enabled:
-    out.append("sampler.weight_dtype='int8'")
-  out.append(f"sampler.max_slots={max(1, c.sampler.max_slots // 2)}")
+  out = [f"sampler.max_slots={max(1, c.sampler.max_slots // 2)}"]
+  if c.sampler.weight_dtype != "int8" and not c.model.lora.enabled:  # weights first where they outweigh the KV
+    weights_first = mem.get("params", 0) > mem.get("kv", 0) + mem.get("temporaries", 0)
+    out.insert(0 if weights_first else 1, "sampler.weight_dtype='int8'")
   out.append(f"more sampler chips (now {sampler_chips}: mesh.sampler_devices, mesh.sampler_axes tensor)")
   return out
 
@@ -381,7 +381,8 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
     for p in programs:
       report["programs"].append(compile_program(p, chip, log, hlo_dir))
   report["programs"].append(_receive(sampled, info["trained_params"], engine, chip))
-  report["kv_capacity"] = kv_capacity(report["programs"], sampled["state"].cache, engine, chip)
+  report["kv_capacity"] = kv_capacity(report["programs"], *_kv_per_token(sampled["state"].cache, engine),
+                                      chip.hbm_bytes)
   report["fits"] = all(p["fits"] for p in report["programs"])
   if not report["fits"]:
     worst = next(p for p in report["programs"] if not p["fits"])
@@ -412,21 +413,32 @@ def _receive(sampled: dict, trained, engine, chip: Hardware) -> dict:
               transfer_s=received / chip.link_bandwidth)
 
 
-def kv_capacity(programs: list[dict], cache, engine, chip: Hardware, lengths=(4096, 16384, 32768)) -> dict:
-  """Sequences of each length whose keys and values fit one sampler replica: the HBM its fullest program leaves
-  beside everything but the KV cache, over a token's KV bytes per chip (an estimate from the compiled sizes, not a
-  compile at that size). A dense cache splits slots over the "data" axis; the paged pool is whole on every chip."""
-  sampler = [p for p in programs if p["side"] == "sampler" and p["memory"]["total"] != float("inf")]
-  if not sampler:
+def kv_capacity(programs: list[dict], per_token: float, data: int, hbm_bytes: float,
+                lengths=(4096, 16384, 32768)) -> dict:
+  """Sequences of each length whose keys and values fit one sampler replica, estimated from the compiled sizes (not
+  a compile at that size): for each sampler program, the HBM beside what does not grow with the cache, over a
+  token's KV bytes per chip (per_token), the program's temporaries taken to grow with the cache (on TPU they are
+  copies of it: docs/TPU.md); the fewest over the programs. data: the chips a dense cache splits its slots over (1
+  for the paged pool, whole on every chip)."""
+  tokens = math.inf
+  for p in programs:
+    m = p["memory"]
+    if p["side"] != "sampler" or not m.get("kv") or not math.isfinite(m["total"]):
+      continue
+    grows = m["kv"] + m.get("temporaries", 0)
+    tokens = min(tokens, max(0.0, hbm_bytes - (m["total"] - grows)) / (per_token * grows / m["kv"]))
+  if not math.isfinite(tokens):
     return {}
-  held = max(p["memory"]["total"] - p["memory"].get("kv", 0) for p in sampler)
+  return {str(n): int(tokens // n) * data for n in lengths} | dict(kv_bytes_per_token_chip=per_token,
+                                                                  tokens_per_chip=tokens)
+
+
+def _kv_per_token(cache, engine) -> tuple[float, int]:
+  """A token's KV bytes per sampler chip, and the chips a dense cache splits its slots over (1: paged)."""
   pool_tokens = engine.num_pages * engine.page_size if engine.kv == "paged" else engine.max_slots * engine.max_len
   data = 1 if engine.kv == "paged" else engine.mesh.shape.get("data", 1)
   keys = cache.k_pages if engine.kv == "paged" else cache.k_NxSxTxKxD
-  per_token = per_device_bytes(keys) * 2 * data / pool_tokens
-  free = max(0.0, chip.hbm_bytes - held)
-  return {str(n): int(free // (per_token * n)) * data for n in lengths} | dict(kv_bytes_per_token_chip=per_token,
-                                                                             free_bytes=free)
+  return per_device_bytes(keys) * 2 * data / pool_tokens, data
 
 
 def format_table(report: dict) -> str:

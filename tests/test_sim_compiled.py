@@ -23,7 +23,7 @@ def report(**over) -> dict:
       model=dict(preset="qwen2.5-0.5b", source="tiny", sampler_dtype="bfloat16", vocab_size=151936, hidden_size=896,
                  intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
                  tie_embeddings=True),
-      kv_capacity={"kv_bytes_per_token_chip": 12288.0, "free_bytes": 12288.0 * 1024 * 100},
+      kv_capacity={"kv_bytes_per_token_chip": 12288.0, "tokens_per_chip": 1024 * 100.5},
       programs=[dict(name="train_step", flops=4.59e14, bytes_accessed=2.765e12),
                 dict(name="prefill[512]", flops=512 * 1e9, bytes_accessed=1e9),
                 dict(name="decode[32 rows]", flops=8 * 16 * 1e9, bytes_accessed=8 * 1.1e9, steps_per_call=8),

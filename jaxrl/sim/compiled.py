@@ -50,7 +50,7 @@ def compiled_costs(report: dict, *, mem_eff: float = 1.0, flop_eff: float = 1.0,
   seqs_per_chip = run["max_slots"] / data
   capacity = report["kv_capacity"]
   per_token = capacity["kv_bytes_per_token_chip"]
-  fits = int(capacity["free_bytes"] // (per_token * slot_tokens)) * (1 if run["kv"] == "paged" else data)
+  fits = int(capacity["tokens_per_chip"] // slot_tokens) * (1 if run["kv"] == "paged" else data)
   curve = DecodeCurve(weights_s=decode["bytes_accessed"] / steps / bw, kv_s_per_token=per_token / (data * bw),
                       compute_s_per_seq=decode["flops"] / steps / seqs_per_chip / data / (peak * flop_eff),
                       overhead_s=overhead_s, knee_sharpness=knee_sharpness)
