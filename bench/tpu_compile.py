@@ -21,12 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 # (preset, target, extra flags, name of a variant): configs/tpu.py's run, half of each slice sampling (whole hosts)
 ROWS = [
+    ("qwen2.5-7b", "v5p:4x4x2", [], ""),
+    ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
     ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2"], ""),
     ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32slots"),
-    ("qwen2.5-7b", "v5p:4x4x2", [], ""),
+    ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense"),
     ("qwen2.5-7b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32"], ""),
     ("qwen3-32b", "v5p:8x8x2", ["--config.mesh.sampler_devices=64", "--config.mesh.sampler_axes.tensor=4"], ""),
-    ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
 ]
 GiB = 2**30
 

@@ -215,9 +215,13 @@ def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTra
   setup = StepSetup(as_logits_fn(model), model if logprob_chunk else None, optimizer, loss_config, batch_size,
                     seq_len, k, m, e, microbatch_rows, compute_dtype, batch_sharding, staleness_bins,
                     tuple(row_buckets), logprob_chunk, atomic)
-  step = functools.partial(train_step, setup=setup)
   if state_shardings is None:
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(functools.partial(train_step, setup=setup), donate_argnums=0)
+
+  def step(state, batch, rng):  # traced under the mesh: the model keeps its activations row-sharded (constrain_rows)
+    with jax.sharding.use_abstract_mesh(batch_sharding.mesh.abstract_mesh):
+      return train_step(state, batch, rng, setup=setup)
+
   replicated = NamedSharding(batch_sharding.mesh, P())
   return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, batch_shardings(batch_sharding), replicated),
                  out_shardings=(state_shardings, replicated))
