@@ -32,11 +32,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl import compile_efficiency, hlo, platforms
 from jaxrl import config as config_lib
-from jaxrl import hlo, platforms
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
-from jaxrl.learner.step import fixed_param_pass_count
+from jaxrl.learner.step import batch_shardings, batch_shards, chunk_count, fixed_param_pass_count
 from jaxrl.models import ModelConfig, hf, lora, quant
 from jaxrl.rollout import SamplingParams
 from jaxrl.settings import RunConfig
@@ -159,8 +159,6 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
   step = build_lib.learner_step(c, mesh, graphdef, params, spec, frozen)
   state = _abstract(build_lib.abstract_init_state(c, step.optimizer, params, frozen), step.state_shardings)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
-  from jaxrl.learner.step import batch_shardings
-
   batch_sh = batch_shardings(step.batch_sharding)
   groups = dict(params=state.params, opt_state=state.opt_state, frozen=state.frozen, ref_params=state.ref_params)
   programs = []
@@ -170,9 +168,13 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
     rows = np.shape(empty.tokens_BxL)[0]
     name = "train_step" + (f"[{rows} rows]" if spec.pack else "")
     programs.append(Program(name, "learner", step.train_step, (state, batch, key), groups=dict(groups, batch=batch)))
+  shards = batch_shards(step.batch_sharding)
+  updates = spec.num_minibatches * c.rl.num_epochs
   info = dict(spec=spec, state=state, param_count=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract)),
-              trained_params=state.params, updates=spec.num_minibatches * c.rl.num_epochs,
-              passes=fixed_param_pass_count(c.loss, spec.num_minibatches * c.rl.num_epochs))
+              trained_params=state.params, updates=updates, fixed_passes=fixed_param_pass_count(c.loss, updates),
+              row_shards=shards, chunks=chunk_count(spec.batch_size // (spec.num_minibatches * shards), 1,
+                                                    c.rl.microbatch_rows),
+              trained_param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.params)))
   return programs, info
 
 
@@ -368,7 +370,9 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
       run=dict(batch_rows=info["spec"].batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
                num_epochs=c.rl.num_epochs, microbatch_rows=c.rl.microbatch_rows, pack=c.rl.pack,
                max_slots=engine.max_slots, max_len=engine.max_len, kv=engine.kv, on_update=c.sampler.on_update,
-               steps_per_call=engine.steps_per_call),
+               steps_per_call=engine.steps_per_call, **{k: info[k] for k in (
+                   "updates", "fixed_passes", "row_shards", "chunks", "trained_param_bytes")},
+               full_remat=model_cfg.remat and model_cfg.remat_policy == "nothing_saveable"),
       note="compile-only: no TPU ran any of it; times are datasheet rooflines of the compiled counts",
       programs=[])
   log(f"jaxrl-compile: {tgt.name} ({len(tgt.devices)} x {chip.name}, {chip.hbm_bytes / GiB:.0f} GiB HBM, {hosts} "
@@ -390,9 +394,7 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
     report["over"] = dict(program=worst["name"], bytes_over=over,
                           remedies=remedies(c, worst, chip, learner_mesh.size, engine.mesh.size))
   else:
-    from jaxrl import compile_efficiency
-
-    report["efficiency"] = compile_efficiency.efficiency(report, c, model_cfg, info, sampled, chip)
+    report["efficiency"] = compile_efficiency.efficiency(report)
   return report
 
 
