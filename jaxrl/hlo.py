@@ -228,7 +228,7 @@ def _runs(computations: dict[str, list[Op]], entry: str) -> tuple[dict[str, floa
         times = 1.0
         if op.opcode == "while" and kind == "body":
           known = re.search(r'"known_trip_count":\{"n":"([0-9]+)"', op.attrs)  # XLA:CPU/GPU say it; TPU does not
-          trip = int(known.group(1)) if known else _loop_trip(computations.get(dict(called).get("condition"), []))
+          trip = int(known.group(1)) if known else _loop_trip(computations, ops, op)
           unknown += trip is None
           times = float(trip or 1)
         if op.opcode == "fusion":
@@ -247,18 +247,47 @@ def _runs(computations: dict[str, list[Op]], entry: str) -> tuple[dict[str, floa
   return runs, fused, unknown
 
 
-def _loop_trip(condition: list[Op]) -> int | None:
-  constants = {op.name: int(op.args) for op in condition if op.opcode == "constant" and re.fullmatch(r"-?[0-9]+",
-                                                                                                    op.args)}
-  for op in condition:
-    if op.root and op.opcode == "compare" and len(op.operands) == 2:
-      direction = re.search(r"direction=(\w+)", op.attrs)
-      lhs, rhs = (constants.get(o) for o in op.operands)
-      if direction and direction.group(1) == "LT" and rhs is not None and lhs is None:
-        return rhs
-      if direction and direction.group(1) == "GT" and lhs is not None and rhs is None:
-        return lhs
-  return None
+def _loop_trip(computations: dict[str, list[Op]], caller: list[Op], op: Op) -> int | None:
+  """A while loop's trip count from its counter: the tuple element its condition compares with a constant limit
+  (counter < limit, or limit > counter), its start in the loop's initial tuple (a constant, else 0) and its step in
+  the body (counter + constant, else 1): jax's scans and XLA's own loops (a windowed einsum steps by 2)."""
+  called = dict(_callees(op))
+  condition, body = computations.get(called.get("condition"), []), computations.get(called.get("body"), [])
+  constants = {o.name: int(o.args) for ops in (condition, body, caller) for o in ops
+               if o.opcode == "constant" and re.fullmatch(r"-?[0-9]+", o.args)}
+  by_name = {o.name: o for o in condition}
+  root = next((o for o in condition if o.root), None)
+  if root is None or root.opcode != "compare" or len(root.operands) != 2:
+    return None
+  direction = re.search(r"direction=(\w+)", root.attrs)
+  counter, limit = root.operands if direction and direction.group(1) == "LT" else root.operands[::-1]
+  if not direction or direction.group(1) not in ("LT", "GT") or limit not in constants:
+    return None
+  gte = by_name.get(counter)
+  index = re.search(r"index=([0-9]+)", gte.attrs) if gte is not None and gte.opcode == "get-tuple-element" else None
+  if index is None:
+    return None
+  k = int(index.group(1))
+  start = _element_constant(caller, op.operands[0] if op.operands else "", k, constants)
+  step = 1
+  body_root = next((o for o in body if o.root), None)
+  if body_root is not None and body_root.opcode == "tuple" and k < len(body_root.operands):
+    update = {o.name: o for o in body}.get(body_root.operands[k])
+    if update is not None and update.opcode == "add":
+      step = next((constants[x] for x in update.operands if x in constants), 1)
+  return max(0, -(-(constants[limit] - (start or 0)) // max(step, 1)))
+
+
+def _element_constant(ops: list[Op], tuple_name: str, k: int, constants: dict[str, int]) -> int | None:
+  """The constant value of element k of the tuple `tuple_name` (through copies), None if it is not one."""
+  by_name = {o.name: o for o in ops}
+  tup = by_name.get(tuple_name)
+  if tup is None or tup.opcode != "tuple" or k >= len(tup.operands):
+    return None
+  name = tup.operands[k]
+  while name in by_name and by_name[name].opcode == "copy":
+    name = by_name[name].operands[0]
+  return constants.get(name)
 
 
 def _label(op: Op) -> str:
