@@ -3,6 +3,7 @@ then planned by jaxrl-plan on the compiled costs and on the model shape's roofli
 
   python -m bench.tpu_compile            # compiles the rows whose report is missing, one at a time (RAM), then tables
   python -m bench.tpu_compile --table    # the table from the saved reports only
+  python -m bench.tpu_compile --recount --hlo_root=DIR   # counted again from the HLO a run kept (--hlo_root=DIR)
 
 Each row's report is bench/results/compile_<preset>_<target>.json (its command is in the table); the table is
 bench/results/tpu_table.json. A compile of a 7B-70B model's programs takes 5-15 minutes on a 2-core CPU.
@@ -21,13 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 # (preset, target, extra flags, name of a variant): configs/tpu.py's run, half of each slice sampling (whole hosts)
 ROWS = [
-    ("qwen2.5-7b", "v5p:4x4x2", [], ""),
-    ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
     ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2"], ""),
-    ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32slots"),
-    ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense"),
+    ("qwen2.5-7b", "v5p:4x4x2", [], ""),
     ("qwen2.5-7b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32"], ""),
     ("qwen3-32b", "v5p:8x8x2", ["--config.mesh.sampler_devices=64", "--config.mesh.sampler_axes.tensor=4"], ""),
+    ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
+    ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32slots"),
+    ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense"),
 ]
 GiB = 2**30
 
@@ -116,11 +117,21 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="bench.tpu_compile")
   parser.add_argument("--table", action="store_true", help="only the table, from the saved reports")
   parser.add_argument("--hlo_root", help="keep each row's optimized HLO under this folder")
+  parser.add_argument("--recount", action="store_true", help="count each saved report's programs again from the HLO "
+                      "under --hlo_root (jaxrl.compile.recount), e.g. after a change to jaxrl.hlo")
   args = parser.parse_args(argv)
-  if not args.table:
+  if not args.table and not args.recount:
     for preset, target, extra, tag in ROWS:
       if not report_path(preset, target, tag).exists():
         compile_row(preset, target, extra, tag, args.hlo_root)
+  if args.recount:
+    from jaxrl.compile import recount
+
+    for preset, target, _, tag in ROWS:
+      path = report_path(preset, target, tag)
+      if path.exists() and os.path.isdir(f"{args.hlo_root}/{path.stem}"):
+        path.write_text(json.dumps(recount(json.loads(path.read_text()), f"{args.hlo_root}/{path.stem}"), indent=1,
+                                   default=float))
   rows = [r for r in (row(*spec) for spec in ROWS) if r is not None]
   (RESULTS / "tpu_table.json").write_text(json.dumps(rows, indent=1))
   print(markdown(rows))

@@ -284,19 +284,38 @@ def compile_program(program: Program, chip: Hardware, log=print, hlo_dir: str | 
     os.makedirs(hlo_dir, exist_ok=True)
     with open(os.path.join(hlo_dir, f"{program.name}.hlo.txt"), "w") as f:
       f.write(text)
-  costs = hlo.costs(text)
   xla = compiled.cost_analysis()
   xla = xla[0] if isinstance(xla, list) else xla
   memory = _memory(program, compiled)
   report = dict(name=program.name, side=program.side, compiled=True, compile_s=round(seconds, 1), memory=memory,
                 hbm_fraction=memory["total"] / chip.hbm_bytes, fits=memory["total"] <= chip.hbm_bytes,
-                flops=costs.flops, bytes_accessed=costs.bytes, collective_bytes=costs.collective_bytes,
-                unknown_loops=costs.unknown_loops, top_bytes=costs.top_bytes, top_collectives=costs.top_collectives,
-                top_flops=costs.top_flops,
                 xla_cost_analysis=dict(flops=float(xla.get("flops", 0.0)), bytes=float(xla.get("bytes accessed", 0.0))),
-                roofline=_roofline(costs, chip), steps_per_call=program.per_call)
-  log(f"  {program.name:<22} {memory['total'] / GiB:8.2f} GiB  {costs.flops:10.3e} FLOP  {costs.bytes:10.3e} B  "
-      f"{costs.collectives:10.3e} B coll  compiled in {seconds:.0f} s")
+                steps_per_call=program.per_call, **counts(text, chip))
+  log(f"  {program.name:<22} {memory['total'] / GiB:8.2f} GiB  {report['flops']:10.3e} FLOP  "
+      f"{report['bytes_accessed']:10.3e} B  {sum(report['collective_bytes'].values()):10.3e} B coll  compiled in "
+      f"{seconds:.0f} s")
+  return report
+
+
+def counts(text: str, chip: Hardware) -> dict:
+  """A program's report entries from its optimized HLO: FLOPs, bytes, collectives (jaxrl.hlo), their top ops, and
+  the datasheet roofline they imply on the chip."""
+  costs = hlo.costs(text)
+  return dict(flops=costs.flops, bytes_accessed=costs.bytes, collective_bytes=costs.collective_bytes,
+              unknown_loops=costs.unknown_loops, top_bytes=costs.top_bytes, top_collectives=costs.top_collectives,
+              top_flops=costs.top_flops, roofline=_roofline(costs, chip))
+
+
+def recount(report: dict, hlo_dir: str) -> dict:
+  """The report with every compiled program's counts made again from its saved HLO (--hlo_dir) by this version of
+  jaxrl.hlo, and its efficiency from them: the same compiled programs, counted anew."""
+  chip = preset(report["chip"])
+  for p in report["programs"]:
+    if p.get("compiled"):
+      with open(os.path.join(hlo_dir, f"{p['name']}.hlo.txt")) as f:
+        p.update(counts(f.read(), chip))
+  if report["fits"]:
+    report["efficiency"] = compile_efficiency.efficiency(report)
   return report
 
 
