@@ -61,10 +61,13 @@ def plan_row(path: Path, roofline: bool) -> dict:
   spec = importlib.util.spec_from_file_location("plan_tpu", REPO / "configs" / "plan_tpu.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  p = plan.run_plan(plan.build(module.get_config(f"{path.relative_to(REPO)}{',roofline' if roofline else ''}")))
-  rec, best = p.recommended, p.best
-  return dict(mode=rec.mode, pipeline_over_sync=(1 / rec.ratio if rec.mode == "sync" else rec.ratio),
-              split=None if best is None else [best.sampler_devices, best.learner_devices])
+  b = plan.build(module.get_config(f"{path.relative_to(REPO)}{',roofline' if roofline else ''}"))
+  p = plan.run_plan(b)
+  rec, best, costs = p.recommended, p.best, b["costs"]
+  return dict(mode=rec.mode, pipeline_over_sync=rec.ratio,  # the best pipeline's trained tokens/s over sync's
+              split=None if best is None else [best.sampler_devices, best.learner_devices],
+              decode_weights_ms=1e3 * costs.decode.weights_s, engine_slots=costs.max_batch,
+              train_tokens_per_s_per_chip=costs.train_tokens_per_s_per_device)
 
 
 def row(preset: str, target: str, extra: list[str], tag: str) -> dict | None:
@@ -103,8 +106,8 @@ def markdown(rows: list[dict]) -> str:
                    f"{r['sampler_gib']:.1f} | does not fit: {r['over']['program']} | | | | |")
       continue
     kv = " / ".join(str(r["kv_sequences"][k]) for k in ("4096", "16384", "32768"))
-    plan = lambda p: f"{p['mode']} {p['pipeline_over_sync']:.2f}x" + (f" at {p['split'][0]}+{p['split'][1]}"  # noqa: E731
-                                                                       if p["mode"] == "pipeline" else "")
+    plan = lambda p: (f"pipeline {p['pipeline_over_sync']:.2f}x at {p['split'][0]}+{p['split'][1]}"  # noqa: E731
+                      if p["mode"] == "pipeline" else f"sync (pipeline {p['pipeline_over_sync']:.2f}x)")
     replicas = f"{r['sampler_replicas']} replica{'s' if r['sampler_replicas'] > 1 else ''}"
     lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} ({replicas}) | "
                  f"{r['learner_gib']:.1f} | {r['sampler_gib']:.1f} | {kv} | {r['learner_step_s']:.2f} | "

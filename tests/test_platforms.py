@@ -51,10 +51,11 @@ def test_an_explicit_jax_platforms_is_left_alone(monkeypatch):
 
 
 def _start_jax(skip: bool) -> subprocess.CompletedProcess:
-  # TPU_SKIP_MDS_QUERY: jax sets it in this process. ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu gives up quietly while
-  # another process on the host holds its lock file (e.g. a jax started before without the skip): probe anyway.
-  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL",
-                                                         "TPU_SKIP_MDS_QUERY")}
+  # TPU_*: jax (TPU_SKIP_MDS_QUERY) and a compile for a TPU target (jaxrl.platforms.tpu_compiler_env) set them in
+  # this process. ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu gives up quietly while another process on the host holds its
+  # lock file (e.g. a jax started before without the skip): probe anyway.
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL") and not k.startswith("TPU_")}
   env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
   code = ("from jaxrl import platforms; platforms.skip_tpu_probe(); " if skip else "") + \
       "import jax; print(jax.devices()[0].platform)"
