@@ -27,14 +27,14 @@ ROWS = [
     ("qwen2.5-7b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32"], ""),
     ("qwen3-32b", "v5p:8x8x2", ["--config.mesh.sampler_devices=64", "--config.mesh.sampler_axes.tensor=4"], ""),
     ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
-    ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32slots"),
-    ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense"),
+    ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32 slots"),
+    ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense KV"),
 ]
 GiB = 2**30
 
 
 def report_path(preset: str, target: str, tag: str = "") -> Path:
-  return RESULTS / f"compile_{preset}_{target.replace(':', '-')}{'_' + tag if tag else ''}.json"
+  return RESULTS / f"compile_{preset}_{target.replace(':', '-')}{'_' + tag.replace(' ', '-') if tag else ''}.json"
 
 
 def command(preset: str, target: str, extra: list[str], tag: str) -> list[str]:
@@ -80,7 +80,7 @@ def row(preset: str, target: str, extra: list[str], tag: str) -> dict | None:
   out = dict(model=preset, target=target, chips=r["chips"], split=f"{r['split']['learner']}+{r['split']['sampler']}",
              sampler_replicas=r["split"]["sampler_replicas"], fits=r["fits"], learner_gib=side("learner"),
              sampler_gib=side("sampler"), command=" ".join(command(preset, target, extra, tag)),
-             variant=" ".join(f for f in extra if "sampler_devices" not in f))
+             variant=tag)
   if r["fits"]:
     train = next(p for n, p in programs.items() if n.startswith("train_step"))
     decode = next(p for n, p in programs.items() if n.startswith("decode"))
@@ -94,25 +94,50 @@ def row(preset: str, target: str, extra: list[str], tag: str) -> dict | None:
   return out
 
 
+def label(r: dict) -> str:
+  return r["model"] + (f" ({r['variant']})" if r["variant"] else "")
+
+
+def recommendation(p: dict) -> str:
+  if p["mode"] == "pipeline":
+    return f"pipeline {p['pipeline_over_sync']:.2f}x at {p['split'][0]}+{p['split'][1]}"
+  return f"sync (pipeline {p['pipeline_over_sync']:.2f}x)"
+
+
 def markdown(rows: list[dict]) -> str:
   head = ("| model | target (chips) | learner + sampler chips | learner GiB/chip | sampler GiB/chip | KV sequences "
           "4k / 16k / 32k (per replica) | learner step s | decode step ms | planner: compiled costs | planner: "
           "roofline |\n|---|---|---|---|---|---|---|---|---|---|")
   lines = [head]
   for r in rows:
-    name = f"{r['model']} {r['variant']}".strip()
+    name = label(r)
     if not r["fits"]:
       lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} | {r['learner_gib']:.1f} | "
                    f"{r['sampler_gib']:.1f} | does not fit: {r['over']['program']} | | | | |")
       continue
     kv = " / ".join(str(r["kv_sequences"][k]) for k in ("4096", "16384", "32768"))
-    plan = lambda p: (f"pipeline {p['pipeline_over_sync']:.2f}x at {p['split'][0]}+{p['split'][1]}"  # noqa: E731
-                      if p["mode"] == "pipeline" else f"sync (pipeline {p['pipeline_over_sync']:.2f}x)")
     replicas = f"{r['sampler_replicas']} replica{'s' if r['sampler_replicas'] > 1 else ''}"
     lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} ({replicas}) | "
                  f"{r['learner_gib']:.1f} | {r['sampler_gib']:.1f} | {kv} | {r['learner_step_s']:.2f} | "
-                 f"{1e3 * r['decode_step_s']:.1f} | {plan(r['plan_compiled'])} | "
-                 f"{plan(r['plan_roofline'])} |")
+                 f"{1e3 * r['decode_step_s']:.1f} | {recommendation(r['plan_compiled'])} | "
+                 f"{recommendation(r['plan_roofline'])} |")
+  return "\n".join(lines)
+
+
+def plan_markdown(rows: list[dict]) -> str:
+  """docs/SIMULATOR.md's side by side: what the planner charges and recommends from the compiled programs and from
+  the model shape's roofline, on the same chips and workload."""
+  lines = ["| model | target | decode step, weight-read part ms (compiled / roofline) | slots per engine (compiled / "
+           "roofline) | learner tokens/s per chip (compiled / roofline) | planner: compiled | planner: roofline |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if not r["fits"]:
+      continue
+    c, f = r["plan_compiled"], r["plan_roofline"]
+    lines.append(f"| {label(r)} | {r['target']} | {c['decode_weights_ms']:.1f} / "
+                 f"{f['decode_weights_ms']:.1f} | {c['engine_slots']} / {f['engine_slots']} | "
+                 f"{c['train_tokens_per_s_per_chip']:.0f} / {f['train_tokens_per_s_per_chip']:.0f} | "
+                 f"{recommendation(c)} | {recommendation(f)} |")
   return "\n".join(lines)
 
 
@@ -138,6 +163,7 @@ def main(argv=None) -> int:
   rows = [r for r in (row(*spec) for spec in ROWS) if r is not None]
   (RESULTS / "tpu_table.json").write_text(json.dumps(rows, indent=1))
   print(markdown(rows))
+  print(plan_markdown(rows))
   for r in rows:
     print(f"{r['model']} {r['target']}: {r['command']}")
   return 0
