@@ -27,6 +27,7 @@ ROWS = [
     ("qwen2.5-7b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32"], ""),
     ("qwen3-32b", "v5p:8x8x2", ["--config.mesh.sampler_devices=64", "--config.mesh.sampler_axes.tensor=4"], ""),
     ("llama-3.1-70b", "v5p:4x4x2", ["--config.mesh.sampler_axes.tensor=4"], ""),
+    ("llama-3.1-70b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32", "--config.mesh.sampler_axes.tensor=4"], ""),
     ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32 slots"),
     ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense KV"),
 ]
@@ -77,10 +78,12 @@ def row(preset: str, target: str, extra: list[str], tag: str) -> dict | None:
   r = json.loads(path.read_text())
   programs = {p["name"]: p for p in r["programs"]}
   side = lambda s: max(p["memory"]["total"] for p in r["programs"] if p["side"] == s) / GiB  # noqa: E731
-  out = dict(model=preset, target=target, chips=r["chips"], split=f"{r['split']['learner']}+{r['split']['sampler']}",
-             sampler_replicas=r["split"]["sampler_replicas"], fits=r["fits"], learner_gib=side("learner"),
-             sampler_gib=side("sampler"), command=" ".join(command(preset, target, extra, tag)),
-             variant=tag)
+  sp = r["split"]
+  out = dict(model=preset, target=target, chips=r["chips"],
+             split=f"{sp['learner']}+{sp['sampler'] * sp['sampler_replicas']}",
+             sampler_replicas=sp["sampler_replicas"], replica_chips=sp["sampler"], fits=r["fits"],
+             learner_gib=side("learner"), sampler_gib=side("sampler"), variant=tag,
+             command=" ".join(command(preset, target, extra, tag)))
   if r["fits"]:
     train = next(p for n, p in programs.items() if n.startswith("train_step"))
     decode = next(p for n, p in programs.items() if n.startswith("decode"))
@@ -116,7 +119,8 @@ def markdown(rows: list[dict]) -> str:
                    f"{r['sampler_gib']:.1f} | does not fit: {r['over']['program']} | | | | |")
       continue
     kv = " / ".join(str(r["kv_sequences"][k]) for k in ("4096", "16384", "32768"))
-    replicas = f"{r['sampler_replicas']} replica{'s' if r['sampler_replicas'] > 1 else ''}"
+    n = r["sampler_replicas"]
+    replicas = f"{n} replica{'s' if n > 1 else ''} of {r['replica_chips']}"
     lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} ({replicas}) | "
                  f"{r['learner_gib']:.1f} | {r['sampler_gib']:.1f} | {kv} | {r['learner_step_s']:.2f} | "
                  f"{1e3 * r['decode_step_s']:.1f} | {recommendation(r['plan_compiled'])} | "
