@@ -80,8 +80,8 @@ def measure(c, mode: str, workdir: Path, warmup: int, devices: int = 2) -> dict[
   rs = runlog.steady(records, warmup)[1:]
   out = dict(steps=len(records), measured_steps=len(rs), s_per_token=runlog.seconds_per_token(records, warmup, batch),
              step_s=runlog.step_time_s(records, warmup), **runlog.idle_fractions(records, warmup),
-             staleness_mean=float(np.average([r["staleness_mean"] for r in rs])),
-             staleness_max=int(max(r["staleness_max"] for r in rs)),
+             staleness_mean=float(np.average([r["sample_staleness_mean"] for r in rs])),
+             staleness_max=int(max(r["sample_staleness_max"] for r in rs)),
              completion_len_mean=float(np.mean([r["completion_len"] for r in rs])),
              samples_dropped=int(records[-1]["samples_dropped"]))
   if mode == AUTO:

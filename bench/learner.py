@@ -26,7 +26,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, make_optimizer
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.rollout import Rollout, make_batch
 
@@ -107,8 +107,8 @@ def main(_):
   num_params = sum(x.size for x in jax.tree.leaves(params))
   opt = make_optimizer(1e-4, warmup_steps=10, decay_steps=1000, weight_decay=0.1)
   loss_cfg = LossConfig(proximal="recompute", is_level="token", is_cap=2.0)
-  step = make_train_step(graphdef, opt, loss_cfg, batch_size=_BATCH.value, seq_len=_SEQ.value,
-                         num_microbatches=_MICRO.value)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, loss=loss_cfg, batch_size=_BATCH.value,
+                                   seq_len=_SEQ.value, num_microbatches=_MICRO.value))
   state = init_train_state(params, opt)
   batches = [synthetic_batch(cfg, _BATCH.value, _SEQ.value, s) for s in range(_STEPS.value)]
   key = jax.random.key(0)

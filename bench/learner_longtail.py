@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, make_optimizer
 from jaxrl.learner.packing import pack_batch, row_buckets
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.rollout import Rollout, make_batch
@@ -74,8 +74,8 @@ def throughput(cfg: ModelConfig, rs: list[Rollout], longest: int, steps: int, lo
   runs, times = {}, {name: [] for name in variants}
   for name, (c, batch, rows, chunk, micro) in variants.items():
     graphdef, params = nnx.split(Decoder(c, nnx.Rngs(0)))
-    step = make_train_step(graphdef, opt, loss_cfg, batch_size=n, seq_len=longest, row_buckets=rows,
-                           logprob_chunk=chunk, num_microbatches=micro)
+    step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, loss=loss_cfg, batch_size=n, seq_len=longest,
+                                     row_buckets=rows, logprob_chunk=chunk, num_microbatches=micro))
     state = init_train_state(params, opt)
     key = jax.random.key(0)
     t0 = time.perf_counter()
@@ -108,7 +108,8 @@ def temp_bytes(cfg: ModelConfig, seq_len: int, logprob_chunk: int) -> int:
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
   opt = make_optimizer(1e-5, warmup_steps=1, decay_steps=1000)
   state = jax.eval_shape(lambda p: init_train_state(p, opt), params)
-  step = make_train_step(graphdef, opt, LossConfig(), batch_size=1, seq_len=seq_len, logprob_chunk=logprob_chunk)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, loss=LossConfig(), batch_size=1, seq_len=seq_len,
+                                   logprob_chunk=logprob_chunk))
   batch = jax.eval_shape(lambda: make_batch([], 1, seq_len))
   compiled = step.lower(state, batch, jax.ShapeDtypeStruct((), jax.random.key(0).dtype)).compile()
   return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -27,7 +27,7 @@ from configs.default import get_config
 from jaxrl import config as config_lib
 from jaxrl import integrity, sharding
 from jaxrl.controller import build as build_lib
-from jaxrl.learner import make_train_step
+from jaxrl.learner import StepConfig, jit_train_step
 from jaxrl.models import hf
 from jaxrl.rollout import Batch
 
@@ -41,17 +41,18 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
   c.model.remat, c.rl.logprob_chunk = remat, logprob_chunk
   c = config_lib.validate(c)
   cfg = build_lib.model_source(c)[0]
-  meshes = sharding.split_mesh(1, c.mesh.learner_axes.to_dict(), c.mesh.sampler_axes.to_dict(), jax.devices()[:2])
+  learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), sharding.split_devices(1, jax.devices()[:2])[0])
   spec = build_lib.run_spec(c)
   graphdef, abstract = hf.abstract_params(cfg)
-  state = build_lib.abstract_train_state(c, abstract, meshes.learner)
+  state = build_lib.abstract_train_state(c, abstract, learner_mesh)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
-  rows = sharding.batch_sharding(meshes.learner, sharding.LEARNER_RULES)
+  rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
   optimizer = build_lib.run_optimizer(c)
   loss = dataclasses.replace(c.loss, sampling=spec.sampling)
-  step = make_train_step(graphdef, optimizer if fused else optimizer.chain, loss,
-                         batch_size=spec.batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
-                         state_shardings=state_sh, batch_sharding=rows, logprob_chunk=logprob_chunk, atomic=atomic)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=optimizer if fused else optimizer.chain, loss=loss,
+                                   batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                                   num_minibatches=c.rl.num_minibatches, batch_sharding=rows,
+                                   logprob_chunk=logprob_chunk, atomic=atomic), state_sh)
   bl = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size, c.rl.seq_len), dtype)
   b = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size,), dtype)
   i32, f32 = jnp.int32, jnp.float32

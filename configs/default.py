@@ -14,7 +14,7 @@ from jaxrl import config as config_lib
 def get_config(arg: str | None = None):
   c = config_lib.base()
   c.mode = arg or "pipeline"
-  c.num_steps = 20  # 6-16 min on a 2-core CPU with both evaluations; held-out 16/64 -> 32/64
+  c.num_steps = 20  # what it reaches, in how long: the README's results table
   c.model.source = "smollm2"
   c.task.name = "arithmetic"
   c.task.kwargs.digits = 2  # "What is 23 + 58? Give the final answer as 'Answer: <number>'."

@@ -102,7 +102,7 @@ def split(c: RunConfig, devices) -> sides.Roles:
   if len({d.process_index for d in pool}) == 1:
     return sides.Roles.single(c, pool)
   from jaxrl.distributed import runtime
-  from jaxrl.distributed.train import roles
+  from jaxrl.distributed.job import roles
 
   try:
     topology = runtime.Topology.split(c.mesh.sampler_devices, pool, 0)

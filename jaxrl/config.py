@@ -17,7 +17,17 @@ from pathlib import Path
 import ml_collections
 
 from jaxrl import settings
+from jaxrl.controller.adaptive import AutoStaleness
+from jaxrl.envs import TASKS
+from jaxrl.envs.dataset import data_files
+from jaxrl.learner.config import LossConfig
+from jaxrl.learner.optim import make_optimizer
+from jaxrl.models import ModelConfig
+from jaxrl.models.lora import LoRAConfig
+from jaxrl.rollout import SamplingParams
 from jaxrl.settings import SETTINGS, RunConfig, from_tree, help_text, is_int, is_real
+from jaxrl.sharding import resolve_axis_sizes
+from jaxrl.trackers import check_backends
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
 # that says so (rather than "no such field").
@@ -147,6 +157,9 @@ def validate(c: ml_collections.ConfigDict | RunConfig, workdir: str | os.PathLik
   _validate_model_and_task(c, need, get)
   _validate_log(need, get)
   _validate_mesh(c, need, get, num_devices)
+  need(c.rl.filter_groups == "none" or c.rl.group_size >= 2,
+       f"rl.filter_groups={c.rl.filter_groups!r} would filter every group of rl.group_size=1 (one reward has no "
+       "variance): use groups of 2 or more")
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % c.rl.num_minibatches == 0,
        f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
@@ -197,8 +210,6 @@ def validate_data_files(c: RunConfig) -> None:
   Checked by jaxrl-train and by a job's launcher, once for the processes it starts on its filesystem, before any
   of them starts (each would report it); not by the job's processes themselves (a multi-host job's learner hosts
   need not hold the data)."""
-  from jaxrl.envs.dataset import data_files
-
   if c.task.name != "dataset":
     return
   for key in ("train_files", "eval_files"):
@@ -231,8 +242,6 @@ def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
   need(sum(replicas) == sampler and len(replicas) < len(devices_per_process),
        f"mesh.sampler_devices={s} must be the devices of whole processes counted from the end, leaving a learner "
        f"process (devices per process: {list(devices_per_process)})")
-  from jaxrl.sharding import resolve_axis_sizes
-
   for size in sorted(set(replicas)):
     try:
       resolve_axis_sizes(c.mesh.sampler_axes.to_dict(), size)
@@ -247,8 +256,6 @@ def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
 def auto_staleness(c):
   """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int. c: a
   RunConfig, or the config validate is checking."""
-  from jaxrl.controller.adaptive import AutoStaleness
-
   if c.rl.max_staleness != "auto":
     return None
   try:
@@ -267,10 +274,6 @@ def engine_kwargs(s: settings.Sampler) -> dict:
 def _validate_objective(c):
   """The loss, optimizer and sampling settings: types here, values by the classes that will hold them. Returns the
   LossConfig (the RunConfig's loss)."""
-  from jaxrl.learner.config import LossConfig
-  from jaxrl.learner.optim import make_optimizer
-  from jaxrl.rollout import SamplingParams
-
   options = set(inspect.signature(make_optimizer).parameters)
   unknown = sorted(set(c.optimizer) - options)
   if unknown:
@@ -293,10 +296,6 @@ def _validate_objective(c):
 
 
 def _validate_model_and_task(c, need, get) -> None:
-  from jaxrl.envs import TASKS
-  from jaxrl.models import ModelConfig
-  from jaxrl.models.lora import LoRAConfig
-
   source = get("model.source")
   need(isinstance(source, str) and source, f"model.source must be 'tiny', 'smollm2' or a folder (got {source!r})")
   if source == "tiny":
@@ -337,8 +336,6 @@ def _validate_model_and_task(c, need, get) -> None:
 
 
 def _validate_log(need, get) -> None:
-  from jaxrl.trackers import check_backends
-
   try:
     check_backends(get("log.backends"))
   except ValueError as e:
@@ -349,8 +346,6 @@ def _validate_log(need, get) -> None:
 
 
 def _validate_mesh(c, need, get, num_devices: int | None) -> None:
-  from jaxrl.sharding import resolve_axis_sizes
-
   n, s = get("mesh.num_devices"), get("mesh.sampler_devices")
   need(is_int(n) and (n == -1 or n >= 2), f"mesh.num_devices must be -1 (all) or an int >= 2 (got {n!r})")
   need(is_int(s) and s >= 1 or isinstance(s, float) and 0 < s < 1,

@@ -38,11 +38,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrl import config as config_lib
 from jaxrl import platforms
+from jaxrl.controller import build as build_lib
+from jaxrl.metrics import read_jsonl
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
 from jaxrl.sampler import Sampler
+from jaxrl.sampler.forced import LognormalLengths
 from jaxrl.sharding import Versioned, transfer
+from jaxrl.sim import runlog
 from jaxrl.sim.calibrate import Calibration, Measurements, fit_calibration
+from jaxrl.sim.lengths import Replay
+from jaxrl.sim.planner import RunDescription, predict
+from jaxrl.train import build
 
 
 def _ready(x):
@@ -304,18 +312,6 @@ def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
   return fit_calibration(m), details
 
 
-def run_shapes(c) -> tuple[int, float]:
-  """(prompt tokens of the run's first prompt, bytes of its model's params) of a RunConfig: what a calibration from
-  a run's logs needs besides them (from_run; mode="auto")."""
-  from jaxrl.controller import build as build_lib
-  from jaxrl.controller.data import make_prompt_source
-  from jaxrl.models import hf
-
-  model_cfg, tokenizer, _ = build_lib.model_source(c)
-  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
-  return len(make_prompt_source(c.task, c.seed, tokenizer, model_cfg)[1](0)[0]), weight_bytes
-
-
 def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
   """Calibration from the run in workdir (made with config c on `devices` devices): its costs fitted from
   metrics.jsonl (jaxrl.sim.runlog), the simulator's step time and trained tokens per second for both modes of it on
@@ -325,13 +321,6 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
   trace (log.trace=True logs every generated group's lengths) and replayed per sample, in group order, so the
   prediction carries the pipeline's length bias (it trains the short groups of a step first). c: a RunConfig, or a
   config validated here (ConfigError, a ValueError, if bad)."""
-  from jaxrl import config as config_lib
-  from jaxrl.metrics import read_jsonl
-  from jaxrl.sampler.forced import LognormalLengths
-  from jaxrl.sim import runlog
-  from jaxrl.sim.lengths import Replay
-  from jaxrl.sim.planner import RunDescription, predict
-
   c = config_lib.validate(c)
   forced = c.sampler.forced_lengths
   sampler_devices = c.mesh.sampler_devices
@@ -339,7 +328,7 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
     raise ValueError(f"mesh.sampler_devices={sampler_devices} must be a device count below the run's {devices}")
   records = read_jsonl(f"{workdir}/metrics.jsonl")
   multi_process = json.loads(Path(workdir, "summary.json").read_text()).get("num_processes", 1) > 1
-  prompt_len, weight_bytes = run_shapes(c)
+  prompt_len, weight_bytes = build_lib.run_shapes(c)
   m, details = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                                    max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
                                    sampler_devices=sampler_devices, weight_bytes=weight_bytes,
@@ -449,9 +438,6 @@ def main(argv=None):
       return
     if not fl.out:
       raise app.UsageError("--out is required (unless --from-run)")
-    from jaxrl import config as config_lib
-    from jaxrl.train import build
-
     with tempfile.TemporaryDirectory() as workdir:
       try:
         run = build(fl.config, workdir)

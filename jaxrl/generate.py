@@ -1,6 +1,7 @@
 r"""Offline generation with the sampler engine: prompts in, completions (with behavior logprobs) out as JSON lines.
 
   jaxrl-generate --config=configs/default.py --workdir=runs/smollm2     # held-out eval of the trained policy
+  jaxrl-generate --config=configs/default.py --workdir=runs/smollm2 --step=10   # ... of its step-10 checkpoint
   jaxrl-generate --config=configs/default.py --prompt="What is 7 * 8?"  # the config's base model and sampling
   jaxrl-generate --model_dir=~/.cache/jaxrl/smollm2-135m-instruct --prompt="What is 7 * 8?" \
       --n=4 --max_tokens=128 --temperature=0.7
@@ -30,9 +31,12 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from jaxrl import config as config_lib
 from jaxrl import platforms
-from jaxrl.models import Decoder, ModelConfig
+from jaxrl.controller import sides
+from jaxrl.models import Decoder, ModelConfig, hf, lora
 from jaxrl.models.hf import load_config, load_params
+from jaxrl.policy import load_policy
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Request, Sampler, make_engine
 from jaxrl.sharding import make_mesh
@@ -41,6 +45,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "run config (configs/<name>.py[:arg]): model, sampler sizes, sampling; without prompts its task's "
     "held-out examples are evaluated", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "with --config: the newest checkpoint of this run (a trained policy)")
+_STEP = flags.DEFINE_integer("step", None, "with --workdir: this checkpoint step instead of the newest")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "with --config and no prompts: held-out examples to "
                                      "evaluate (default: the config's eval.num_examples, or 64 if that is 0)")
 _SUMMARY_OUT = flags.DEFINE_string("summary_out", None, "with --config, no prompts: write the eval summary JSON here")
@@ -157,17 +162,15 @@ def _open_output():
 def _from_config(c):
   """(the validated RunConfig, policy, engine settings, sampling, max_tokens, seed) of --config (and --workdir),
   flags overriding."""
-  from jaxrl import config as config_lib
-  from jaxrl.models import hf
-  from jaxrl.policy import load_policy
-
   if _MODEL_DIR.value is not None or _TINY.value:
     raise app.UsageError("give one of --config, --model_dir and --tiny")
   if _given(_DTYPE):
     raise app.UsageError("--dtype is for --model_dir and --tiny; with --config set --config.model.dtype")
   try:
     c = config_lib.validate(c)
-    policy = load_policy(c, _WORKDIR.value)
+    if _STEP.value is not None and _WORKDIR.value is None:
+      raise app.UsageError("--step needs --workdir (a run's checkpoints)")
+    policy = load_policy(c, _WORKDIR.value, step=_STEP.value)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
     _fail(str(e))
   s = c.sampler
@@ -183,17 +186,12 @@ def _sampler_params(policy):
   places the adapters on it (controller.sides.sampler_engine); the merged policy it makes is the same."""
   if policy.model_cfg.lora is None:
     return policy.params, None
-  from jaxrl.models import lora
-
   return lora.split(policy.params)
 
 
 def _evaluate(c, policy, mesh, sizes) -> None:
   """The config's task on its held-out examples, greedy and scored, by the sampler side jaxrl-train evaluates with
   (controller.sides), its engine sized as flagged."""
-  from jaxrl import config as config_lib
-  from jaxrl.controller import sides
-
   num = _NUM_EXAMPLES.value if _NUM_EXAMPLES.value is not None else (c.eval.num_examples or 64)
   if num < 1:
     raise app.UsageError(f"--num_examples must be >= 1 (got {num})")
@@ -257,8 +255,6 @@ def main(argv):
   if c is None:
     engine = make_engine(cfg, mesh, **sizes)
   else:  # the run's own sampler engine: its KV layout (sampler.kv, pages), dtype and attention, sizes as flagged
-    from jaxrl.controller import sides
-
     params, base = _sampler_params(policy)
     engine = sides.sampler_engine(c, cfg, mesh, policy.source_dir, base=base, **sizes)
   eos = set(cfg.eos_token_ids)

@@ -17,10 +17,12 @@ import numpy as np
 
 from jaxrl.trackers import TRACKERS, check_backends
 
-PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("staleness_mean", "stale"),
+PROGRESS_KEYS = (("reward_mean", "reward"), ("accuracy", "acc"), ("sample_staleness_mean", "stale"),
                  ("ess_frac", "ess"), ("queue_depth", "queue"), ("sampler_busy", "smp"),
                  ("learner_busy", "lrn"), ("step_time_s", "s/step"), ("learner_mfu", "mfu/l"),
-                 ("learner_mbu", "mbu/l"), ("sampler_mfu", "mfu/s"), ("sampler_mbu", "mbu/s"))
+                 ("learner_mbu", "mbu/l"), ("sampler_mfu", "mfu/s"), ("sampler_mbu", "mbu/s"),
+                 ("reward_failures_total", "reward failures"))
+SHOWN_IF_NONZERO = frozenset({"reward_failures_total"})  # a failure count is news only once there is one
 
 
 def _scalar(v: Any) -> float | None:
@@ -75,14 +77,10 @@ class MetricsWriter:
       tracker.log(step, scalars)
     if self._progress:
       total = f"/{self._total}" if self._total else ""
-      parts = [f"{short} {scalars[k]:.3g}" for k, short in PROGRESS_KEYS if k in scalars]
+      parts = [f"{short} {scalars[k]:.3g}" for k, short in PROGRESS_KEYS
+               if k in scalars and (scalars[k] or k not in SHOWN_IF_NONZERO)]
       elapsed = time.monotonic() - self._t0
       print(f"[step {step}{total} {elapsed:6.1f}s] " + "  ".join(parts), file=sys.stderr, flush=True)
-
-  def write_histogram(self, step: int, name: str, values) -> None:
-    if len(values):
-      for tracker in self._trackers:
-        tracker.histogram(step, name, np.asarray(values))
 
   def close(self) -> None:
     self._jsonl.close()

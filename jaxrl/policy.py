@@ -36,10 +36,10 @@ class Policy:
   checkpoint_step: int | None = None  # the checkpoint the params came from
 
 
-def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Policy:
+def load_policy(c, workdir: str | os.PathLike | None = None, devices=None, step: int | None = None) -> Policy:
   """The base model of config `c` (a RunConfig, or a config validated here), or with `workdir` the params of its
-  newest checkpoint, sharded FSDP-style over `devices` (default: all). A workdir without a checkpoint is an error
-  (FileNotFoundError naming it)."""
+  newest checkpoint (or of checkpoint `step`), sharded FSDP-style over `devices` (default: all). A workdir without
+  that checkpoint is an error (FileNotFoundError naming it and the steps it has)."""
   c = config_lib.validate(c)
   devices = list(jax.devices() if devices is None else devices)
   mesh = sharding.make_mesh({"data": len(devices)}, devices)
@@ -53,9 +53,12 @@ def load_policy(c, workdir: str | os.PathLike | None = None, devices=None) -> Po
     raise FileNotFoundError(f"no checkpoint in {Path(workdir).expanduser()}: {directory} does not exist")
   checkpointer = Checkpointer(directory, read_only=True)
   try:
-    step = checkpointer.latest_step()
     if step is None:
-      raise FileNotFoundError(f"no checkpoint in {directory}")
+      step = checkpointer.latest_step()
+      if step is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}")
+    elif step not in checkpointer.all_steps():
+      raise FileNotFoundError(f"no checkpoint of step {step} in {directory} (it has {checkpointer.all_steps()})")
     graphdef, abstract_params = hf.abstract_params(cfg)
     # The saved TrainState holds the optimizer moments too: restored as the run saved them, then dropped.
     abstract = abstract_train_state(c, abstract_params, mesh)

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-  from jaxrl.learner.config import LossConfig
+# Each module owns the values its options take; the settings offer them.
+from jaxrl.controller.assembly import FILTER_GROUPS
+from jaxrl.kernels.paged_attention import IMPLS as PAGED_ATTENTION
+from jaxrl.kernels.train_attention import IMPLEMENTATIONS as TRAIN_ATTENTION
+from jaxrl.learner.config import LossConfig
+from jaxrl.models.quant import WEIGHT_DTYPES
+from jaxrl.sampler.engine import KV_LAYOUTS
+from jaxrl.sampler.sampler import ON_UPDATE
+from jaxrl.telemetry import PEAK_MODES
 
 MODES = ("pipeline", "sync", "auto")
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
-ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
-KV_LAYOUTS = ("dense", "paged")
-WEIGHT_DTYPES = ("float", "int8")  # the sampler's weights (jaxrl.models.quant)
-PEAK_MODES = ("auto", "measure")  # roofline telemetry's peak: the device table's (else measured), or measured
-DECODE_ATTENTION = ("auto", "xla", "pallas_gpu", "pallas_tpu")  # paged decode attention (kernels.paged_attention)
-TRAIN_ATTENTION = ("reference", "chunked", "cudnn", "splash")  # learner attention implementations
+DECODE_ATTENTION = ("auto", *PAGED_ATTENTION)  # "auto": the Pallas kernel where one runs, else XLA
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
@@ -203,6 +205,14 @@ class Task:
                          "untrusted)")
   max_prompt_tokens: int = Int(64, 1, "longer prompts are skipped and counted")
   chat_template: bool = Bool(True, "render prompts with the tokenizer's chat template (text tasks)")
+  # Rewards and envs cannot fail silently (jaxrl/envs/guard.py): before the first prompt each scores known right and
+  # wrong answers in its real (sandboxed) worker; once running, more than max_failure_frac of the last
+  # failure_window scored samples failing stops the run, after a checkpoint, with one line naming the reward and
+  # its most common error. A transient failure (a timeout on a loaded host) is dropped and counted instead
+  self_check: bool = Bool(True, "score each reward's known right and wrong answers in its real worker at start-up")
+  failure_window: int = Int(64, 1, "scored samples in the reward-failure window")
+  max_failure_frac: float = Real(0.5, lambda v: 0 <= v < 1, "in [0, 1)",
+                                 "failed samples in the window above this fraction stop the run")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +245,7 @@ class Sampler:
                    "slots)")
   page_size: int = Int(16, 1, "paged: positions per page (must divide max_len)")
   attention: str = Choice("auto", DECODE_ATTENTION, 'paged: decode attention ("auto": the Pallas kernel on a GPU or '
-                          "TPU sampler of one device, XLA otherwise)")
+                          "TPU sampler, in shard_map over its mesh; TPU: head_dim % 128 == 0; XLA otherwise)")
   num_pages: int = Int(0, 0, "paged: pages in the pool; 0: the dense cache's memory (max_slots * max_len / "
                        "page_size)")
   forced_lengths: ForcedLengths = Section(ForcedLengths)
@@ -245,6 +255,12 @@ class Sampler:
 class RL:
   group_size: int = Int(4, 1, "samples per prompt (GRPO group)")
   groups_per_step: int = Int(4, 1, "groups per learner step; batch = group_size * groups_per_step")
+  # Dynamic sampling: "zero_variance" trains no group whose rewards are all equal (its policy-gradient term is zero
+  # while it costs a forward and backward); it is dropped as "filtered", counted with its samples and tokens, and
+  # its place in the admission window goes to a new prompt, so every step still trains groups_per_step groups
+  filter_groups: str = Choice("none", FILTER_GROUPS, 'groups not trained: "zero_variance" (all rewards equal)')
+  max_filtered_in_a_row: int = Int(1000, 1, "groups filtered in a row with no applied update before the run stops "
+                                   "(a prompt set the policy always solves or always fails)")
   seq_len: int = Int(48, 2, "learner sequence length (prompt + completion, right-padded), the packed row length")
   # Several samples per row of seq_len tokens (first-fit decreasing, each sample its own segment), rows rounded up
   # to a few buckets (one compilation each): train cost follows the real tokens, not batch x seq_len
@@ -291,8 +307,6 @@ LOSS = dict(advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_
 
 
 def _default_loss():
-  from jaxrl.learner.config import LossConfig  # jax-free here: only a RunConfig made at its defaults needs it
-
   return LossConfig(**LOSS)
 
 

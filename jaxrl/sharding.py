@@ -1,4 +1,5 @@
-"""Meshes, the sampler/learner split, logical-axis rules, and versioned parameter transfer between submeshes.
+"""Meshes, the sampler/learner split, shardings from the logical-axis rules (jaxrl.axes), and versioned parameter
+transfer between submeshes.
 
 Meshes use Auto axes (GSPMD: shardings given at jit boundaries and by constraints), so one train step or decode
 step serves FSDP, tensor parallel or both, chosen by the rules alone.
@@ -7,6 +8,7 @@ step serves FSDP, tensor parallel or both, chosen by the rules alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,29 +19,11 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# The logical-axis rules live in jaxrl.axes (no model imports: the kernels read them too); imported from here as before.
+from jaxrl.axes import LEARNER_RULES as LEARNER_RULES
+from jaxrl.axes import SAMPLER_RULES as SAMPLER_RULES
+from jaxrl.axes import logical_to_spec
 from jaxrl.models import quant
-
-# Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
-LEARNER_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("layers", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-)
-SAMPLER_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", "data"),
-    ("layers", None),
-    ("vocab", "tensor"),
-    ("embed", None),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-)
 
 
 def _ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
@@ -70,6 +54,19 @@ def resolve_axis_sizes(axes: Mapping[str, int] | Sequence[tuple[str, int]], num_
   if math.prod(axes.values()) != num_devices:
     raise ValueError(f"mesh axes {axes} need {math.prod(axes.values())} devices, {num_devices} given")
   return axes
+
+
+def under_mesh(fn, mesh: Mesh):
+  """fn traced with `mesh` in scope (jax.sharding.get_abstract_mesh() inside it; a jit of it needs no jax.set_mesh
+  around its calls): the kernels a program calls run in shard_map over it (XLA cannot partition a Mosaic call),
+  and "auto" kernels pick by its devices' platform, which is the target's also in a deviceless TPU compile."""
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return traced
 
 
 def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -107,12 +104,6 @@ def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None
   return learner, sampler
 
 
-def split_mesh(num_sampler: int | float, learner_axes: Mapping[str, int], sampler_axes: Mapping[str, int],
-               devices: Sequence[jax.Device] | None = None, whole_processes: bool = False) -> SplitMeshes:
-  learner, sampler = split_devices(num_sampler, devices, whole_processes)
-  return SplitMeshes(learner=make_mesh(learner_axes, learner), sampler=make_mesh(sampler_axes, sampler))
-
-
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
@@ -132,23 +123,6 @@ def logical_axes(params: nnx.State) -> nnx.State:
   return jax.tree_util.tree_map_with_path(axes_of, params, is_leaf=_is_variable)
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                    rules: Sequence[tuple[str, Any]]) -> P:
-  """Maps logical axes to a PartitionSpec; a mesh axis is used once, and only where it divides the dimension."""
-  table = dict(rules)
-  used: set[str] = set()
-  spec = []
-  for name, dim in zip(axes, shape, strict=True):
-    targets = table.get(name) if name is not None else None
-    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
-    chosen = tuple(t for t in targets if t in mesh.shape and t not in used and mesh.shape[t] > 1)
-    while chosen and dim % math.prod(mesh.shape[t] for t in chosen):
-      chosen = chosen[:-1]  # replicate what does not divide evenly (e.g. 2 kv heads on a tensor axis of 4)
-    used.update(chosen)
-    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-  return P(*spec)
-
-
 def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> nnx.State:
   """NamedSharding for every parameter, following the logical-axis rules."""
   axes = logical_axes(params)
@@ -160,10 +134,10 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, An
 
 def constrain_rows(x: jax.Array) -> jax.Array:
   """x with its leading (row) axis split over the learner's batch axes (LEARNER_RULES) of the mesh in context, the
-  rest whole; unchanged without one. The learner's train step traces under its mesh (use_abstract_mesh), so a
-  model's activations stay row-sharded through the layer scan and FSDP gathers each layer's weights: left to
-  itself, XLA:TPU kept the weights sharded and all-reduced the whole batch's activations on every chip instead
-  (35x FSDP's collective bytes on Qwen2.5-7B; docs/TPU.md)."""
+  rest whole; unchanged without one. The learner's train step traces under its mesh (under_mesh), so a model's
+  activations stay row-sharded through the layer scan and FSDP gathers each layer's weights: left to itself,
+  XLA:TPU kept the weights sharded and all-reduced the whole batch's activations on every chip instead (5.8x FSDP's
+  collective bytes on Qwen2.5-7B; docs/TPU.md)."""
   mesh = jax.sharding.get_abstract_mesh()
   axes = () if mesh.empty else tuple(a for a in dict(LEARNER_RULES)["batch"] if a in mesh.axis_names)
   if not axes:

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.learner.step import fixed_param_pass_count  # the learner's own rule for its extra passes
-from jaxrl.settings import PEAK_MODES  # declared once, with the run config
 from jaxrl.sim.costs import ModelSpec
 from jaxrl.sim.hardware import PRESETS
+
+PEAK_MODES = ("auto", "measure")  # the roofline's peak: the device table's (else measured), or measured
 
 # jax.devices()[0].device_kind -> the jaxrl.sim.hardware preset whose datasheet numbers it has, the first substring
 # that matches (so "H200" before "H20", "TPU v5 lite" before "TPU v5"). TPU v5e and v6e report "lite".

@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")  # jsonl: workdir/metrics.jsonl, always written
 EXTRA = "pip install 'jaxrl[trackers]'"
 
@@ -50,9 +48,6 @@ class TensorBoard:
     for k, v in scalars.items():
       self._writer.add_scalar(k, v, step)
 
-  def histogram(self, step: int, name: str, values: np.ndarray) -> None:
-    self._writer.add_histogram(name, values, step)
-
   def close(self) -> None:
     self._writer.close()
 
@@ -73,9 +68,6 @@ class Wandb:
 
   def log(self, step: int, scalars: dict[str, float]) -> None:
     self._run.log(scalars, step=step)
-
-  def histogram(self, step: int, name: str, values: np.ndarray) -> None:
-    self._run.log({name: self._wandb.Histogram(values)}, step=step)
 
   def close(self) -> None:
     self._run.finish()
@@ -99,9 +91,6 @@ class Mlflow:
 
   def log(self, step: int, scalars: dict[str, float]) -> None:
     self._mlflow.log_metrics(scalars, step=step)
-
-  def histogram(self, step: int, name: str, values: np.ndarray) -> None:
-    pass  # MLflow has no histograms; the scalars carry the run
 
   def close(self) -> None:
     self._mlflow.end_run()

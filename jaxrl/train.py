@@ -24,11 +24,12 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl import hostmem, platforms, sharding
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
+from jaxrl.controller import auto, sides
 from jaxrl.controller import build as build_lib
-from jaxrl.controller import sides
 from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.local import LocalController
 from jaxrl.controller.weights import WeightPublisher
+from jaxrl.envs.guard import RewardsBroken
 from jaxrl.metrics import MetricsWriter, TraceWriter
 from jaxrl.models import ModelConfig, hf
 from jaxrl.sampler import Engine
@@ -106,8 +107,6 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
     summary, _ = _train_fixed(c, workdir, stop_signals)
     summary_lib.write_summary(workdir, summary)
     return summary
-  from jaxrl.controller import auto
-
   def run_segment(seg_c, first: bool, last: bool):
     return _train_fixed(seg_c, workdir, stop_signals, evaluate_before=first, evaluate_after=last)
 
@@ -181,7 +180,7 @@ def main(argv=None):
   config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
     summary = train(flags_def.config, flags_def.workdir)
-  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError) as e:
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError, RewardsBroken) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
   except SaveError as e:

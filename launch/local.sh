@@ -7,7 +7,7 @@
 #
 # Each process gets 2 CPU devices, so the learner mesh is 4 devices over processes 0-1 and each sampler replica
 # has 2 devices: the tiny config's mesh.sampler_devices=4 covers processes 2-3 exactly. Extra flags go to every
-# process (python -m jaxrl.distributed.train); metrics and summary.json land in the workdir (written by process 0).
+# process (python -m jaxrl.distributed.job); metrics and summary.json land in the workdir (written by process 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec "${PYTHON:-.venv/bin/python}" -m jaxrl.distributed.launch --num_processes=4 --devices_per_process=2 -- \

@@ -45,7 +45,7 @@ case "${1:-}" in
     if [[ -n "$TRANSFER_PORT" ]]; then
       env_prefix="JAXRL_TRANSFER_ADDRESS=\$(hostname -I | awk '{print \$1}'):$TRANSFER_PORT"
     fi
-    gcloud_tpu ssh "$TPU_NAME" --command="cd $REMOTE_DIR && $env_prefix .venv/bin/python -m jaxrl.distributed.train \
+    gcloud_tpu ssh "$TPU_NAME" --command="cd $REMOTE_DIR && $env_prefix .venv/bin/python -m jaxrl.distributed.job \
       --config=$CONFIG --workdir=$WORKDIR --config.mesh.num_devices=-1 --config.mesh.sampler_devices=$SAMPLER_CHIPS \
       --config.rl.groups_per_step=$GROUPS_PER_STEP $*"
     ;;

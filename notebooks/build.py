@@ -359,12 +359,12 @@ PLANNER = [
 
 TRAIN_STEP = [
     md('''
-    # The learner's train step, by hand
+    # The learner's train step on your own model
 
-    `jaxrl.learner.make_train_step` builds the learner's whole update as one pure, jitted function
-    `step(state, batch, rng) -> (state, metrics)`: GRPO advantages, the policy loss with its off-policy
-    corrections, the optimizer update, the version bump. Here it trains a tiny decoder on rollouts sampled by a
-    ten-line sampler, packed with `jaxrl.rollout.make_batch`, with the one-step lag a pipeline has.
+    `jaxrl.learner` is the learner as a library: `train_step(state, batch, rng, *, config)` is one pure function
+    (GRPO advantages, the policy loss with its off-policy corrections, the optimizer update, the version bump), a
+    frozen `StepConfig` fixes what every call shares, and `jit_train_step(config)` jits it. Here it trains a
+    small Flax model of our own on batches sampled by a ten-line sampler, with the one-step lag a pipeline has.
     '''),
     code('''
     NUM_STEPS = 10  # learner steps in the training loop
@@ -375,10 +375,10 @@ TRAIN_STEP = [
       sys.path.insert(0, str(REPO))  # a checkout whose dependencies are installed (quickstart.ipynb installs them)
     '''),
     md('''
-    ## Model, loss, optimizer, state
+    ## A model of our own
 
-    The step takes the model as an nnx `GraphDef` (or any `logits_fn(params, tokens, positions, segment_ids)`)
-    and never sees the module itself: parameters live in the `TrainState`.
+    Any nnx module called as `model(tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV` will do (or any
+    `logits_fn(params, tokens, positions, segment_ids)`). This one predicts the next token from the current one.
     '''),
     code('''
     import jax
@@ -386,66 +386,79 @@ TRAIN_STEP = [
     import numpy as np
     from flax import nnx
 
-    from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step
-    from jaxrl.models import Decoder, ModelConfig, forward
-    from jaxrl.rollout import Rollout, SamplingParams, make_batch
+    from jaxrl.learner import Batch, LossConfig, StepConfig, init_train_state, jit_train_step, make_optimizer
 
-    GROUPS, GROUP_SIZE, PROMPT_LEN, SEQ_LEN = 4, 4, 4, 16
+    VOCAB, GROUPS, GROUP_SIZE, PROMPT_LEN, SEQ_LEN = 32, 4, 4, 4, 16
     BATCH = GROUPS * GROUP_SIZE
     TARGET = 1  # reward: the share of completion tokens equal to this id
 
-    model_config = ModelConfig.tiny(vocab_size=32)
-    graphdef, params = nnx.split(Decoder(model_config, nnx.Rngs(SEED)))
-    sampling = SamplingParams(temperature=1.0)
-    # Decoupled PPO with token-level truncated importance weights. jaxrl.config.base() also adds a dual clip and
-    # makes two mini-batch updates per step (num_minibatches=2), so that the clip acts from the second one on;
-    # with the single update here the ratio to the pre-step policy is 1 and only the IS weights correct staleness.
-    loss_config = LossConfig(advantage="grpo", policy_loss="ppo", proximal="recompute", is_level="token", is_cap=2.0,
-                             sampling=sampling)
-    optimizer = make_optimizer(1e-2)
-    step = make_train_step(graphdef, optimizer, loss_config, batch_size=BATCH, seq_len=SEQ_LEN)
-    state = init_train_state(params, optimizer, rng=SEED)
+
+    class TinyLM(nnx.Module):
+      def __init__(self, vocab, dim, rngs):
+        self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+        self.hidden = nnx.Linear(dim, dim, rngs=rngs)
+        self.out = nnx.Linear(dim, vocab, rngs=rngs)
+
+      def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL):
+        return self.out(nnx.gelu(self.hidden(self.embed(tokens_BxL))))
+    '''),
+    md('''
+    ## The step
+
+    Decoupled PPO with token-level truncated importance weights (capped at 2). `jaxrl.config.base()` also adds a
+    dual clip and makes two mini-batch updates per step (`num_minibatches=2`), so that the clip acts from the
+    second one on; with the single update here the ratio to the pre-step policy is 1 and only the IS weights
+    correct staleness. The step never sees the module itself: parameters live in the `TrainState`.
+    '''),
+    code('''
+    graphdef, params = nnx.split(TinyLM(VOCAB, 128, nnx.Rngs(SEED)))
+    loss = LossConfig(policy_loss="ppo", proximal="recompute", is_level="token", is_cap=2.0)
+    config = StepConfig(model=graphdef, optimizer=make_optimizer(5e-2), loss=loss, batch_size=BATCH, seq_len=SEQ_LEN)
+    step = jit_train_step(config)  # step(state, batch, rng) -> (state, metrics); the state is donated
+    state = init_train_state(params, config.optimizer, rng=SEED)
     print(sum(x.size for x in jax.tree.leaves(state.params)), "parameters; version", int(state.version))
     '''),
     md('''
-    ## Rollouts by hand
+    ## A batch by hand
 
     A sampler only has to hand the learner, for every completion token, the logprob under the distribution it
     was drawn from and the version of the params that computed it. This one runs a full forward per token (no
-    KV cache: the model is tiny) and draws from `softmax(logits / temperature)`.
+    KV cache: the model is tiny) and draws from `softmax(logits)`; a `Batch` holds one sample per row, entry `i`
+    of a per-token array describing token `i`.
     '''),
     code('''
     @jax.jit
     def next_token_logprobs(params, tokens_BxL, length):
-      """log p(next token | first `length` tokens) per row; later tokens are masked by causality."""
-      positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[1]), tokens_BxL.shape)
-      logits_BxLxV = forward(graphdef, params, tokens_BxL, positions_BxL, jnp.ones_like(tokens_BxL))
-      return jax.nn.log_softmax(logits_BxLxV[:, length - 1] / sampling.temperature)
+      """log p(next token | first `length` tokens) per row."""
+      ones_BxL = jnp.ones_like(tokens_BxL)
+      logits_BxLxV = nnx.merge(graphdef, params)(tokens_BxL, jnp.cumsum(ones_BxL, axis=1) - 1, ones_BxL)
+      return jax.nn.log_softmax(logits_BxLxV[:, length - 1])
 
 
-    def sample_rollouts(params, version, key, first_group):
+    def sample_batch(params, version, key, first_group):
       """GROUPS random prompts x GROUP_SIZE samples each, drawn from `params` (policy `version`), with rewards."""
       key, prompt_key = jax.random.split(key)
-      prompts = np.asarray(jax.random.randint(prompt_key, (GROUPS, PROMPT_LEN), 0, model_config.vocab_size))
+      prompts = np.asarray(jax.random.randint(prompt_key, (GROUPS, PROMPT_LEN), 0, VOCAB))
       tokens_BxL = np.zeros((BATCH, SEQ_LEN), np.int32)
       tokens_BxL[:, :PROMPT_LEN] = np.repeat(prompts, GROUP_SIZE, axis=0)
-      logprobs_BxC = np.zeros((BATCH, SEQ_LEN - PROMPT_LEN), np.float32)
+      logprobs_BxL = np.zeros((BATCH, SEQ_LEN), np.float32)
       for t in range(PROMPT_LEN, SEQ_LEN):
         key, token_key = jax.random.split(key)
         logp_BxV = next_token_logprobs(params, tokens_BxL, t)
-        token_B = np.asarray(jax.random.categorical(token_key, logp_BxV))
-        tokens_BxL[:, t] = token_B
-        logprobs_BxC[:, t - PROMPT_LEN] = np.asarray(logp_BxV)[np.arange(BATCH), token_B]
-      completions = tokens_BxL[:, PROMPT_LEN:]
-      return [Rollout(prompt_tokens=tokens_BxL[i, :PROMPT_LEN], completion_tokens=completions[i],
-                      logprobs=logprobs_BxC[i], versions=np.full(completions.shape[1], version, np.int32),
-                      finish_reason="length", group_id=first_group + i // GROUP_SIZE, sample_index=i % GROUP_SIZE,
-                      sampling=sampling, reward=float(np.mean(completions[i] == TARGET)))
-              for i in range(BATCH)]
+        tokens_BxL[:, t] = np.asarray(jax.random.categorical(token_key, logp_BxV))
+        logprobs_BxL[:, t] = np.asarray(logp_BxV)[np.arange(BATCH), tokens_BxL[:, t]]
+      completion_BxL = np.arange(SEQ_LEN)[None, :] >= PROMPT_LEN
+      return Batch(tokens_BxL=tokens_BxL, positions_BxL=np.tile(np.arange(SEQ_LEN, dtype=np.int32), (BATCH, 1)),
+                   segment_ids_BxL=np.ones((BATCH, SEQ_LEN), np.int32),
+                   loss_mask_BxL=np.broadcast_to(completion_BxL, (BATCH, SEQ_LEN)).astype(np.float32),
+                   behavior_logprobs_BxL=logprobs_BxL,
+                   versions_BxL=np.where(completion_BxL, version, -1).repeat(BATCH, axis=0).astype(np.int32),
+                   rewards_B=np.mean(tokens_BxL[:, PROMPT_LEN:] == TARGET, axis=1).astype(np.float32),
+                   group_ids_B=(first_group + np.arange(BATCH) // GROUP_SIZE).astype(np.int32),
+                   sample_mask_B=np.ones(BATCH, np.float32))
 
 
-    rollouts = sample_rollouts(state.params, int(state.version), jax.random.key(SEED), first_group=0)
-    batch = make_batch(rollouts, BATCH, SEQ_LEN)
+    batch = sample_batch(state.params, int(state.version), jax.random.key(SEED), first_group=0)
     print("tokens   ", batch.tokens_BxL[0])
     print("loss mask", batch.loss_mask_BxL[0].astype(int))
     print("versions ", batch.versions_BxL[0])
@@ -485,9 +498,9 @@ TRAIN_STEP = [
     history = []
     behavior_params, behavior_version = copy(state.params), int(state.version)
     for s in range(NUM_STEPS):
-      rollouts = sample_rollouts(behavior_params, behavior_version, jax.random.fold_in(rng, s), first_group=s * GROUPS)
+      batch = sample_batch(behavior_params, behavior_version, jax.random.fold_in(rng, s), first_group=s * GROUPS)
       behavior_params, behavior_version = copy(state.params), int(state.version)  # what the sampler gets next
-      state, metrics = step(state, make_batch(rollouts, BATCH, SEQ_LEN), jax.random.fold_in(rng, s))
+      state, metrics = step(state, batch, jax.random.fold_in(rng, s))
       history.append(jax.device_get(metrics))
       print(f"step {s}: version {int(state.version)} reward {history[-1]['reward_mean']:.3f} "
             f"staleness {history[-1]['staleness_mean']:.0f} ratio {history[-1]['ratio_mean']:.3f} "

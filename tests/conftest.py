@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# libtpu (the test extra) takes a lock file per process when it loads: parallel workers, and a deviceless TPU compile
+# (tests/test_kernels_mosaic.py) beside another engineer's run, would otherwise fail to load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The suite is dominated by XLA compiling many small programs, not by running them: LLVM's backend optimisations
 # make a tiny model's init program take 9.7 s to compile here instead of 1.1 s. Tests (and the subprocesses they
 # start, which inherit this) compile without them; results agree within every test's tolerance, and timing tests
@@ -26,4 +29,5 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-pytest_plugins = ["conftest_assets"]  # the session fixture smollm2_dir (real model, fetched once)
+# conftest_assets: the session fixture smollm2_dir (real model, fetched once); conftest_timeouts: no test hangs
+pytest_plugins = ["conftest_assets", "conftest_timeouts"]

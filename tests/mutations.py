@@ -1,12 +1,18 @@
-"""Wiring proof for the learner's objective: cut each wire in turn and show that a test fails.
+"""Wiring proof: cut each wire in turn and show that a test fails.
 
-    JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m tests.mutations [--only NAME ...] [--out bench/results/mutations.json]
+    JAX_NUM_CPU_DEVICES=8 .venv/bin/python -m tests.mutations [--only NAME ...] [--area PATH ...] [--first-only]
+        [--out bench/results/mutations.json]
 
-Each mutation below replaces one snippet of jaxrl/learner/ (each LossConfig field that reaches the loss, prox vs mu,
-the reference, every mask, the IS cap, the aggregation weights) in a copy of the repository, then runs the learner
-tests there (its `first` files, then all of tests/test_learner_*.py if those pass). A mutation is killed when a test
-fails. The script prints one row per mutation and exits 1 if any survives. tests/test_mutations.py checks that every
-snippet is still in the code, once, so the table cannot silently go stale.
+Each mutation below replaces one snippet of the code in a copy of the repository: the learner's objective (each
+LossConfig field that reaches the loss, prox vs mu, the reference, every mask, the IS cap, the aggregation weights),
+then the wiring around it: the sampler (behaviour logprobs, versions, stops, sampling filters, slot refill, the page
+allocator), the controller (deadline assembly, the learner loop's own checks, skipped updates, published versions,
+the ledger), the reward runner (what a timeout or a crash scores), checkpoints and resume (the newest restored and
+kept, rng, data position, pending groups) and packing. It then runs, there, the mutation's `first` tests, then every
+test of its area (GROUPS; not with --first-only). A mutation is killed when a test fails; a test that hangs (the run
+past --timeout, or a pytest-timeout failure) is not a kill. The script prints one row per mutation and exits 1 if any
+survives. tests/test_mutations.py checks that every snippet is still in the code, once, so the table cannot silently
+go stale.
 """
 
 from __future__ import annotations
@@ -23,7 +29,18 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LEARNER_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_learner_*.py"))
+# Each area's test group (tests/ globs), by the path prefix of the code it tests: what a cut there must fail.
+GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sampler_*.py",),
+          "jaxrl/controller/": ("test_controller_*.py", "test_checkpoint*.py"),
+          "jaxrl/envs/runner.py": ("test_envs_runner.py",), "jaxrl/checkpoint.py": ("test_checkpoint*.py",)}
+
+
+def group_tests(path: str) -> list[str]:
+  """The test files of the area of `path` (GROUPS); ValueError for code outside every area."""
+  prefix = next((p for p in GROUPS if path.startswith(p)), None)
+  if prefix is None:
+    raise ValueError(f"{path} is in no test group of tests/mutations.py (GROUPS)")
+  return sorted(str(p.relative_to(ROOT)) for pattern in GROUPS[prefix] for p in (ROOT / "tests").glob(pattern))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +49,7 @@ class Mutation:
   path: str  # the file, relative to the repository root
   old: str  # the snippet cut (must occur exactly once)
   new: str
-  first: tuple[str, ...] = ()  # tests to run first (all the learner tests only if these pass)
+  first: tuple[str, ...] = ()  # tests to run first (then, if these pass, every test of the area: group_tests)
 
 
 L, S, C = "jaxrl/learner/losses.py", "jaxrl/learner/step.py", "jaxrl/learner/packing.py"
@@ -45,16 +62,16 @@ def T(*names: str) -> tuple[str, ...]:
 
 OFF, STEP, SUP = "offpolicy.py::test_", "step.py::test_", "supports.py::test_"
 DECOUPLED = OFF + "decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update"
-MUTATIONS = (
+OBJECTIVE = (
     Mutation("advantage: always grpo", S, "batch.sample_mask_B.reshape(-1),\n                           cfg)",
              "batch.sample_mask_B.reshape(-1),\n                           cfg.replace(advantage='grpo'))",
              T("bandit.py::test_single_step_bandit_gradient_direction")),
     Mutation("adv_eps: ignored", "jaxrl/learner/advantages.py", "cfg.adv_eps", "1e-6",
              T("losses.py::test_advantages_ignore_padding_nan_and_dispatch")),
-    Mutation("aggregation: always token_mean", S, "setup.loss.aggregation, setup.loss.norm_length",
-             "'token_mean', setup.loss.norm_length", T("bandit")),
-    Mutation("norm_length: ignored", S, "setup.loss.aggregation, setup.loss.norm_length",
-             "setup.loss.aggregation, 0", T("bandit.py::test_two_step_bandit_needs_sequence_level_weights")),
+    Mutation("aggregation: always token_mean", S, "config.loss.aggregation, config.loss.norm_length",
+             "'token_mean', config.loss.norm_length", T("bandit")),
+    Mutation("norm_length: ignored", S, "config.loss.aggregation, config.loss.norm_length",
+             "config.loss.aggregation, 0", T("bandit.py::test_two_step_bandit_needs_sequence_level_weights")),
     Mutation("policy_loss: gspo scored as ppo", L, 'elif cfg.policy_loss == "ppo":',
              'elif cfg.policy_loss in ("ppo", "gspo"):', T(OFF + "gspo_averages_over_sequences_not_tokens")),
     Mutation("policy_loss: pg scored as ppo", L, 'if cfg.policy_loss == "pg":', 'if cfg.policy_loss == "none":',
@@ -73,7 +90,7 @@ MUTATIONS = (
              "prox_logp_BxL = jax.lax.stop_gradient(jnp.where(anchored_BxL, prox_logp_BxL, 0.0))\n"
              "    anchor = behavior_logp_BxL", T(DECOUPLED)),
     Mutation("proximal: no pre-step pass (prox = current)", S,
-             'prox = x["prox"] if setup.prox_pass else jax.lax.stop_gradient(logp)',
+             'prox = x["prox"] if config.prox_pass else jax.lax.stop_gradient(logp)',
              "prox = jax.lax.stop_gradient(logp)", T(DECOUPLED)),
     Mutation("proximal: interpolate as recompute", S,
              "alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)",
@@ -104,13 +121,13 @@ MUTATIONS = (
              "return rewards_B - cfg.kl_coef * kl_reward_B, kl_reward_B", "return rewards_B, kl_reward_B",
              T(OFF + "k1_in_the_reward_equals_training_on_shaped_rewards")),
     Mutation("ref: the current params instead of ref_params", S,
-             "token_logprobs_of(setup, state.ref_params, x, state.frozen)",
-             "token_logprobs_of(setup, state.params, x, state.frozen)",
+             "token_logprobs_of(config, state.ref_params, x, state.frozen)",
+             "token_logprobs_of(config, state.params, x, state.frozen)",
              T(STEP + "kl_to_reference_params")),
     Mutation("entropy_coef: ignored", L, "ent_loss = -cfg.entropy_coef * jnp.sum(", "ent_loss = -0.0 * jnp.sum(",
              T("losses")),
     Mutation("sampling: learner scores plain softmax", S,
-             'return token_logprobs(logits, x["tokens"], setup.loss.sampling)',
+             'return token_logprobs(logits, x["tokens"], config.loss.sampling)',
              'return token_logprobs(logits, x["tokens"])',
              T("onpolicy.py::test_train_step_on_policy_top_p_ratios_one_and_no_clip")),
     Mutation("log_ratio_clamp: ignored", L,
@@ -144,7 +161,188 @@ MUTATIONS = (
              T("packing.py::test_packed_step_equals_unpacked[rloo_seqmean_seqIS-1-1]")),
     Mutation("packing: mini-batches over rows, not samples", C, "layout[i * m + j] = row",
              "layout[j * len(pack) + i] = row", T("packing.py::test_packed_minibatches_hold_their_own_samples")),
+    # packing, beyond the mini-batches
+    Mutation("packing: a row past max_segments", C, "if free >= lengths[i] and len(rows[r]) < max_segments:",
+             "if free >= lengths[i]:", T("packing.py::test_first_fit_decreasing_respects_budget_and_slots")),
+    Mutation("packing: every segment starts at column 0", C, "      start += rollouts[i].num_tokens\n", "",
+             T("packing.py::test_pack_batch_layout")),
+    Mutation("packing: segment sums across rows", C,
+             "ids = (jnp.arange(b)[:, None] * (l + 1) + segment_ids_BxL).reshape(-1)",
+             "ids = segment_ids_BxL.reshape(-1)", T("packing.py::test_segment_sums_and_to_tokens")),
+    Mutation("packing: padding takes a sample's value", C,
+             "return jnp.where(segment_ids_BxL > 0, jnp.take_along_axis(values_BxG, slot, axis=1), fill)",
+             "return jnp.take_along_axis(values_BxG, slot, axis=1)", T("packing.py::test_segment_sums_and_to_tokens")),
 )
+
+SP, SD, SE = "jaxrl/sampler/sampling.py", "jaxrl/sampler/decode.py", "jaxrl/sampler/sampler.py"
+PA, AD = "jaxrl/sampler/page_allocator.py", "jaxrl/sampler/admission.py"
+SAMPLING = "tests/test_sampler_sampling.py::test_filtered_logprobs_match_numpy_reference"
+ENGINE = "tests/test_sampler_engine.py::test_"
+ALLOC = "tests/test_sampler_page_allocator.py"
+SAMPLER = (
+    Mutation("sampling: temperature ignored", SP,
+             "scaled_NxV = logits_NxV / jnp.where(greedy_N, 1.0, temperature_N)[:, None]",
+             "scaled_NxV = logits_NxV", (SAMPLING,)),
+    Mutation("sampling: top-p drops the token that crosses p", SP,
+             "mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV",
+             "mass_before_NxV = jnp.cumsum(probs_NxV, axis=-1)", (SAMPLING,)),
+    Mutation("sampling: top-p alone skips the filter", SP,
+             "needs_filter = jnp.any(~greedy_N & (((top_k_N > 0) & (top_k_N < v)) | (top_p_N < 1.0)))",
+             "needs_filter = jnp.any(~greedy_N & (top_k_N > 0) & (top_k_N < v))", (SAMPLING,)),
+    Mutation("sampling: ties at the cut-off dropped", SP,
+             "return jnp.where(scaled_NxV >= threshold_N, scaled_NxV, _NEG_INF)",
+             "return jnp.where(scaled_NxV > threshold_N, scaled_NxV, _NEG_INF)", (SAMPLING,)),
+    Mutation("behaviour logprobs: the raw softmax, not the filtered distribution", SP,
+             "return tokens_N, jnp.take_along_axis(lp_NxV, tokens_N[:, None], axis=-1)[:, 0]",
+             "return tokens_N, jnp.take_along_axis(jax.nn.log_softmax(logits_NxV.astype(jnp.float32)), "
+             "tokens_N[:, None], axis=-1)[:, 0]", (ENGINE + "behavior_logprobs_equal_full_forward",)),
+    Mutation("versions: tagged with the sampler's current version, not the call's", SE,
+             "sample.versions += [version] * n", "sample.versions += [self.version] * n",
+             (ENGINE + "in_flight_update_tags_each_token_with_its_version",)),
+    Mutation("stop strings: the cut leaves logprobs and versions behind", SE,
+             "del sample.tokens[cut:], sample.logprobs[cut:], sample.versions[cut:]", "del sample.tokens[cut:]",
+             (ENGINE + "stop_string_found_late_in_a_long_completion",)),
+    Mutation("slot refill: a refilled slot reads its old occupant's call", SE,
+             "if sample is None or self._slots[slot] is not sample or call.turns[slot] != sample.turn:",
+             "if sample is None or call.turns[slot] != sample.turn:",
+             (ENGINE + "stop_strings_end_the_sample_and_free_the_slot",
+              ENGINE + "greedy_continuous_batching_equals_one_at_a_time")),
+    Mutation("decode: one token past max_new", SD, "(num_generated >= s.max_new)", "(num_generated > s.max_new)",
+             (ENGINE + "stop_tokens_eos_and_lengths",)),
+    Mutation("decode: stop tokens ignored on the device", SD,
+             "stop = jnp.any(new_S[:, None] == s.stop_ids, axis=-1)", "stop = jnp.zeros_like(active)",
+             (ENGINE + "stop_tokens_eos_and_lengths",)),
+    Mutation("pages: the last prompt token's page shared", PA, "return (prompt_len - 1) // page_size",
+             "return prompt_len // page_size",
+             (ALLOC, "tests/test_sampler_paged.py::test_samples_never_write_the_shared_prompt_pages")),
+    Mutation("pages: a slot takes no reference to its shared pages", PA,
+             "    self.refs_P[list(shared)] += 1\n", "", (ALLOC,)),
+    Mutation("pages: freed while still referenced", PA, "if self.refs_P[p] == 0:", "if self.refs_P[p] <= 1:",
+             (ALLOC,)),
+    Mutation("pages: preemption takes the oldest slot", PA, "victims.append(live.pop())",
+             "victims.append(live.pop(0))", (ALLOC,)),
+    Mutation("admission: a group's prompt keys reused across an update", AD,
+             "if g.prefix is None or g.prefix.version != params.version:", "if g.prefix is None:",
+             (ENGINE + "a_group_admitted_across_an_update_prefills_its_prompt_again_with_the_new_params",)),
+    Mutation("admission: a resumed sample's draws start over", AD, "self.policy.insert(slot, prefix, settings, drawn)",
+             "self.policy.insert(slot, prefix, settings, 0)",
+             ("tests/test_sampler_paged.py::test_out_of_pages_preempts_and_keeps_every_sample",)),
+)
+
+AS, LL, LE, WP = ("jaxrl/controller/assembly.py", "jaxrl/controller/learner_loop.py", "jaxrl/controller/ledger.py",
+                  "jaxrl/controller/weights.py")
+BOOK = "tests/test_controller_assembly.py::test_"
+LOOP = "tests/test_controller_learner_loop.py::test_"
+LOCAL = "tests/test_controller_channels_local.py::test_"
+REJECT = BOOK + "reject_reason_names_failed_rewards_and_overlong_groups"
+SKIP = LOOP + "a_skipped_update_drops_its_groups_tells_the_samplers_and_publishes_nothing"
+CONTROLLER = (
+    Mutation("assembly: deadline one step late", AS, "self.deadline[group_id] = version + self.admit_bound",
+             "self.deadline[group_id] = version + self.admit_bound + 1",
+             (BOOK + "out_of_order_completion_drops_nothing_and_keeps_the_bound",)),
+    Mutation("assembly: room for one step too many", AS,
+             "return max(0, (last - self.step + 1) * self.gb - len(self.deadline))",
+             "return max(0, (last - self.step + 2) * self.gb - len(self.deadline))",
+             (BOOK + "a_share_waits_for_a_group_due_now_and_fills_in_completion_order",)),
+    Mutation("assembly: skipped updates not in the book's step", AS, "return self.base + self.shares - self.skipped",
+             "return self.base + self.shares", (BOOK + "skipped_updates_and_discards_give_the_room_back",)),
+    Mutation("assembly: deadlines ignored (completion order)", AS, "due = set(order[:need])", "due = set()",
+             (BOOK + "a_share_waits_for_a_group_due_now_and_fills_in_completion_order",)),
+    Mutation("assembly: a share formed while a due group generates", AS,
+             "if not due <= done:\n      return None", "if False:\n      return None",
+             (BOOK + "a_share_waits_for_a_group_due_now_and_fills_in_completion_order",)),
+    Mutation("assembly: back-pressure one group late", AS, "len(self.finished) >= self.max_finished",
+             "len(self.finished) > self.max_finished",
+             (BOOK + "finished_groups_waiting_for_the_learner_stop_admission",)),
+    Mutation("assembly: an infinite reward trained", AS, "if any(not np.isfinite(r.reward) for r in group):",
+             "if any(np.isnan(r.reward) for r in group):", (REJECT,)),
+    Mutation("assembly: a group that fills seq_len exactly is too long", AS,
+             "if any(r.num_tokens > seq_len for r in group):", "if any(r.num_tokens >= seq_len for r in group):",
+             (REJECT,)),
+    Mutation("learner loop: staleness guard off", LL, "    if over:\n", "    if False:\n",
+             (LOOP + "a_group_at_the_staleness_bound_trains_and_one_past_it_stops_the_step",)),
+    Mutation("learner loop: staleness guard one step strict", LL,
+             "if len(r.versions) and step - r.min_version > self.spec.max_staleness]",
+             "if len(r.versions) and step - r.min_version >= self.spec.max_staleness]",
+             (LOOP + "a_group_at_the_staleness_bound_trains_and_one_past_it_stops_the_step",)),
+    Mutation("learner loop: sampling settings not checked", LL,
+             "    check_sampling(samples, self.spec.sampling)\n", "",
+             (LOOP + "a_group_drawn_with_other_sampling_settings_stops_the_step",)),
+    Mutation("learner loop: a skipped update counted as applied", LL,
+             "applied = int(jax.device_get(state.version)) > step", "applied = True", (SKIP,)),
+    Mutation("learner loop: a skipped update's groups not dropped", LL, 'self.ledger.drop(g, "update_skipped")',
+             "pass", (SKIP,)),
+    Mutation("learner loop: samplers not told of a skipped update", LL,
+             "        self.coord.update_skipped()  # the samplers' next shares come a step earlier\n", "", (SKIP,)),
+    Mutation("learner loop: one rng for every step", LL, "jax.random.fold_in(self._base_key, train_step)",
+             "self._base_key", (LOOP + "every_step_trains_with_the_rng_of_its_own_train_step",)),
+    Mutation("learner loop: params published under the old version", LL,
+             "self.weights.publish(self.state.params, version)",
+             "self.weights.publish(self.state.params, version - 1)",
+             (LOOP + "an_applied_step_trains_its_samples_and_publishes_its_version",)),
+    Mutation("weights: the same version taken again", WP,
+             "return latest if latest is not None and latest.version > version else None",
+             "return latest if latest is not None and latest.version >= version else None",
+             (LOCAL + "publisher_versions_and_bitwise_params",)),
+    Mutation("weights: a version published twice", WP,
+             "if self._latest is not None and version <= self._latest.version:",
+             "if self._latest is not None and version < self._latest.version:",
+             (LOCAL + "publisher_versions_and_bitwise_params",)),
+    Mutation("ledger: drops count groups, not samples", LE, "self.dropped[reason] += len(group)",
+             "self.dropped[reason] += 1", (LOCAL + "ledger_round_trip",)),
+    Mutation("ledger: trained tokens not counted", LE, "    self.tokens_trained += _completion_tokens(samples)\n", "",
+             (LOCAL + "ledger_measures_trained_against_generated_lengths",)),
+)
+
+RR = "jaxrl/envs/runner.py"
+RUNNER_T = "tests/test_envs_runner.py::test_"
+RUNNER = (
+    Mutation("reward runner: a timeout scores 0", RR,
+             'results[w.job[0]] = _failed("timeout", f"reward fn took longer than {self.timeout_s}s; worker killed")',
+             "results[w.job[0]] = RewardResult(0.0, True)", (RUNNER_T + "hanging_fn_is_killed_in_bounded_time",)),
+    Mutation("reward runner: a crash scores 0", RR,
+             'else _failed("crash", f"reward worker died (exit code {code})"))', "else RewardResult(0.0, True))",
+             (RUNNER_T + "crashing_worker_and_bad_values",)),
+    Mutation("reward runner: a failure's value is 0, not NaN", RR,
+             "return RewardResult(math.nan, False, error, reason)", "return RewardResult(0.0, False, error, reason)",
+             (RUNNER_T + "raising_fn_is_counted",)),
+)
+
+CK, BUILD, SPEC = "jaxrl/checkpoint.py", "jaxrl/controller/build.py", "jaxrl/controller/spec.py"
+NEWEST = "tests/test_checkpoint.py::test_the_newest_checkpoint_is_restored_and_the_newest_ones_are_kept"
+RESUME = ("tests/test_checkpoint.py::"
+          "test_a_resume_gets_back_its_state_and_data_position_and_counts_the_samples_it_discards")
+DAMAGED = ("tests/faults/test_faults_checkpoint.py::"
+           "test_damaged_newest_checkpoint_is_named_and_the_previous_one_restored")
+CHECKPOINT = (
+    Mutation("restore: the oldest checkpoint, not the newest", CK,
+             "steps = self._steps_on_disk()[::-1] if step is None else [step]",
+             "steps = self._steps_on_disk() if step is None else [step]", (NEWEST,)),
+    Mutation("retention: the oldest checkpoints kept", CK, "keep = self.verified_steps()[-self.max_to_keep :]",
+             "keep = self.verified_steps()[: self.max_to_keep]", (NEWEST,)),
+    Mutation("restore: arrays and record not checked against the marker", CK,
+             'integrity.check_restored(step_dir, marker, integrity.to_hex(integrity.array_checksums(out["state"])),',
+             '(lambda *unchecked: None)(step_dir, marker, integrity.to_hex(integrity.array_checksums(out["state"])),',
+             (DAMAGED + "[arrays_differ]",)),
+    Mutation("restore: files not checked against the marker", CK, "    integrity.check_files(step_dir, marker)\n", "",
+             (DAMAGED + "[missing_file]",)),
+    Mutation("restore: a fresh rng", CK, "return state.replace(rng=jax.random.wrap_key_data(state.rng)), out",
+             "return state.replace(rng=jax.random.key(0)), out", (NEWEST,)),
+    Mutation("resume: the live state, not the restored one", BUILD, "state = state.replace(frozen=live.frozen)",
+             "state = live.replace(frozen=live.frozen)", (RESUME,)),
+    Mutation("resume: samples held at the checkpoint not counted as discarded", BUILD,
+             "  record.ledger.samples_discarded_at_resume += record.ledger.held_at_checkpoint()\n", "", (RESUME,)),
+    Mutation("resume: data position from 0", SPEC, 'return cls(d["next_group_id"], list(d["pending_group_ids"])',
+             'return cls(0, list(d["pending_group_ids"])', (RESUME,)),
+    Mutation("resume: pending groups not generated again", "jaxrl/controller/interfaces.py",
+             "self.regenerate = list(record.pending_group_ids)", "self.regenerate = []", (RESUME,)),
+    Mutation("ledger: in flight ignores what a resume discarded", LE,
+             "return self.samples_generated - self.samples_trained - self.samples_dropped - "
+             "self.samples_discarded_at_resume",
+             "return self.samples_generated - self.samples_trained - self.samples_dropped", (RESUME,)),
+)
+
+MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT
 
 
 def apply(mutation: Mutation, root: pathlib.Path) -> None:
@@ -156,20 +354,29 @@ def apply(mutation: Mutation, root: pathlib.Path) -> None:
   path.write_text(text.replace(mutation.old, mutation.new))
 
 
-def _pytest(root: pathlib.Path, files: list[str], timeout: int) -> tuple[bool, str]:
-  """(all passed, the first failure's name or the summary line) of pytest -x over `files` in `root`."""
+def _pytest(root: pathlib.Path, files: list[str], timeout: int) -> tuple[str, str]:
+  """(outcome, detail) of pytest -x over `files` in `root`: "passed", "failed" (detail: the first failing test) or
+  "hang" (the run past `timeout`, or a test failed by pytest-timeout: a hang is no kill)."""
   # The checkout's compilation cache: the copy's unmutated programs compile once, not once per mutation.
+  # COLUMNS: the short summary's lines whole, not cut at 80 characters.
   env = dict(os.environ, PYTHONPATH=str(root), JAX_NUM_CPU_DEVICES=os.environ.get("JAX_NUM_CPU_DEVICES", "8"),
-             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
-  run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=timeout)
-  failed = [line.removeprefix("FAILED ").split(" - ")[0] for line in run.stdout.splitlines()
-            if line.startswith("FAILED ")]
+             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")),
+             COLUMNS="1000")
+  try:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return "hang", f"pytest ran past {timeout} s"
+  failed = [line.split(" ", 1)[1] for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
   summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr.strip()[-200:]
-  return run.returncode == 0, failed[0] if failed else summary
+  if run.returncode == 0:
+    return "passed", summary
+  if "from pytest-timeout" in run.stdout:  # -x: the one failure is a test past its time limit
+    return "hang", failed[0].split(" - ")[0] if failed else summary
+  return "failed", failed[0].split(" - ")[0] if failed else f"exit code {run.returncode}: {summary}"
 
 
-def run_one(mutation: Mutation, timeout: int) -> dict:
+def run_one(mutation: Mutation, timeout: int, first_only: bool = False) -> dict:
   start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="jaxrl-mutant-") as tmp:
     root = pathlib.Path(tmp)
@@ -177,26 +384,32 @@ def run_one(mutation: Mutation, timeout: int) -> dict:
       src = ROOT / part
       (shutil.copytree if src.is_dir() else shutil.copy)(src, root / part)
     apply(mutation, root)
-    passed, detail = _pytest(root, list(mutation.first), timeout) if mutation.first else (True, "")
-    if passed:
-      passed, detail = _pytest(root, LEARNER_TESTS, timeout)
-  return {"mutation": mutation.name, "file": mutation.path, "killed": not passed, "by": detail,
-          "seconds": round(time.perf_counter() - start, 1)}
+    outcome, detail = _pytest(root, list(mutation.first), timeout) if mutation.first else ("passed", "")
+    ran = "first"
+    if outcome == "passed" and not first_only:
+      outcome, detail = _pytest(root, group_tests(mutation.path), timeout)
+      ran = "first+group"
+  return {"mutation": mutation.name, "file": mutation.path, "killed": outcome == "failed", "by": detail,
+          "outcome": outcome, "ran": ran, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--only", nargs="*", default=None, help="mutation names to run (default: all)")
+  parser.add_argument("--area", nargs="*", default=None, help="mutations of the code under these paths")
+  parser.add_argument("--first-only", action="store_true", help="each mutation's first tests only, not its group")
   parser.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
   parser.add_argument("--out", default="bench/results/mutations.json")
   args = parser.parse_args(argv)
-  chosen = [m for m in MUTATIONS if args.only is None or m.name in args.only]
+  chosen = [m for m in MUTATIONS if (args.only is None or m.name in args.only)
+            and (args.area is None or any(m.path.startswith(a) for a in args.area))]
   rows = []
-  print("| mutation | killed | by |\n|---|---|---|", flush=True)
+  print("| mutation | killed | by | s |\n|---|---|---|---|", flush=True)
   for mutation in chosen:
-    row = run_one(mutation, args.timeout)
+    row = run_one(mutation, args.timeout, args.first_only)
     rows.append(row)
-    print(f"| {row['mutation']} | {'yes' if row['killed'] else 'NO'} | {row['by']} |", flush=True)
+    print(f"| {row['mutation']} | {'yes' if row['killed'] else 'NO (' + row['outcome'] + ')'} | {row['by']} | "
+          f"{row['seconds']} |", flush=True)
   pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
   survivors = [r["mutation"] for r in rows if not r["killed"]]
   print(f"{len(rows) - len(survivors)} of {len(rows)} mutations killed" + (f"; survived: {survivors}" if survivors

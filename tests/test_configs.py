@@ -122,7 +122,7 @@ def test_every_cli_module_imports_next_to_the_others():
   import tomllib
 
   scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-  modules = sorted({t.split(":")[0] for t in scripts.values()} | {"bench.pipeline", "jaxrl.distributed.train"})
+  modules = sorted({t.split(":")[0] for t in scripts.values()} | {"bench.pipeline", "jaxrl.distributed.job"})
   code = ("import importlib, sys\nfor m in sys.argv[1:]:\n  importlib.import_module(m)\n"
           "print('imported', len(sys.argv) - 1)")
   out = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -159,5 +159,6 @@ def test_admission_without_room_and_unknown_groups_are_errors():
 
 def test_reject_reason_names_failed_rewards_and_overlong_groups():
   assert reject_reason(_group(0, 3), seq_len=4) is None
-  assert reject_reason(_group(0, 3, reward=float("nan")), seq_len=4) == "reward_failed"
+  for bad in (float("nan"), float("inf"), -float("inf")):  # a reward fn's overflow is a failure too, not a score
+    assert reject_reason(_group(0, 3, reward=bad), seq_len=4) == "reward_failed"
   assert reject_reason(_group(0, 4), seq_len=4) == "too_long"

@@ -6,6 +6,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxrl import sharding
 from jaxrl.controller.ledger import Ledger
@@ -58,10 +59,11 @@ def test_queue_back_pressure_and_stop():
 
 
 def test_publisher_versions_and_bitwise_params():
-  meshes = sharding.split_mesh(4, {"fsdp": -1}, {"data": -1})
-  x = jax.device_put(np.arange(8.0, dtype=np.float32), jax.sharding.NamedSharding(meshes.learner,
-                                                                                    jax.sharding.PartitionSpec()))
-  dst = jax.sharding.NamedSharding(meshes.sampler, jax.sharding.PartitionSpec())
+  learner_devices, sampler_devices = sharding.split_devices(4)
+  learner = sharding.make_mesh({"fsdp": -1}, learner_devices)
+  sampler = sharding.make_mesh({"data": -1}, sampler_devices)
+  x = jax.device_put(np.arange(8.0, dtype=np.float32), jax.sharding.NamedSharding(learner, P()))
+  dst = jax.sharding.NamedSharding(sampler, P())
   pub = WeightPublisher(dst)
   assert pub.take_newer(0) is None
   pub.publish(x, 1)

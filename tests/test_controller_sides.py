@@ -1,5 +1,5 @@
 """controller.sides: one build for every topology. jaxrl.train (both sides in one process) and a job of one learner
-and one sampler process (jaxrl.distributed.train, one side each) make the same learner and sampler parts through
+and one sampler process (jaxrl.distributed.job, one side each) make the same learner and sampler parts through
 the same builders; only their channels differ."""
 
 import ast
@@ -15,7 +15,7 @@ from jaxrl import config as config_lib
 from jaxrl import train as train_lib
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
-from jaxrl.distributed import train as dist_train
+from jaxrl.distributed import job as dist_job
 from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.runtime import Topology
 
@@ -107,10 +107,10 @@ def test_one_host_and_a_two_process_job_make_the_same_sides(tmp_path, monkeypatc
   made.clear()
   devices = jax.devices()
   store = Store()
-  learner = dist_train.build(c, tmp_path / "job", OneHostJob(0, tuple(devices[:4]), (tuple(devices[4:]),)), store)
+  learner = dist_job.build(c, tmp_path / "job", OneHostJob(0, tuple(devices[:4]), (tuple(devices[4:]),)), store)
   job_learner = collections.defaultdict(list, made)
   made.clear()
-  sampler = dist_train.build(c, tmp_path / "job", OneHostJob(1, tuple(devices[:4]), (tuple(devices[4:]),)), store)
+  sampler = dist_job.build(c, tmp_path / "job", OneHostJob(1, tuple(devices[:4]), (tuple(devices[4:]),)), store)
   job_sampler = collections.defaultdict(list, made)
   try:
     assert isinstance(learner, LearnerProcess) and isinstance(sampler, SamplerProcess)
@@ -151,9 +151,9 @@ def test_one_host_and_a_two_process_job_make_the_same_sides(tmp_path, monkeypatc
 def test_a_process_of_a_job_holds_the_side_of_its_topology_role():
   devices = jax.devices()
   topology = OneHostJob(1, tuple(devices[:4]), (tuple(devices[4:]),))
-  assert dist_train.roles(topology) == sides.Roles(tuple(devices[:4]), (tuple(devices[4:]),), learner=False,
+  assert dist_job.roles(topology) == sides.Roles(tuple(devices[:4]), (tuple(devices[4:]),), learner=False,
                                                    sampler_rank=0, learner_processes=(0,), lead=False)
-  lead = dist_train.roles(dataclasses.replace(topology, process_id=0))
+  lead = dist_job.roles(dataclasses.replace(topology, process_id=0))
   assert (lead.learner, lead.sampler_rank, lead.lead, lead.multi_process) == (True, None, True, True)
   one = sides.Roles.single(config_lib.validate(_config()), devices)
   assert (one.learner_devices, one.sampler_devices, one.multi_process) == (tuple(devices[:4]), (tuple(devices[4:]),),
@@ -161,7 +161,7 @@ def test_a_process_of_a_job_holds_the_side_of_its_topology_role():
 
 
 PIECES = {"build_engine", "build_learner", "build_sampler", "build_task", "open_checkpointer", "open_metrics",
-          "restore", "base_params", "CompiledSteps", "make_engine", "make_train_step", "TraceWriter"}
+          "restore", "base_params", "CompiledSteps", "make_engine", "jit_train_step", "TraceWriter"}
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "jaxrl" / "distributed").glob("*.py")), ids=lambda p: p.name)

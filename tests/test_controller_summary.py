@@ -1,6 +1,6 @@
 """The pieces both entry points share: the run summary, the exit status of a stopped run, the stop signals; the
 in-process coordinator's data positions; and the role loops' separation (each talks to the other only through
-controller.channels)."""
+controller.interfaces)."""
 
 import ast
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.controller import summary
-from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.interfaces import LocalCoordinator
 from jaxrl.controller.ledger import Ledger
 from jaxrl.controller.spec import RunRecord
 

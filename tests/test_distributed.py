@@ -26,9 +26,9 @@ from jaxrl import config as config_lib
 from jaxrl import sharding
 from jaxrl.controller.spec import RunRecord
 from jaxrl.distributed import launch, packets
-from jaxrl.distributed.channels import StoreCoordinator
+from jaxrl.distributed.cross_process import StoreCoordinator
+from jaxrl.distributed.job import build
 from jaxrl.distributed.runtime import Topology
-from jaxrl.distributed.train import build
 from jaxrl.distributed.transfer import WeightRoute, load_shards, save_local_shards, source_devices
 from jaxrl.distributed.watchdog import Watchdog
 from jaxrl.models import Decoder, ModelConfig

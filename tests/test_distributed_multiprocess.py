@@ -149,7 +149,7 @@ def _normalized(tree) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_sync_multiprocess_equals_single_host(tmp_path):
   """The same config and seed, by the same CLI flags: `jaxrl.train` on one process with 3 CPU devices, and
-  `jaxrl.distributed.train` on 3 processes of 1 device (learner 2, sampler 1)."""
+  `jaxrl.distributed.job` on 3 processes of 1 device (learner 2, sampler 1)."""
   import jax
   import orbax.checkpoint as ocp
 
@@ -236,6 +236,7 @@ def _resume_to(workdir: Path, log: Path, num_processes: int, sampler_devices: in
   return json.loads((workdir / "summary.json").read_text())
 
 
+@pytest.mark.timeout(600)  # the slowest tests: 111-183 s on the 2-core box under load (docs/RELIABILITY.md)
 @pytest.mark.slow
 def test_one_learner_process_checkpoints_with_one_and_two_samplers_and_resumes_after_sigkill(tmp_path):
   """1 learner + 1 sampler process (which used to crash at its first checkpoint: Orbax refuses a learner state that
@@ -273,6 +274,7 @@ EPISODE_FLAGS = ["--config.task.name=token_turns", "--config.sampler.max_len=64"
                  "--config.sampler.max_new_tokens=8", "--config.eval.num_examples=0"]
 
 
+@pytest.mark.timeout(600)  # the slowest tests: 111-183 s on the 2-core box under load (docs/RELIABILITY.md)
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, processes, samplers", [("sync", 3, 1), ("pipeline", 4, 2)])
 def test_multi_turn_episodes_across_processes(tmp_path, mode, processes, samplers):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,6 +126,29 @@ def test_the_trained_policy_evaluates_as_the_run_did_and_exports_to_a_hf_folder(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   step, saved = _params(workdir)
   np.testing.assert_array_equal(np.asarray(jax.tree.leaves(policy.params)[0]), np.asarray(jax.tree.leaves(saved)[0]))
+
+
+def test_a_checkpoint_step_loads_that_step_and_a_missing_one_names_the_steps_kept(tiny_run, tmp_path):
+  from jaxrl import generate
+  from jaxrl.checkpoint import Checkpointer
+  from jaxrl.policy import load_policy
+
+  c, _, _, workdir = tiny_run
+  ckpt = Checkpointer(workdir / "checkpoints", read_only=True)
+  kept = ckpt.all_steps()
+  ckpt.close()
+  assert len(kept) >= 2 and kept[-1] == c.num_steps
+  earlier, newest = load_policy(c, workdir, step=kept[0]), load_policy(c, workdir)
+  assert (earlier.version, earlier.checkpoint_step, newest.checkpoint_step) == (kept[0], kept[0], kept[-1])
+  first = lambda policy: np.asarray(jax.tree.leaves(policy.params)[0])  # noqa: E731
+  assert not np.array_equal(first(earlier), first(newest))
+  with pytest.raises(FileNotFoundError, match=rf"no checkpoint of step 1 in .* \(it has {re.escape(str(kept))}\)"):
+    load_policy(c, workdir, step=1)
+  summary_out = tmp_path / "eval.json"
+  config = [f"--config={REPO / 'configs' / 'tiny.py'}:{c.mode}", "--config.eval.num_examples=4"]
+  _cli(generate.main, [*config, f"--workdir={workdir}", f"--step={kept[0]}", f"--output={tmp_path / 'out.jsonl'}",
+                       f"--summary_out={summary_out}"])
+  assert json.loads(summary_out.read_text())["checkpoint_step"] == kept[0]
 
 
 def test_a_workdir_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):

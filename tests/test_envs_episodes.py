@@ -256,21 +256,21 @@ def test_episode_reward_fails_with_its_env():
   assert results[0].value == 0.5 and not results[1].ok and "timeout" in results[1].error and not results[2].ok
 
 
-def test_the_readme_env_runs_in_an_isolating_worker(tmp_path, monkeypatch):
-  """The README's user-written env, saved as a module, steps in a worker process (pickled there and back)."""
+def test_the_documented_env_runs_in_an_isolating_worker(tmp_path, monkeypatch):
+  """docs/USAGE.md's user-written env, saved as a module, steps in a worker process (pickled there and back)."""
   import re
   from pathlib import Path
 
   from jaxrl.envs import TASKS
   from jaxrl.envs.episodes import EnvRunner
 
-  readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-  (tmp_path / "readme_env.py").write_text(re.findall(r"```python\n(.*?)```", readme, re.S)[0])
+  usage = (Path(__file__).resolve().parents[1] / "docs" / "USAGE.md").read_text()
+  (tmp_path / "usage_env.py").write_text(re.findall(r"```python\n(.*?)```", usage, re.S)[0])
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.setitem(TASKS, "lookup", None)  # the module registers "lookup": the monkeypatch undoes it
-  import readme_env
+  import usage_env
 
-  assert TASKS["lookup"] is readme_env.LookupTask
+  assert TASKS["lookup"] is usage_env.LookupTask
   task = make_task("lookup", seed=0)
   example = task.prompt(0)
   env = task.env(example)

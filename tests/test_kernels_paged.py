@@ -9,6 +9,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 
 from jaxrl.kernels import cached_attention, paged_attention
+from jaxrl.sharding import make_mesh
 
 N, P, Z, K, G, D = 2, 24, 4, 2, 3, 8
 
@@ -129,3 +130,17 @@ def test_decode_step_with_the_tpu_kernel_lowers_for_a_tpu_target():
         lowering_platforms=("tpu",))
   text = lowered.as_text()
   assert text.count("tpu_custom_call") == 1 and "stablehlo.while" in text  # one kernel, inside the layer loop
+
+
+def test_kernel_under_a_mesh_runs_per_device_and_equals_the_reference():
+  """Under a mesh (the engine traces its programs under its own) the kernel runs in shard_map: each device its
+  slots (data) and kv heads (tensor) against its heads' pages of the shared pool; the same numbers as one call."""
+  q, k, v, table, positions = _case(5, num_rows=4, pages_per_row=4)
+  pools = jnp.asarray(_kernel_layout(k)), jnp.asarray(_kernel_layout(v))
+  attend = lambda q, k, v: paged_attention(q, k, v, 1, table, positions, impl="pallas_gpu", interpret=True,
+                                           layout="KNPZD")
+  whole = attend(q, *pools)
+  with jax.set_mesh(make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])):
+    assert "shard_map" in str(jax.make_jaxpr(attend)(q, *pools))
+    per_device = jax.jit(attend)(q, *pools)
+  np.testing.assert_allclose(np.asarray(per_device), np.asarray(whole), atol=1e-6)

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl.learner import LossConfig, init_train_state, make_train_step
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step
 from jaxrl.rollout import Batch
 
 N, G = 32768, 8
@@ -43,7 +43,7 @@ def _batch(actions_NxT, behavior_logp_NxT, rewards_N):
 def _ascent_direction(logits_fn, params, cfg, batch):
   """The estimator's gradient of expected reward: one SGD step with lr 1 through the train step."""
   seq_len = batch.tokens_BxL.shape[1]
-  step = make_train_step(logits_fn, optax.sgd(1.0), cfg, batch_size=N, seq_len=seq_len)
+  step = jit_train_step(StepConfig(model=logits_fn, optimizer=optax.sgd(1.0), loss=cfg, batch_size=N, seq_len=seq_len))
   state, metrics = step(init_train_state(params, optax.sgd(1.0)), batch, jax.random.key(0))
   assert metrics["updates_applied"] == 1
   flat = lambda p: np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)])

@@ -5,23 +5,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.learner import (
-    LossConfig,
-    aggregation_weights,
-    behavior_weights,
+from jaxrl.learner import LossConfig, token_logprobs
+from jaxrl.learner.advantages import (
     compute_advantages,
     dr_grpo_advantages,
     grpo_advantages,
+    reinforce_advantages,
+    rloo_advantages,
+)
+from jaxrl.learner.logprobs import support_mask
+from jaxrl.learner.losses import (
+    aggregation_weights,
+    behavior_weights,
     gspo_surrogate,
     kl_k2,
     kl_k3,
     pg_surrogate,
     policy_objective,
     ppo_surrogate,
-    reinforce_advantages,
-    rloo_advantages,
-    support_mask,
-    token_logprobs,
 )
 from jaxrl.rollout import SamplingParams
 

@@ -7,7 +7,14 @@ import pytest
 from flax import nnx
 
 from jaxrl import sharding
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, train_state_shardings
+from jaxrl.learner import (
+  LossConfig,
+  StepConfig,
+  init_train_state,
+  jit_train_step,
+  make_optimizer,
+  train_state_shardings,
+)
 from jaxrl.models import Decoder, ModelConfig
 from jaxrl.rollout import Rollout, make_batch
 
@@ -35,16 +42,17 @@ def _train(mesh_axes, steps=2):
   graphdef, params = _model()
   opt = make_optimizer(1e-2, warmup_steps=1, decay_steps=10, weight_decay=0.1)
   if mesh_axes is None:
-    step = make_train_step(graphdef, opt, CFG, batch_size=B, seq_len=L, num_microbatches=K)
+    step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, loss=CFG, batch_size=B, seq_len=L,
+                                     num_microbatches=K))
     state = init_train_state(params, opt)
   else:
     mesh = sharding.make_mesh(mesh_axes)
     shardings = train_state_shardings(params, opt, sharding.param_shardings(params, mesh, sharding.LEARNER_RULES),
                                       mesh)
     state = init_train_state(params, opt, shardings=shardings)
-    step = make_train_step(graphdef, opt, CFG, batch_size=B, seq_len=L, num_microbatches=K,
-                           state_shardings=shardings,
-                           batch_sharding=sharding.batch_sharding(mesh, sharding.LEARNER_RULES))
+    step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, loss=CFG, batch_size=B, seq_len=L,
+                                     num_microbatches=K,
+                                     batch_sharding=sharding.batch_sharding(mesh, sharding.LEARNER_RULES)), shardings)
   for i in range(steps):
     state, metrics = step(state, _batch(i, version=i), jax.random.key(i))
     assert metrics["updates_applied"] == 1
@@ -78,5 +86,6 @@ def test_shardings_reject_indivisible_microbatches():
   shardings = train_state_shardings(params, optax.sgd(1.0), sharding.param_shardings(params, mesh,
                                                                                      sharding.LEARNER_RULES), mesh)
   with pytest.raises(ValueError, match="not divisible by the 8 devices"):
-    make_train_step(graphdef, optax.sgd(1.0), CFG, batch_size=B, seq_len=L, num_microbatches=4,
-                    state_shardings=shardings, batch_sharding=sharding.batch_sharding(mesh, sharding.LEARNER_RULES))
+    jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(1.0), loss=CFG, batch_size=B, seq_len=L,
+                              num_microbatches=4,
+                              batch_sharding=sharding.batch_sharding(mesh, sharding.LEARNER_RULES)), shardings)

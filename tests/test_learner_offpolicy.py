@@ -9,18 +9,15 @@ import optax
 import pytest
 
 from jaxrl import config as config_lib
-from jaxrl.learner import (
-  LossConfig,
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, token_logprobs
+from jaxrl.learner.losses import (
   aggregation_weights,
   behavior_weights,
   dual_clip,
   ess_cap,
   ess_fraction,
-  init_train_state,
-  make_train_step,
   policy_objective,
   ppo_surrogate,
-  token_logprobs,
 )
 from jaxrl.learner.step import minibatch_order
 from jaxrl.rollout import Rollout, make_batch
@@ -225,7 +222,8 @@ def test_decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update():
   batch = _bandit_batch(tokens, np.log(mu[tokens]), rewards, version=3)
   lr, b, m = 4.0, len(tokens), 2
   cfg = LossConfig(proximal="recompute", is_level="token", is_cap=2.0, dual_clip=3.0)
-  step = make_train_step(_bigram, optax.sgd(lr), cfg, batch_size=b, seq_len=2, num_minibatches=m)
+  step = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(lr), loss=cfg, batch_size=b, seq_len=2,
+                                   num_minibatches=m))
   key = jax.random.key(5)
   state, metrics = step(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr), version=5), batch, key)
 
@@ -259,10 +257,12 @@ def test_decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update():
     if other is None:  # prox and mu swapped: the batch carries prox as its behaviour logprobs
       swapped = batch.replace(behavior_logprobs_BxL=np.where(batch.loss_mask_BxL > 0, prox[batch.tokens_BxL], 0.0)
                               .astype(np.float32))
-      run = make_train_step(_bigram, optax.sgd(lr), cfg, batch_size=b, seq_len=2, num_minibatches=m)
+      run = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(lr), loss=cfg, batch_size=b, seq_len=2,
+                                      num_minibatches=m))
       out, _ = run(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr), version=5), swapped, key)
     else:
-      run = make_train_step(_bigram, optax.sgd(lr), other, batch_size=b, seq_len=2, num_minibatches=m)
+      run = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(lr), loss=other, batch_size=b, seq_len=2,
+                                      num_minibatches=m))
       out, _ = run(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr), version=5), batch, key)
     assert np.abs(np.asarray(out.params["w"]) - want).max() > 1e-2
 
@@ -277,7 +277,7 @@ def test_k1_in_the_reward_equals_training_on_shaped_rewards():
   batch = _bandit_batch(tokens, log_mu, rewards, version=0)
   beta, b = 0.3, len(tokens)
   cfg = LossConfig(proximal="recompute", is_level="token", kl_coef=beta, kl_estimator="k1_reward")
-  step = make_train_step(_bigram, optax.sgd(1.0), cfg, batch_size=b, seq_len=2)
+  step = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(1.0), loss=cfg, batch_size=b, seq_len=2))
   state = init_train_state({"w": jnp.asarray(w0)}, optax.sgd(1.0), ref_params={"w": jnp.asarray(w_ref)})
   out, metrics = step(state, batch, jax.random.key(0))
   log_ref = np.asarray(token_logprobs(w_ref[batch.tokens_BxL], batch.tokens_BxL)[0])[:, 1]
@@ -285,7 +285,8 @@ def test_k1_in_the_reward_equals_training_on_shaped_rewards():
   np.testing.assert_allclose(metrics["kl_reward_mean"], kl.mean(), rtol=1e-5)
   assert metrics["loss/kl"] == 0  # no KL loss term: it is in the reward
   shaped = _bandit_batch(tokens, log_mu, rewards - beta * kl, version=0)
-  plain = make_train_step(_bigram, optax.sgd(1.0), cfg.replace(kl_coef=0.0), batch_size=b, seq_len=2)
+  plain = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(1.0), loss=cfg.replace(kl_coef=0.0),
+                                    batch_size=b, seq_len=2))
   want, _ = plain(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(1.0)), shaped, jax.random.key(0))
   np.testing.assert_allclose(out.params["w"], want.params["w"], rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(want.params["w"]) - np.asarray(

@@ -12,7 +12,7 @@ import optax
 import pytest
 from sampling_util import random_params, run_groups
 
-from jaxrl.learner import LossConfig, init_train_state, make_train_step, token_logprobs
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, token_logprobs
 from jaxrl.models import ModelConfig, forward
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import SamplingParams, check_sampling, make_batch
@@ -76,7 +76,7 @@ def test_train_step_on_policy_top_p_ratios_one_and_no_clip(model, sampler):
   sp = SamplingParams(temperature=0.9, top_k=8, top_p=0.6)
   batch = make_batch(_rollouts(sampler, sp, seed=11), B, L)
   cfg = LossConfig(sampling=sp, dual_clip=3.0)
-  step = make_train_step(graphdef, optax.sgd(0.1), cfg, batch_size=B, seq_len=L)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(0.1), loss=cfg, batch_size=B, seq_len=L))
   _, m = step(init_train_state(jax.tree.map(jnp.copy, params), optax.sgd(0.1)), batch, jax.random.key(0))
   for name in ("ratio_max", "ratio_min", "ratio_mean", "ess_frac", "ess_applied_frac"):
     np.testing.assert_allclose(m[name], 1.0, atol=2e-6, err_msg=name)

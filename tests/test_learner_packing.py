@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl.learner import LossConfig, init_train_state, make_train_step
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step
 from jaxrl.learner.packing import first_fit_decreasing, pack_batch, row_buckets, segment_sums, to_tokens
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
 
@@ -53,6 +53,7 @@ def test_first_fit_decreasing_respects_budget_and_slots():
   assert sorted(i for r in rows for i in r) == list(range(8))
   assert all(sum(lengths[i] for i in r) <= 8 and len(r) <= 2 for r in rows)
   assert rows == [[6], [0, 5], [2, 3], [7, 4], [1]]  # longest first, each into the first row with room
+  assert first_fit_decreasing([1] * 5, 8, max_segments=2) == [[0, 1], [2, 3], [4]]  # rows full of segments
 
 
 def test_pack_batch_layout():
@@ -119,13 +120,14 @@ CONFIGS = {
     "decoupled_epochs_seqmeanIS_ess": LossConfig(proximal="recompute", is_level="sequence_mean", is_ess_min=0.95,
                                                  dual_clip=3.0),
 }
-# Extra make_train_step arguments: two epochs over one mini-batch make the second update's prox / mu weights
+# Extra StepConfig fields: two epochs over one mini-batch make the second update's prox / mu weights
 # non-trivial (the pre-step pass), and each update sees the whole batch, so row order does not matter.
 STEP_KW = {"decoupled_epochs_seqmeanIS_ess": dict(num_epochs=2), "rloo_seqmean_seqIS": dict(num_epochs=2)}
 
 
 def _after_one_step(cfg, batch, rows, **kw):
-  step = make_train_step(segment_model, optax.sgd(0.3), cfg, batch_size=N, seq_len=L, row_buckets=rows, **kw)
+  step = jit_train_step(StepConfig(model=segment_model, optimizer=optax.sgd(0.3), loss=cfg, batch_size=N, seq_len=L,
+                                   row_buckets=rows, **kw))
   ref = jax.tree.map(lambda x: x + 0.1, params0())
   state = init_train_state(params0(), optax.sgd(0.3), ref_params=ref if cfg.kl_coef else None, version=2)
   state, metrics = step(state, batch, jax.random.key(0))
@@ -222,8 +224,8 @@ def test_packed_decoder_step_with_chunked_kernels_equals_unpacked():
       ("unpacked", {}, make_batch(rs, N, L), (), 0),
       ("packed", dict(train_attention="chunked", attention_block=4), pack_batch(rs, L, (4, 8), G), (4, 8), 5)):
     graphdef, params = _tiny_decoder(**kw)
-    step = make_train_step(graphdef, optax.sgd(0.5), cfg, batch_size=N, seq_len=L, row_buckets=rows,
-                           logprob_chunk=chunk)
+    step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(0.5), loss=cfg, batch_size=N, seq_len=L,
+                                     row_buckets=rows, logprob_chunk=chunk))
     state, metrics = step(init_train_state(params, optax.sgd(0.5)), batch, jax.random.key(0))
     out[name] = jax.device_get((state.params, metrics))
   (p_u, m_u), (p_p, m_p) = out["unpacked"], out["packed"]
@@ -254,4 +256,5 @@ def test_microbatch_rows_chunks_each_bucket_and_trains_the_same_update(name):
       np.testing.assert_allclose(params_p[leaf], params_u[leaf], rtol=1e-5, atol=1e-5 * moved, err_msg=leaf)
     np.testing.assert_allclose(m_p["loss"], m_u["loss"], rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="microbatch_rows must be >= 0"):
-    make_train_step(segment_model, optax.sgd(0.3), cfg, batch_size=N, seq_len=L, microbatch_rows=-1)
+    jit_train_step(StepConfig(model=segment_model, optimizer=optax.sgd(0.3), loss=cfg, batch_size=N, seq_len=L,
+                              microbatch_rows=-1))

@@ -1,12 +1,24 @@
 """The train step on one device: version and skip semantics, bad input, accumulation, compile-once, dtypes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, timed_step, token_logprobs
+from jaxrl.learner import (
+    LossConfig,
+    StepConfig,
+    init_train_state,
+    jit_train_step,
+    make_optimizer,
+    token_logprobs,
+    train_step,
+)
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
 
 V, B, L = 8, 8, 6
@@ -55,7 +67,8 @@ def run(cfg=None, opt="sgd", params=None, version=0, **kw):
   cfg = cfg or LossConfig()
   key = (cfg, opt, tuple(sorted(kw.items())))
   if key not in _STEPS:
-    _STEPS[key] = make_train_step(bigram, OPTIMIZERS[opt](), cfg, batch_size=B, seq_len=L, **kw)
+    _STEPS[key] = jit_train_step(StepConfig(model=bigram, optimizer=OPTIMIZERS[opt](), loss=cfg, batch_size=B,
+                                            seq_len=L, **kw))
   params = params0() if params is None else params
   state = init_train_state(params, OPTIMIZERS[opt](), version=version)
   return _STEPS[key], state, batch_of(rollouts(params["w"]))
@@ -135,12 +148,29 @@ def test_bad_shapes_raise_clear_errors():
   with pytest.raises(TypeError, match="Batch"):
     step(state, {"tokens_BxL": batch.tokens_BxL}, jax.random.key(0))
   with pytest.raises(ValueError, match="not divisible"):
-    make_train_step(bigram, optax.sgd(1.0), LossConfig(), batch_size=B, seq_len=L, num_microbatches=3)
+    StepConfig(model=bigram, optimizer=optax.sgd(1.0), batch_size=B, seq_len=L, num_microbatches=3)
   with pytest.raises(ValueError, match="batch_size >= 1"):
-    make_train_step(bigram, optax.sgd(1.0), LossConfig(), batch_size=0, seq_len=L)
+    StepConfig(model=bigram, optimizer=optax.sgd(1.0), batch_size=0, seq_len=L)
   with pytest.raises(ValueError, match="ref_params"):
     s, st, b = run(LossConfig(kl_coef=0.1))
     s(st, b, jax.random.key(0))
+
+
+def test_step_config_is_keyword_only_and_frozen_and_the_plain_step_equals_the_jitted_one():
+  with pytest.raises(TypeError):
+    StepConfig(bigram, optax.sgd(0.5), LossConfig(), B, L)  # two adjacent ints cannot be swapped silently
+  config = StepConfig(model=bigram, optimizer=optax.sgd(0.5), batch_size=B, seq_len=L)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.seq_len = 2
+  rows = NamedSharding(jax.make_mesh((1,), ("data",)), P("data"))
+  with pytest.raises(ValueError, match="give both the state's shardings and StepConfig.batch_sharding"):
+    jit_train_step(dataclasses.replace(config, batch_sharding=rows))
+  _, state, batch = run()
+  plain = train_step(state, batch, jax.random.key(1), config=config)
+  jitted = jit_train_step(config)(state, batch, jax.random.key(1))
+  np.testing.assert_allclose(plain[0].params["w"], jitted[0].params["w"], rtol=1e-6)
+  assert int(plain[0].version) == int(jitted[0].version) == 1
+  np.testing.assert_allclose(plain[1]["loss"], jitted[1]["loss"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -171,7 +201,8 @@ def test_step_compiles_once():
     return bigram(params, tokens, positions, segments)
 
   opt = make_optimizer(0.1, warmup_steps=1, decay_steps=5)
-  step = make_train_step(counted, opt, LossConfig(), batch_size=B, seq_len=L, num_microbatches=2)
+  step = jit_train_step(StepConfig(model=counted, optimizer=opt, loss=LossConfig(), batch_size=B, seq_len=L,
+                                   num_microbatches=2))
   state = init_train_state(params0(), opt)
   for i in range(3):
     state, _ = step(state, batch_of(rollouts(state.params["w"], version=i, seed=i)), jax.random.key(i))
@@ -259,7 +290,7 @@ def test_fp32_master_bf16_compute_and_bf16_params():
 def test_kl_to_reference_params():
   params = params0()
   cfg = LossConfig(kl_coef=0.5)
-  step = make_train_step(bigram, optax.sgd(0.5), cfg, batch_size=B, seq_len=L)
+  step = jit_train_step(StepConfig(model=bigram, optimizer=optax.sgd(0.5), loss=cfg, batch_size=B, seq_len=L))
   ref = jax.tree.map(jnp.copy, params)
   state = init_train_state(params, optax.sgd(0.5), ref_params=ref)
   batch = batch_of(rollouts(params0()["w"]))
@@ -283,12 +314,6 @@ def test_out_of_support_tokens_are_dropped_and_counted():
   state, m = step(state, batch, jax.random.key(0))
   np.testing.assert_allclose(m["out_of_support_frac"], outside / trained.sum(), rtol=1e-6)
   assert m["num_tokens"] == trained.sum() - outside and m["updates_applied"] == 1
-
-
-def test_timed_step_reports_throughput():
-  step, state, batch = run()
-  state, m = timed_step(step, state, batch, jax.random.key(0))
-  assert m["step_time_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["num_tokens"] / m["step_time_s"])
 
 
 def test_a_fault_in_one_minibatch_skips_the_whole_step_and_padding_is_a_no_op():
@@ -346,8 +371,8 @@ def test_atomic_steps_keep_the_pre_step_state_and_cost_its_memory():
   state_bytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
 
   def temporaries(atomic, m):
-    step = make_train_step(lambda p, t, *_: p["w"][t, :V], optax.adam(1e-2), LossConfig(), batch_size=B, seq_len=L,
-                           num_minibatches=m, atomic=atomic)
+    step = jit_train_step(StepConfig(model=lambda p, t, *_: p["w"][t, :V], optimizer=optax.adam(1e-2), batch_size=B,
+                                     seq_len=L, num_minibatches=m, atomic=atomic))
     return step.lower(state, batch, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
 
   assert temporaries(True, 2) - temporaries(False, 2) >= 0.9 * state_bytes

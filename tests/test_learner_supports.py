@@ -8,7 +8,7 @@ import numpy as np
 import optax
 
 from jaxrl.controller.ledger import Ledger
-from jaxrl.learner import LossConfig, init_train_state, make_train_step
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step
 from jaxrl.learner.step import minibatch_order
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
 
@@ -38,13 +38,14 @@ def test_a_token_that_left_the_pre_step_support_gets_no_weight_and_is_counted():
   pair = [_rollout(A, np.log(0.5), 0.0, index=0), _rollout(B, np.log(0.5), 1.0, index=1)]  # GRPO: A -1, B +1
   rows = pair if int(minibatch_order(key, 2, 1)[0]) == 0 else pair[::-1]  # row r: mini-batch r % 2; a's first
   batch = make_batch(rows, 2, 2)
-  step = make_train_step(bandit, optax.sgd(lr), cfg, batch_size=2, seq_len=2, num_minibatches=2)
+  step = jit_train_step(StepConfig(model=bandit, optimizer=optax.sgd(lr), loss=cfg, batch_size=2, seq_len=2,
+                                   num_minibatches=2))
   state, metrics = step(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr)), batch, key)
   np.testing.assert_allclose(metrics["prox_out_of_support_frac"], 0.5)  # b: 1 of the step's 2 tokens
   assert metrics["updates_applied"] == 2 and metrics["num_tokens"] == 2
   # a's update alone: one update over the batch with b's token masked out (advantages still from both samples).
   a_only = batch.replace(loss_mask_BxL=np.where(batch.tokens_BxL == A, batch.loss_mask_BxL, 0.0))
-  one = make_train_step(bandit, optax.sgd(lr), cfg, batch_size=2, seq_len=2)
+  one = jit_train_step(StepConfig(model=bandit, optimizer=optax.sgd(lr), loss=cfg, batch_size=2, seq_len=2))
   want, _ = one(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr)), a_only, key)
   w_a = np.asarray(want.params["w"])[0]
   assert np.argsort(-w_a)[:2].tolist() == [C, B]  # after a's update the support is {c, b}
@@ -60,7 +61,7 @@ def test_a_token_outside_the_reference_support_has_no_kl_term_and_is_counted():
   ref = w0.copy()
   ref[0] = [2.0, -3.0, 1.0, 0.5]  # ref's top 2: {a, b}
   cfg = LossConfig(proximal="recompute", is_level="token", kl_coef=1.0, sampling=TOP2)
-  step = make_train_step(bandit, optax.sgd(1.0), cfg, batch_size=1, seq_len=2)
+  step = jit_train_step(StepConfig(model=bandit, optimizer=optax.sgd(1.0), loss=cfg, batch_size=1, seq_len=2))
   out = {}
   for token in (C, A):
     state = init_train_state({"w": jnp.asarray(w0)}, optax.sgd(1.0), ref_params={"w": jnp.asarray(ref)})
@@ -90,7 +91,8 @@ def test_observation_tokens_get_exactly_zero_gradient_and_no_length():
   params = {"w": jax.random.normal(jax.random.key(1), (V, V)), "offset": jnp.zeros((L, V))}
   cfg = LossConfig(proximal="recompute", is_level="token", is_cap=2.0, dual_clip=3.0, entropy_coef=0.1,
                    kl_coef=0.1)
-  step = make_train_step(model, optax.sgd(1.0), cfg, batch_size=2, seq_len=L, num_minibatches=2)
+  step = jit_train_step(StepConfig(model=model, optimizer=optax.sgd(1.0), loss=cfg, batch_size=2, seq_len=L,
+                                   num_minibatches=2))
   state = init_train_state(params, optax.sgd(1.0), ref_params=jax.tree.map(lambda x: x + 0.05, params))
   new, metrics = step(state, batch, jax.random.key(0))
   moved = np.abs(np.asarray(new.params["offset"])).max(-1)  # [L]: position t - 1 predicts token t

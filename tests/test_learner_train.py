@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, make_optimizer
 from jaxrl.models import Decoder, ModelConfig, forward
 from jaxrl.rollout import Rollout, make_batch
 
@@ -51,7 +51,7 @@ def test_learner_raises_exact_expected_reward_from_stale_stream():
   graphdef, params = nnx.split(Decoder(ModelConfig.tiny(vocab_size=V), nnx.Rngs(0)))
   opt = make_optimizer(3e-3, warmup_steps=2)
   cfg = LossConfig(policy_loss="ppo", proximal="recompute", is_level="token", is_cap=2.0)
-  step = make_train_step(graphdef, opt, cfg, batch_size=PROMPTS * GROUP, seq_len=5)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=opt, loss=cfg, batch_size=PROMPTS * GROUP, seq_len=5))
   state = init_train_state(params, opt)
   rng = np.random.default_rng(0)
   tables = lambda p: jax.tree.map(lambda x: np.asarray(x, np.float64), _tables(graphdef, p))

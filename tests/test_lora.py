@@ -15,7 +15,7 @@ from sampling_util import random_params, run_groups
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import ConfigError, override, validate
 from jaxrl.controller.weights import WeightPublisher
-from jaxrl.learner import LossConfig, init_train_state, make_optimizer, make_train_step, token_logprobs
+from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, make_optimizer, token_logprobs
 from jaxrl.models import ModelConfig, forward, hf, init_params, lora
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Sampler, make_engine
@@ -113,7 +113,8 @@ def test_on_policy_ratio_is_one_with_top_p_on_published_adapters(model, sampler)
                    batch.segment_ids_BxL)
   logp = np.asarray(token_logprobs(logits, batch.tokens_BxL, sp)[0])
   np.testing.assert_allclose(np.exp(logp[tokens] - batch.behavior_logprobs_BxL[tokens]), 1.0, rtol=0, atol=2e-6)
-  step = make_train_step(graphdef, optax.sgd(0.1), LossConfig(sampling=sp), batch_size=B, seq_len=L)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(0.1), loss=LossConfig(sampling=sp), batch_size=B,
+                                   seq_len=L))
   _, m = step(init_train_state(adapters, optax.sgd(0.1), frozen=base), batch, jax.random.key(0))
   np.testing.assert_allclose([m["ratio_min"], m["ratio_max"]], 1.0, atol=2e-6)
   assert m["clip_frac_low"] == m["clip_frac_high"] == 0
@@ -129,8 +130,9 @@ def test_a_lora_step_trains_the_adapters_alone_as_a_dense_step_of_the_same_low_r
   lr, s = 0.5, LORA.scale
   dense = lora.merged(lora.merge(base, adapters), LORA)
   loss_cfg = LossConfig(sampling=sp)
-  lora_step = make_train_step(graphdef, optax.sgd(lr), loss_cfg, batch_size=B, seq_len=L)
-  dense_step = make_train_step(PLAIN, optax.sgd(lr), loss_cfg, batch_size=B, seq_len=L)
+  lora_step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(lr), loss=loss_cfg, batch_size=B,
+                                        seq_len=L))
+  dense_step = jit_train_step(StepConfig(model=PLAIN, optimizer=optax.sgd(lr), loss=loss_cfg, batch_size=B, seq_len=L))
   after, m = lora_step(init_train_state(adapters, optax.sgd(lr), frozen=base), batch, jax.random.key(0))
   dense_after, dm = dense_step(init_train_state(dense, optax.sgd(lr)), batch, jax.random.key(0))
   assert m["updates_applied"] == 1
@@ -170,7 +172,8 @@ def test_the_kl_reference_is_the_initial_adapters_on_the_shared_base(model, fres
   start = lora.split(fresh[1])[0]
   sp = SamplingParams(temperature=1.0)
   batch = make_batch(_rollouts(sampler, sp, seed=13), B, L)
-  step = make_train_step(graphdef, optax.sgd(1.0), LossConfig(sampling=sp, kl_coef=0.5), batch_size=B, seq_len=L)
+  step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(1.0), loss=LossConfig(sampling=sp, kl_coef=0.5),
+                                   batch_size=B, seq_len=L))
   state = init_train_state(start, optax.sgd(1.0), frozen=base, ref_params=jax.tree.map(jnp.copy, start))
   assert sum(x.nbytes for x in jax.tree.leaves(state.ref_params)) < sum(x.nbytes for x in jax.tree.leaves(base)) / 4
   state, first = step(state, batch, jax.random.key(0))

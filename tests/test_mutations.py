@@ -1,7 +1,6 @@
-"""The wiring proof (tests/mutations.py) stays in step with the code: every cut applies to exactly one place, and
-applying one changes the file."""
+"""The wiring proof (tests/mutations.py) stays in step with the code: every cut applies to exactly one place,
+applying one changes the file, its first tests exist, and every cut has a group of tests to fail."""
 
-import pathlib
 import shutil
 
 import pytest
@@ -31,6 +30,13 @@ def test_a_snippet_that_is_gone_is_an_error(tmp_path):
     mutations.apply(cut, tmp_path)
 
 
-def test_every_learner_test_file_is_run():
-  assert set(mutations.LEARNER_TESTS) == {str(p.relative_to(mutations.ROOT))
-                                          for p in pathlib.Path(mutations.ROOT / "tests").glob("test_learner_*.py")}
+def test_each_area_runs_its_own_test_files_and_every_cut_has_an_area():
+  tests = lambda pattern: {str(p.relative_to(mutations.ROOT)) for p in (mutations.ROOT / "tests").glob(pattern)}
+  assert set(mutations.group_tests("jaxrl/learner/step.py")) == tests("test_learner_*.py")
+  assert set(mutations.group_tests("jaxrl/sampler/decode.py")) == tests("test_sampler_*.py")
+  assert set(mutations.group_tests("jaxrl/controller/build.py")) == tests("test_controller_*.py") | tests(
+      "test_checkpoint*.py")
+  assert mutations.group_tests("jaxrl/envs/runner.py") == ["tests/test_envs_runner.py"]
+  assert all(mutations.group_tests(m.path) for m in mutations.MUTATIONS)
+  with pytest.raises(ValueError, match="jaxrl/sim/plan.py is in no test group"):
+    mutations.group_tests("jaxrl/sim/plan.py")

@@ -80,11 +80,16 @@ def _prompts(n, seed):
   return [rng.integers(2, CFG.vocab_size, rng.integers(1, 20)).tolist() for _ in range(n)]
 
 
-def _drain(sampler):
+def _drain(sampler, max_steps=1000):
+  """Steps until every sample submitted finished; {(group, index): rollout}. Each test's samples end within a few
+  dozen steps: a sampler still busy after max_steps (say one that preempts and resumes a sample forever) fails."""
   out = []
-  while sampler.num_active or sampler.num_waiting:
+  for _ in range(max_steps):
+    if not (sampler.num_active or sampler.num_waiting):
+      return {(r.group_id, r.sample_index): r for r in out}
     out += sampler.step()
-  return {(r.group_id, r.sample_index): r for r in out}
+  raise AssertionError(f"still generating after {max_steps} sampler steps: {sampler.num_active} samples in slots, "
+                       f"{sampler.num_waiting} waiting, {sampler.stats.preemptions} preemptions")
 
 
 def _check_logprobs_match_forward(model, rollout, atol=1e-5):
@@ -102,7 +107,7 @@ def test_decode_state_is_sharded_on_the_sampler_mesh(engine):
   state = engine.init_decode_state()
   assert state.cache.k_NxSxTxKxD.sharding.spec == P(None, "data", None, "tensor", None)
   assert state.tokens_SxT.sharding.spec == P("data", None)
-  assert engine.max_concurrent_decodes == 4 and engine.buckets == (8, 16, 32, 48)
+  assert engine.max_slots == 4 and engine.buckets == (8, 16, 32, 48)
 
 
 def test_greedy_continuous_batching_equals_one_at_a_time(model, engine):
@@ -226,6 +231,21 @@ def test_group_shares_one_prefill(model, engine):
   assert sampler.stats.prefills == 2
   assert sorted(got) == [(0, i) for i in range(5)] + [(1, 0), (1, 1)]
   assert len({tuple(got[0, i].completion_tokens) for i in range(5)}) == 5
+
+
+def test_a_group_admitted_across_an_update_prefills_its_prompt_again_with_the_new_params(model, engine):
+  """A group of more samples than slots: those admitted after an update attend a prompt the new params computed."""
+  _, params, params_v1 = model
+  sampler = Sampler(engine, params, seed=5, eos_token_ids=())
+  sampler.submit([5, 6, 7], group_id=0, n=6, sampling=SamplingParams(temperature=1.5), max_tokens=4)
+  first = sampler.step() + sampler.step()  # four slots, one call: four samples end on version 0
+  assert len(first) == 4 and sampler.num_active == 0 and sampler.num_waiting == 2
+  sampler.update_params(params_v1, version=1)
+  rest = list(_drain(sampler).values())
+  assert sampler.stats.prefills == 2 and sorted(r.sample_index for r in rest) == [4, 5]
+  for r in first + rest:
+    assert set(r.versions.tolist()) == {r.sample_index // 4}
+    _check_logprobs_match_forward(model, r)
 
 
 def test_stop_tokens_eos_and_lengths(model, engine):

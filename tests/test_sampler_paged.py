@@ -3,6 +3,7 @@ with shared prompt pages that no sample writes, preemption keeps every sample, r
 keep_kv, no recompiles."""
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -227,14 +228,16 @@ def test_config_selects_the_paged_cache():
     config_lib.validate(config_lib.override(c, **{"sampler.kv": "ragged"}))
 
 
-@pytest.mark.parametrize("attention", ["pallas_gpu", "pallas_tpu"])
-def test_engine_with_a_pallas_kernel(model, attention):
+@pytest.mark.parametrize("attention, axes", [("pallas_gpu", {"data": 1}), ("pallas_tpu", {"data": 1}),
+                                             ("pallas_gpu", {"data": 2, "tensor": 2})])
+def test_engine_with_a_pallas_kernel(model, attention, axes):
   """The paged engine decoding through a Pallas kernel (interpret mode on CPU), its pool in the kernels' layout;
   chunks (prefill, the rebuild after an in-flight update) take the XLA path over that layout. GPU: the XLA engine's
   samples token for token. TPU: the kernel reads keys and values in bfloat16 (its design), so samples drift from
-  a float32 engine's; each token's logprob is still its own distribution's (the full forward, bf16 tolerance)."""
+  a float32 engine's; each token's logprob is still its own distribution's (the full forward, bf16 tolerance). On
+  a mesh of slots x kv heads the kernel runs in shard_map, each device on its slots' queries and its heads' pages."""
   _, params, new_params = model
-  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  mesh = make_mesh(axes, jax.devices()[:math.prod(axes.values())])
   cfg = dataclasses.replace(CFG, head_dim=128) if attention == "pallas_tpu" else CFG  # the TPU kernel's lanes
   graphdef, abstract = abstract_params(cfg)
   if cfg is not CFG:
@@ -271,7 +274,7 @@ def test_engine_attention_is_checked():
     make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="cuda")
   with pytest.raises(ValueError, match="kv='paged'"):
     make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, attention="pallas_gpu")
-  with pytest.raises(ValueError, match="one device"):
+  with pytest.raises(ValueError, match="head_dim a multiple of 128"):  # CFG's is 8
     make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE, attention="pallas_tpu")
   auto = make_engine(CFG, mesh, max_slots=4, max_len=MAX_LEN, kv="paged", page_size=PAGE)
   assert auto.attention == "xla" and auto.layout == "NPZKD"  # on CPU

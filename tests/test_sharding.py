@@ -71,11 +71,13 @@ def test_sharded_forward_equals_single_device(axes):
 
 def test_transfer_learner_to_sampler_is_bitwise_and_versioned():
   cfg, graphdef, params = _params()
-  meshes = sharding.split_mesh(4, {"fsdp": -1, "tensor": 2}, {"data": -1, "tensor": 2})
-  assert {d.id for d in meshes.learner.devices.flat} == {0, 1, 2, 3}
-  assert {d.id for d in meshes.sampler.devices.flat} == {4, 5, 6, 7}
-  learner_params = jax.device_put(params, sharding.param_shardings(params, meshes.learner, sharding.LEARNER_RULES))
-  dst = sharding.param_shardings(params, meshes.sampler, sharding.SAMPLER_RULES)
+  learner, sampler = sharding.split_devices(4)
+  learner_mesh = sharding.make_mesh({"fsdp": -1, "tensor": 2}, learner)
+  sampler_mesh = sharding.make_mesh({"data": -1, "tensor": 2}, sampler)
+  assert {d.id for d in learner_mesh.devices.flat} == {0, 1, 2, 3}
+  assert {d.id for d in sampler_mesh.devices.flat} == {4, 5, 6, 7}
+  learner_params = jax.device_put(params, sharding.param_shardings(params, learner_mesh, sharding.LEARNER_RULES))
+  dst = sharding.param_shardings(params, sampler_mesh, sharding.SAMPLER_RULES)
   moved = sharding.transfer(learner_params, 7, dst)
   assert moved.version == 7
   for src, out, want in zip(jax.tree.leaves(learner_params), jax.tree.leaves(moved.params),

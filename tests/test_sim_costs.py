@@ -81,14 +81,6 @@ def test_train_and_transfer_time():
   assert costs.transfer_time(1e9, 1e9, 1, 4, copies=4) == pytest.approx(4.0)  # one sender is the bottleneck
 
 
-def test_min_engine_devices():
-  m, hw = llama2_13b(), preset("tpu_v5e")
-  assert costs.min_engine_devices(m, hw, slot_tokens=BOOK_CONTEXT, min_batch=16) == 8
-  assert costs.min_engine_devices(m, hw, slot_tokens=BOOK_CONTEXT, min_batch=1) == 2  # 34 GB > 26 + 6.7
-  with pytest.raises(ValueError, match="does not fit"):
-    costs.min_engine_devices(m, hw, slot_tokens=BOOK_CONTEXT, min_batch=10**6, max_devices=8)
-
-
 def test_from_model_config_matches_dims():
   cfg = ModelConfig.tiny()
   m = costs.ModelSpec.from_model_config(cfg, name="tiny")

@@ -21,14 +21,19 @@ import numpy as np
 
 from jaxrl.rollout import Rollout
 
+FILTER_GROUPS = ("none", "zero_variance")  # rl.filter_groups: which scored groups are not trained (reject_reason)
 
-def reject_reason(group: list[Rollout], seq_len: int) -> str | None:
-  """Why a finished group cannot be trained ("reward_failed", "too_long"), or None. The sampler side leaves such a
-  group out of every step's share; the learner side drops and counts it; both ask this one function."""
+
+def reject_reason(group: list[Rollout], seq_len: int, filter_groups: str = "none") -> str | None:
+  """Why a finished group is not trained ("reward_failed", "too_long", or "filtered": rl.filter_groups), or None.
+  The sampler side leaves such a group out of every step's share (its place goes to a new prompt); the learner side
+  drops and counts it; both ask this one function, so they agree in every topology."""
   if any(not np.isfinite(r.reward) for r in group):
     return "reward_failed"
   if any(r.num_tokens > seq_len for r in group):
     return "too_long"
+  if filter_groups == "zero_variance" and len({r.reward for r in group}) == 1:
+    return "filtered"
   return None
 
 

@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl import config as config_lib
+from jaxrl.controller import build as build_lib
 from jaxrl.controller.summary import accuracy_change
+from jaxrl.metrics import read_jsonl
+from jaxrl.sim import runlog
+from jaxrl.sim.calibrate import fit_calibration
+from jaxrl.sim.planner import RunDescription
+from jaxrl.sim.planner import predict as predict_run
 
 SYNC = ("sync", 0, None)
 
@@ -85,8 +92,6 @@ def segment_config(c, candidate: tuple[str, int, int | None], end: int):
   """The fixed-mode RunConfig of a segment ending at step `end` (on the candidate's split, if it names one): a copy
   of the run's RunConfig c, whose learning-rate schedule is the whole run's (it decays over c.num_steps, not to the
   segment's end)."""
-  from jaxrl import config as config_lib
-
   mode, k, split = candidate
   split = {} if split is None else {"mesh.sampler_devices": split}
   return config_lib.replace(c, mode=mode, rl__max_staleness=k, num_steps=end,
@@ -95,8 +100,6 @@ def segment_config(c, candidate: tuple[str, int, int | None], end: int):
 
 def measure(records: list[dict], batch_size: int, warmup: int) -> tuple[float, float]:
   """(trained completion tokens per second, seconds per step) of a segment's records after its warm-up steps."""
-  from jaxrl.sim import runlog
-
   return 1.0 / runlog.seconds_per_token(records, warmup, batch_size), runlog.step_time_s(records, warmup)
 
 
@@ -107,11 +110,6 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
   on `measured_split` sampler devices, None: the config's) on the completion lengths its trained samples had;
   multi_process: a job of several processes (its hand-off between them is charged to the learner,
   jaxrl.sim.runlog). Another split is predicted from the same per-device costs."""
-  from jaxrl.sim import runlog
-  from jaxrl.sim.calibrate import fit_calibration
-  from jaxrl.sim.planner import RunDescription
-  from jaxrl.sim.planner import predict as predict_run
-
   sampler_devices = measured_split or c.mesh.sampler_devices
   m, _ = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                              max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
@@ -135,16 +133,12 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
 
 def metrics_records(workdir: Path, start: int, end: int) -> list[dict]:
   """The metrics.jsonl records of steps (start, end] of the run in workdir."""
-  from jaxrl.metrics import read_jsonl
-
   return [r for r in read_jsonl(Path(workdir) / "metrics.jsonl") if start < r["step"] <= end]
 
 
 def run_context(c, devices: int, multi_process: bool = False) -> dict:
   """What predict() needs besides a segment's logs: the run's devices, prompt length and model bytes."""
-  from jaxrl.cost_profile import run_shapes
-
-  prompt_len, weight_bytes = run_shapes(c)
+  prompt_len, weight_bytes = build_lib.run_shapes(c)
   return dict(devices=devices, prompt_len=prompt_len, weight_bytes=weight_bytes, multi_process=multi_process)
 
 
@@ -193,8 +187,6 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
   (its summary, its trained completion lengths); segment_records(start, end) reads the metrics of steps
   (start, end]; context() gives what a calibration needs besides them (devices, prompt_len, weight_bytes; see
   run_context), asked once."""
-  from jaxrl import config as config_lib
-
   c = config_lib.validate(c)
   log = AutoLog(workdir)
   warmup = c.auto.warmup_steps

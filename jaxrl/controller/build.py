@@ -16,19 +16,15 @@ from flax import nnx
 
 from jaxrl import config as config_lib
 from jaxrl import sharding
+from jaxrl.assets import smollm2_path
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
 from jaxrl.controller.spec import RunRecord, RunSpec
-from jaxrl.learner import (
-    batch_shards,
-    init_train_state,
-    make_optimizer,
-    make_train_step,
-    train_state_shardings,
-)
+from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_optimizer, train_state_shardings
 from jaxrl.learner.packing import pack_batch, row_buckets
+from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import ModelConfig, hf, lora, presets
+from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora, presets
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
@@ -66,10 +62,16 @@ def model_config(c: RunConfig, platform: str | None = None) -> ModelConfig:
 
 def _source_path(c: RunConfig) -> Path:
   if c.model.source == "smollm2":
-    from jaxrl.assets import smollm2_path
-
     return smollm2_path()
   return Path(c.model.source).expanduser()
+
+
+def run_shapes(c: RunConfig) -> tuple[int, float]:
+  """(prompt tokens of the run's first prompt, bytes of its model's params): what a calibration from a run's logs
+  needs besides them (cost_profile.from_run; mode="auto")."""
+  model_cfg, tokenizer, _ = model_source(c)
+  weight_bytes = float(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(hf.abstract_params(model_cfg)[1])))
+  return len(make_prompt_source(c.task, c.seed, tokenizer, model_cfg)[1](0)[0]), weight_bytes
 
 
 def lora_config(c: RunConfig) -> LoRAConfig | None:
@@ -81,8 +83,6 @@ def lora_config(c: RunConfig) -> LoRAConfig | None:
 def base_params(c: RunConfig, cfg: ModelConfig, path: Path | None, shardings_fn) -> tuple[ModelConfig, Any, Any]:
   """(model config, graphdef, params placed by shardings_fn(abstract params)): the model a run starts from. With
   LoRA (cfg.lora) the base model's params (as without it) and fresh adapters (B = 0: the base model's outputs)."""
-  from jaxrl.models import Decoder, init_params
-
   plain = cfg.replace(lora=None)
   if path is None:
     graphdef, params = init_params(plain, c.seed)
@@ -117,7 +117,8 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
                  max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
-                 num_minibatches=c.rl.num_minibatches)
+                 num_minibatches=c.rl.num_minibatches, filter_groups=c.rl.filter_groups,
+                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row)
 
 
 def rows_unit(mesh) -> int:
@@ -198,12 +199,11 @@ def learner_step(c: RunConfig, mesh, graphdef, params, spec: RunSpec, frozen=Non
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
   rl = c.rl
   loss = dataclasses.replace(c.loss, sampling=spec.sampling)  # the same as validated; spec's, to be sure
-  train_step = make_train_step(graphdef, optimizer, loss, batch_size=spec.batch_size, seq_len=rl.seq_len,
-                               num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
-                               state_shardings=state_sh, batch_sharding=rows, row_buckets=spec.row_buckets,
-                               logprob_chunk=rl.logprob_chunk, atomic=rl.atomic_step,
-                               microbatch_rows=rl.microbatch_rows)
-  return LearnerStep(optimizer, train_step, state_sh, rows)
+  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=loss, batch_size=spec.batch_size,
+                           seq_len=rl.seq_len, num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
+                           batch_sharding=rows, row_buckets=spec.row_buckets, logprob_chunk=rl.logprob_chunk,
+                           atomic=rl.atomic_step, microbatch_rows=rl.microbatch_rows)
+  return LearnerStep(optimizer, jit_train_step(step_config, state_sh), state_sh, rows)
 
 
 def abstract_init_state(c: RunConfig, optimizer, params, frozen=None):

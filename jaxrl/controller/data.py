@@ -3,13 +3,14 @@ and greedy held-out evaluation."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
 from jaxrl import settings
 from jaxrl.controller.spec import SkipPrompt
-from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, make_task
+from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, guard, make_task, reward_spec
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Sampler
 
@@ -63,9 +64,11 @@ def example_meta(task, example, prompt) -> dict[str, Any]:
 
 class Scorer:
   """Fills `reward` of every rollout of a group through isolating RewardRunners: the run's reward, and those a
-  task's rows select by data source (`task.rewards`, meta "reward"), each started before the run."""
+  task's rows select by data source (`task.rewards`, meta "reward"), each started before the run. Every result
+  goes through the failure window (jaxrl.envs.guard): too many failures stop the run."""
 
   def __init__(self, t: settings.Task, task, tokenizer):
+    self.window = guard.FailureWindow(t.failure_window, t.max_failure_frac)
     self.reward_name = t.reward or task.reward
     names = sorted({self.reward_name, *getattr(task, "rewards", {}).values()})
     self.episodes = getattr(task, "episodes", None)  # before the runners: a runner that fails to start closes both
@@ -77,6 +80,20 @@ class Scorer:
       self.close()
       raise
     self.tokenizer = tokenizer
+
+  def self_check(self, task) -> None:
+    """Each reward scores its known cases (its own and the task's) in its real worker, and an env task plays its
+    scripted episodes; raises guard.RewardsBroken naming the first that fails (jaxrl.envs.guard)."""
+    for name, runner in self.runners.items():
+      if name == "episode" and self.episodes is not None:
+        continue  # an episode's reward is its env's: checked by the episodes below
+      checks = (*reward_spec(name).checks, *(task.reward_checks() if name == task.reward else ()))
+      if not checks:  # a user's reward with no known cases: nothing can say what it should score
+        print(f"jaxrl: reward {name!r} has no known cases to self-check (register_reward(..., checks=...)); the "
+              "failure window alone guards it", file=sys.stderr)
+      guard.self_check(name, runner, checks)
+    if self.episodes is not None:
+      self.episodes.self_check()
 
   def _text(self, ids: np.ndarray) -> str:
     return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -92,6 +109,7 @@ class Scorer:
       for i, res in zip(rows, self.runners[name].score([items[i] for i in rows]), strict=True):
         r = group[i]
         r.reward = res.value
+        self.window.add(name, res)
         if not res.ok:
           r.meta["reward_error"] = f"{res.reason}: {res.error}"
         elif (correct := is_correct(name, res.value)) is not None:
@@ -105,7 +123,15 @@ class Scorer:
 
 
 def make_scorer(t: settings.Task, task, tokenizer) -> Scorer:
-  return Scorer(t, task, tokenizer)
+  """The run's Scorer, its rewards and env self-checked (t.self_check) before it scores any rollout."""
+  scorer = Scorer(t, task, tokenizer)
+  if t.self_check:
+    try:
+      scorer.self_check(task)
+    except BaseException:
+      scorer.close()
+      raise
+  return scorer
 
 
 def evaluate_policy(engine, task, score, params, version: int, *, num_examples: int, max_new_tokens: int,

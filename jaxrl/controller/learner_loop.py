@@ -1,6 +1,6 @@
 """The learner loop: asks for each step's groups, takes them from the rollouts channel (share after share, sampler
 by sampler: every learner process of a job builds the same batch), trains, publishes the new params to the weights
-channel, checkpoints. It talks to the sampler side only through the three channels (controller.channels)."""
+channel, checkpoints. It talks to the sampler side only through the three channels (controller.interfaces)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import reject_reason
-from jaxrl.controller.channels import Coordination, Rollouts, Weights
+from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
 from jaxrl.controller.spec import RunSpec
 from jaxrl.metrics import sampler_metrics
 from jaxrl.rollout import Rollout, check_sampling
@@ -108,13 +108,14 @@ class LearnerLoop:
   def _accept(self, group: list[Rollout]) -> bool:
     """Drops (and counts) a group that cannot be trained (the sampler side left it out of every share already);
     never one for its staleness."""
-    reason = reject_reason(group, self.spec.seq_len)
+    reason = reject_reason(group, self.spec.seq_len, self.spec.filter_groups)
     if reason is None:
       return True
     if reason == "reward_failed":
       self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
     with self.coord.lock:
       self.ledger.drop(group, reason)
+      self.ledger.filtered_groups += reason == "filtered"
       self.coord.settle(group[0].group_id)
       self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
       self.coord.progress.failed(reason)
@@ -163,11 +164,10 @@ class LearnerLoop:
       self.trained_lengths += [r.num_model_tokens for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
     metrics["applied"] = applied
-    rewards = np.array([r.reward for r in samples])
+    # Per sample (learner step - its oldest token's version), beside the step's per-token staleness_mean/max.
     staleness = [step - r.min_version for r in samples]
-    metrics.update(reward_mean=float(rewards.mean()),
-                   completion_len=float(np.mean([r.num_model_tokens for r in samples])),
-                   staleness_mean=float(np.mean(staleness)), staleness_max=float(max(staleness)),
+    metrics.update(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
+                   sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)),
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
     accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
     if accuracy:
@@ -199,7 +199,8 @@ class LearnerLoop:
     metrics.update(step_time_s=step_time, version=version, samples_generated=led.samples_generated,
                    samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
                    updates_skipped_total=led.skipped_updates, partial_steps_total=led.partial_steps,
-                   zero_advantage_groups=led.zero_advantage_groups,
+                   zero_advantage_groups=led.zero_advantage_groups, reward_failures_total=led.reward_failures,
+                   filtered_groups=led.filtered_groups,
                    **{f"length/{k}": v for k, v in led.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)

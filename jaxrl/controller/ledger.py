@@ -37,6 +37,7 @@ class Ledger:
   # applied steps of which a non-finite update was skipped alone (rl.atomic_step=False): their samples are trained
   partial_steps: int = 0
   zero_advantage_groups: int = 0  # trained or skipped groups whose rewards were all equal (no learning signal)
+  filtered_groups: int = 0  # groups rl.filter_groups kept out of training (their samples: dropped["filtered"])
   tokens_trained: int = 0  # completion tokens of the trained samples
   dropped_tokens: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from jaxrl.controller.channels import LocalCoordinator
+from jaxrl.controller.interfaces import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import RolloutQueue
 from jaxrl.controller.sampler_loop import SamplerLoop
@@ -21,7 +21,7 @@ class LocalController:
                resumed_from: int | None = None, poll_s: float = 0.05, telemetry=None):
     self.spec, self.poll_s = spec, poll_s
     self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
-                                  resumed_from)
+                                  resumed_from, spec.max_filtered_in_a_row)
     self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
     self.learner_loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=self.rollouts,
                                     weights=publisher, coord=self.coord, checkpointer=checkpointer, metrics=metrics,

@@ -1,6 +1,6 @@
 """The sampler loop: takes newer weights between decode calls, admits groups while every deadline stays feasible,
 scores finished groups and assembles each learner step's share by deadline (controller.assembly), then puts the
-share on the rollouts channel. It talks to the learner side only through the three channels (controller.channels).
+share on the rollouts channel. It talks to the learner side only through the three channels (controller.interfaces).
 
 Sync mode is this same loop with max_staleness 0: a step's groups are admitted only once the sampler holds that
 step's params, and handed over only once all have finished.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxrl.controller.assembly import DeadlineBook, reject_reason
-from jaxrl.controller.channels import Coordination, Rollouts, Weights
+from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
 from jaxrl.controller.rollouts import GroupAssembler
 from jaxrl.controller.spec import RunSpec, SkipPrompt
 from jaxrl.rollout import Rollout
@@ -59,7 +59,7 @@ class SamplerLoop:
         self._admit_one()
       if self.sampler.num_active or self.sampler.num_waiting:
         for g in self._complete_groups(self.sampler.step()):
-          if reject_reason(g, spec.seq_len) is None:
+          if reject_reason(g, spec.seq_len, spec.filter_groups) is None:
             self.book.finish(g)
           else:  # sent on its own: the learner drops and counts it
             self.book.discard(g[0].group_id)

@@ -7,7 +7,7 @@ replica's: the engine (a LoRA model's base held once, int8 weights as configured
 reward, the sampler factory and the held-out evaluation.
 
 `Roles` says which sides this process holds and the devices of each. jaxrl.train (one process holding both sides)
-and jaxrl.distributed.train (one side per process) make the meshes, call these builders and wire their own channels
+and jaxrl.distributed.job (one side per process) make the meshes, call these builders and wire their own channels
 (in-process queue and publisher, or the coordination store and cross-process transfers): the channels are all that
 differs between topologies. jaxrl-generate builds its engine and evaluation here too, and jaxrl-profile profiles
 what jaxrl.train.build makes.
@@ -26,7 +26,7 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller import build as build_lib
 from jaxrl.controller.data import evaluate_policy
 from jaxrl.controller.spec import RunRecord, RunSpec
-from jaxrl.learner import batch_shardings
+from jaxrl.learner.step import batch_shardings
 from jaxrl.metrics import MetricsWriter, TraceWriter
 from jaxrl.models import ModelConfig, lora
 from jaxrl.sampler import Engine, Sampler

@@ -58,6 +58,8 @@ class RunSpec:
   max_segments: int = 16  # samples per packed row at most
   row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
   num_minibatches: int = 1  # optimizer updates per epoch of a learner step (rl.num_minibatches)
+  filter_groups: str = "none"  # rl.filter_groups: "zero_variance" drops groups whose rewards are all equal
+  max_filtered_in_a_row: int = 1000  # filtered groups with no applied update before the run stops
 
   @property
   def batch_size(self) -> int:

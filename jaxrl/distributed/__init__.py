@@ -4,9 +4,9 @@ processes, one sampler replica on each other process, weights and rollouts moved
   runtime    joining the job, process roles (Topology), the coordination service's key-value store
   transfer   the transfer log (one order of copies for every process), weight and packet copies
   packets    rollout groups <-> one int32 array, bit for bit
-  channels   the role loops' three channels across processes (Inbox/Outbox, publishers, StoreCoordinator, Ferry)
+  cross_process  the role loops' three channels across processes (Inbox/Outbox, publishers, StoreCoordinator, Ferry)
   roles      one process's role: the learner loop or a sampler loop, with its Ferry
   watchdog   heartbeats; a dead process stops every process with a message naming it
-  train      the per-process entry point (`python -m jaxrl.distributed.train`)
+  job        one process of a job: its entry point (`python -m jaxrl.distributed.job`)
   launch     local launcher: N CPU processes on loopback
 """

@@ -1,6 +1,6 @@
-"""The command line of a multi-process job's processes (`python -m jaxrl.distributed.train`): its flags, declared
-once, and the check the launcher makes of a job's command line before it starts any process. Light: no jax here,
-so that a bad config costs the launcher no more than it costs jaxrl-train."""
+"""The command line of a multi-process job's processes (`python -m jaxrl.distributed.job`): its flags, declared
+once, and the check the launcher makes of a job's command line before it starts any process. It touches no
+device, so that a bad config costs the launcher no more than it costs jaxrl-train."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
   python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
 
-Every process runs `python -m jaxrl.distributed.train` (or --module) with the arguments after `--`, with
+Every process runs `python -m jaxrl.distributed.job` (or --module) with the arguments after `--`, with
 JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; its output is prefixed by
 [pN <seconds since launch>].
 When a process fails, the others get --grace_s to stop on their own (their watchdog does it within its heartbeat
@@ -34,7 +34,10 @@ import time
 from pathlib import Path
 
 from jaxrl import config as config_lib
+from jaxrl.controller import auto
+from jaxrl.controller import summary as summary_lib
 from jaxrl.distributed import cli
+from jaxrl.metrics import read_jsonl
 
 
 def free_ports(n: int) -> list[int]:
@@ -94,7 +97,7 @@ def _pump(proc: subprocess.Popen, name: str, start: float) -> None:
 
 
 def launch(num_processes: int, args: list[str], *, devices_per_process: int = 2,
-           module: str = "jaxrl.distributed.train", grace_s: float = 30.0, timeout_s: float = 0.0,
+           module: str = "jaxrl.distributed.job", grace_s: float = 30.0, timeout_s: float = 0.0,
            cpu_affinity: str = "") -> int:
   """Runs the job; returns 0 if every process succeeded, else the first failure's status."""
   if num_processes < 2:
@@ -193,7 +196,7 @@ def _format(cores: set[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if "--" not in argv:
-    print("usage: python -m jaxrl.distributed.launch --num_processes=N [options] -- <jaxrl.distributed.train args>",
+    print("usage: python -m jaxrl.distributed.launch --num_processes=N [options] -- <jaxrl.distributed.job args>",
           file=sys.stderr)
     return 2
   split = argv.index("--")
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--num_processes", type=int, required=True)
   parser.add_argument("--devices_per_process", type=int, default=2,
                       help="CPU devices of each process (2: configs/tiny.py's split fits 4 processes as is)")
-  parser.add_argument("--module", default="jaxrl.distributed.train", help="what every process runs (python -m)")
+  parser.add_argument("--module", default="jaxrl.distributed.job", help="what every process runs (python -m)")
   parser.add_argument("--grace_s", type=float, default=30.0, help="after a failure, time for the others to stop")
   parser.add_argument("--timeout_s", type=float, default=0.0, help="kill the job after this long (0: never)")
   parser.add_argument("--cpu_affinity", default="",
@@ -254,10 +257,6 @@ def launch_auto(c: config_lib.RunConfig, workdir: Path, job: list[str], run_job,
   segment runs through `run_colocated` where given (one process with every device: the colocated baseline, whose
   phases each get every core), else as the job's processes. Writes the whole run's summary.json; returns the failed
   launch's status."""
-  from jaxrl.controller import auto
-  from jaxrl.controller import summary as summary_lib
-  from jaxrl.metrics import read_jsonl
-
   def run_segment(seg_c, first: bool, last: bool):
     flags = segment_flags(seg_c, first, last)
     colocated = seg_c.mode == "sync" and run_colocated is not None

@@ -1,5 +1,5 @@
 """One process's role in a multi-process job: the learner loop or one sampler loop, over the cross-process
-channels (distributed.channels), with the Ferry that moves their copies. Each runs until the lead learner reaches
+channels (distributed.cross_process), with the Ferry that moves their copies. Each runs until the lead learner reaches
 num_steps (then every Ferry sees "done") or the job is stopped."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.sampler_loop import SamplerLoop
-from jaxrl.distributed.channels import Ferry, ReceivedWeights, StoreCoordinator
+from jaxrl.distributed.cross_process import Ferry, ReceivedWeights, StoreCoordinator
 from jaxrl.distributed.transfer import TransferLog
 from jaxrl.sharding import Versioned
 

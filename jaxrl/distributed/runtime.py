@@ -147,11 +147,6 @@ class Store:
     """A counter's value (0 if absent)."""
     return self.incr(key, 0)
 
-  def dir(self, key: str) -> dict[str, str]:
-    """Raw values under key/, by the rest of their name."""
-    head = self._key(key).rstrip("/") + "/"
-    return {k[len(head):]: v for k, v in self._client.key_value_dir_get(head)}
-
   def barrier(self, name: str, processes: Sequence[int], timeout_s: float = 3600.0) -> None:
     """Waits until every process in `processes` reaches the barrier of this name."""
     self._client.wait_at_barrier(self._key(name), int(timeout_s * 1000), process_ids=list(processes))

@@ -11,7 +11,7 @@ import random
 import re
 
 from jaxrl.envs import answers, expr
-from jaxrl.envs.env import Env, EnvTask, Turn
+from jaxrl.envs.env import Env, EnvTask, Turn, answer_episodes
 from jaxrl.envs.task import Problem, user_message
 
 NAMES = ("Ann", "Ben", "Chen", "Dana", "Eli", "Fatima", "Gus", "Hana")
@@ -66,6 +66,9 @@ class CalculatorTask(EnvTask):
     if not isinstance(digits, int) or not 1 <= digits <= 6:
       raise ValueError(f"calculator: digits must be an int in [1, 6] (got {digits!r})")
     self.digits, self.instruction, self.system, self.few_shot = digits, instruction, system, few_shot
+
+  def check_episodes(self, example):
+    return answer_episodes(example)
 
   def generate(self, rng: random.Random) -> Problem:
     lo, hi = (1 if self.digits == 1 else 10 ** (self.digits - 1)), 10**self.digits - 1

@@ -111,12 +111,24 @@ class EnvTask(ProceduralTask):
     """A fresh env of the example's episode (not reset)."""
     return self.env_class()
 
+  def check_episodes(self, example: Example) -> tuple[tuple[tuple[str, ...], bool | None], ...]:
+    """Scripted episodes of `example` for the run's start-up self-check (Episodes.self_check): (the model's turns,
+    right) pairs. A right one must end with reward 1, a wrong one below 1; right None only has to run without an
+    env failure, which is all a task that knows no answers can ask (the default: one turn stating the answer)."""
+    return (((f"The answer is {example.answer}.",), None),)
+
   def _example(self, split: str, index: int, p: Problem) -> Example:
     example = Example(index, split, (), (), p.answer, p.meta)
     first = tuple(self.env(example).reset(example))
     if self.text_prompts:
       return dataclasses.replace(example, messages=first)
     return dataclasses.replace(example, prompt_tokens=tuple(int(t) for t in first))
+
+
+def answer_episodes(example: Example) -> tuple[tuple[tuple[str, ...], bool], ...]:
+  """For an env whose final turn is graded against a numeric answer: the answer in one turn is right, the answer
+  plus one wrong."""
+  return (((f"Answer: {example.answer}",), True), ((f"Answer: {int(example.answer) + 1}",), False))
 
 
 @register_reward("episode", inline=True)
@@ -131,4 +143,5 @@ def episode_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
   return episode["reward"]
 
 
-__all__ = ["EVAL", "TRAIN", "Env", "EnvTask", "Turn", "call_env_step", "episode_reward", "step_env"]
+__all__ = ["EVAL", "TRAIN", "Env", "EnvTask", "Turn", "answer_episodes", "call_env_step", "episode_reward",
+           "step_env"]

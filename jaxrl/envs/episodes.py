@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl.envs import guard
 from jaxrl.envs.env import Env, EnvTask, call_env_step, step_env
+from jaxrl.envs.rewards import Check
 from jaxrl.envs.runner import RewardResult, RewardRunner
 from jaxrl.envs.task import Example
 
@@ -84,10 +86,11 @@ class EnvRunner:
     self.failures: collections.Counter[str] = collections.Counter()
     self.seconds = 0.0  # env time summed over steps (they overlap one another and decoding)
 
-  def submit(self, env: Env, text: str, ids: Sequence[int]) -> concurrent.futures.Future:
-    return self._pool.submit(self._run, env, text, list(ids))
+  def submit(self, env: Env, text: str, ids: Sequence[int], count: bool = True) -> concurrent.futures.Future:
+    """The step's RewardResult, in the future; `count` False leaves it out of the stats (the self-check)."""
+    return self._pool.submit(self._run, env, text, list(ids), count)
 
-  def _run(self, env, text, ids) -> RewardResult:
+  def _run(self, env, text, ids, count) -> RewardResult:
     t0 = time.perf_counter()
     if self.trusted:
       result = call_env_step(step_env, env, text, ids)
@@ -103,7 +106,8 @@ class EnvRunner:
         result = runner.score([(env, text, ids)])[0]
       finally:
         self._runners.put(runner)
-    self.count(result, time.perf_counter() - t0)
+    if count:
+      self.count(result, time.perf_counter() - t0)
     return result
 
   def count(self, result: RewardResult, seconds: float = 0.0) -> None:
@@ -137,6 +141,25 @@ class Episodes:
     self.runner = EnvRunner(task.trusted, timeout_s=timeout_s, workers=workers)
     self.episodes = 0
     self.ends: collections.Counter[str] = collections.Counter()  # how episodes ended: done, max_turns, ...
+
+  def self_check(self) -> None:
+    """Plays the task's scripted episodes (EnvTask.check_episodes) through the real env runner, before the run's
+    first prompt: one that ends otherwise than its script says raises guard.RewardsBroken."""
+    example = self.task.prompt(0)
+    for turns, right in self.task.check_episodes(example):
+      env = self.task.env(example)
+      env.reset(example)
+      for text in turns:
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if self.tokenizer is not None else []
+        result = self.runner.submit(env, text, ids, count=False).result()
+        if not result.ok or result.payload[1].done:
+          break
+        env = result.payload[0]
+      why = guard.verdict(Check(" / ".join(turns), {}, right), result)
+      if why is not None:
+        where = "the sampler's threads" if self.task.trusted else "its worker process"
+        raise guard.RewardsBroken(f"env task {self.task.name!r} failed its start-up self-check in {where}: {why} "
+                                  "(task.self_check=False skips the check)")
 
   def start(self, example: Example) -> EpisodeStart:
     return EpisodeStart(self, example)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from jaxrl.envs import answers
-from jaxrl.envs.env import Env, EnvTask, Turn
+from jaxrl.envs.env import Env, EnvTask, Turn, answer_episodes
 from jaxrl.envs.task import Problem, user_message
 
 
@@ -49,6 +49,9 @@ class GuessTask(EnvTask):
       raise ValueError(f"guess: partial_credit must be in [0, 1) (got {partial_credit!r}): a miss must score below "
                        "a find")
     self.max_high, self.system, self.partial_credit = max_high, system, float(partial_credit)
+
+  def check_episodes(self, example):
+    return answer_episodes(example)
 
   def generate(self, rng: random.Random) -> Problem:
     high = rng.randint(8, self.max_high)

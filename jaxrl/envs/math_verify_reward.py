@@ -14,7 +14,7 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from jaxrl.envs.rewards import need, register_reward
+from jaxrl.envs.rewards import need, register_reward, right_and_wrong
 
 # Below the sandbox's CPU limit (2 s): a slow parse scores 0 here rather than costing a worker restart.
 PARSE_TIMEOUT_S = 1
@@ -25,7 +25,10 @@ GOLD = (LatexExtractionConfig(), ExprExtractionConfig())
 ANSWER = (LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False), ExprExtractionConfig())
 
 
-@register_reward("math_verify", sandbox=True)
+# LaTeX on both sides: the self-check goes through the LaTeX parser and its lazily imported runtime (antlr4)
+@register_reward("math_verify", sandbox=True,
+                 checks=right_and_wrong(r"so the answer is $\boxed{\frac{1}{2}}$", r"$\boxed{\frac{1}{3}}$",
+                                        {"answer": r"$\frac{2}{4}$"}))
 def math_verify_reward(prompt: str, completion: str, meta: Mapping[str, Any]) -> float:
   """1 if the completion's answer is mathematically equal to meta["answer"], else 0."""
   reference = str(need(meta, "answer", "math_verify", "the reference answer"))

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl.envs.records import RecordsTask
+from jaxrl.envs.rewards import right_and_wrong
 from jaxrl.envs.task import Example, user_message
 
 EXTRA = "pip install 'jaxrl[reasoning]'"
@@ -102,3 +103,9 @@ class ReasoningGymTask(RecordsTask):
             "source_dataset": record["metadata"].get("source_dataset", self.spec["name"])}
     return Example(index, split, user_message(record["question"], self.system), answer=str(record["answer"]),
                    meta=meta)
+
+  def reward_checks(self) -> tuple:
+    """The dataset's own answer to its first training item scores 1 with its own scorer; a non-answer below 1."""
+    example = self.prompt(0)
+    return right_and_wrong(f"<answer>{example.answer}</answer>", "<answer>jaxrl self-check: no answer</answer>",
+                           example.reward_meta)

@@ -47,6 +47,7 @@ class RewardResult:
   error: str | None = None  # what went wrong, for logs
   reason: str = ""  # one of REASONS when not ok
   payload: Any = None  # what a `call` other than call_reward returns with the value (an env step's new state)
+  import_errors: tuple[str, ...] = ()  # modules a worker failed to import while scoring (a library may swallow it)
 
 
 def _failed(reason: str, error: str) -> RewardResult:
@@ -81,6 +82,22 @@ def _exit_with_parent(parent: int) -> None:
   os._exit(1)
 
 
+class _MissedImports:
+  """The last finder on sys.meta_path: asked only for a module no other finder found, it records the name. A
+  library that catches the ImportError (math-verify scores an unparsable answer 0) hides the cause from the
+  result; the start-up self-check reports what the worker could not import."""
+
+  def __init__(self):
+    self.names: list[str] = []
+
+  def find_spec(self, name, path=None, target=None):
+    self.names.append(name)
+    return None
+
+  def since(self, n: int) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(self.names[n:]))
+
+
 def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
   """Worker process: loads the fn, confines itself if asked (limits, scratch directory), then answers
   (prompt, completion, meta) items until told to stop."""
@@ -98,6 +115,8 @@ def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
     conn.send(("init_error", f"{type(e).__name__}: {e}"))
     return
   conn.send(("ready", None))
+  missed = _MissedImports()
+  sys.meta_path.append(missed)
   while True:
     try:
       item = conn.recv()
@@ -107,9 +126,16 @@ def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
       return
     if budget is not None:
       budget()
+    before = len(missed.names)
     try:
-      conn.send(("done", call(fn, *item)))
+      result = call(fn, *item)
     except BaseException as e:  # SystemExit and the like from user code
+      result = _failed("error", f"{type(e).__name__}: {e}")
+    if len(missed.names) > before:
+      result = dataclasses.replace(result, import_errors=missed.since(before))
+    try:
+      conn.send(("done", result))
+    except BaseException as e:  # a result that cannot be pickled (an env's new state)
       conn.send(("done", _failed("error", f"{type(e).__name__}: {e}")))
 
 
@@ -235,14 +261,17 @@ class RewardRunner:
         except EOFError:
           raise RuntimeError(f"reward worker exited while starting (exit code {w.exitcode})") from None
 
-  def score(self, items: Sequence[tuple[str, str, Mapping[str, Any]]]) -> list[RewardResult]:
-    """One result per item, in order; never raises for a failing fn."""
+  def score(self, items: Sequence[tuple[str, str, Mapping[str, Any]]], count: bool = True) -> list[RewardResult]:
+    """One result per item, in order; never raises for a failing fn. `count` False leaves them out of the stats
+    (a self-check's known cases)."""
     with self._lock:
       t0 = time.perf_counter()
       if self.isolation == "inline":
         results = [self.call(self.fn, *item) for item in items]
       else:
         results = self._score_in_workers(list(items))
+      if not count:
+        return results
       self.stats.calls += len(results)
       for r in results:
         if not r.ok:

@@ -7,8 +7,16 @@ How each limit is enforced (`confine`, called in the child before any untrusted 
 - Memory: RLIMIT_AS, the address space the process has at confinement plus `memory_mb`; an allocation past it
   raises MemoryError (or kills the process, if it happens in C).
 - Processes (fork bombs): RLIMIT_NPROC = 0, enforced by the kernel for any uid but root; a root parent's child
-  therefore first becomes `nobody` (uid 65534, after the modules it needs are imported: a stdlib under /root is not
-  readable to it). Python-level fork, exec, spawn, system and subprocess are also refused by an audit hook.
+  therefore first becomes `nobody` (uid 65534). Python-level fork, exec, spawn, system and subprocess are also
+  refused by an audit hook.
+- Imports after the uid change: a library may import a module lazily, while scoring (math-verify's LaTeX parser
+  imports antlr4's analyser on first use), from a directory `nobody` cannot reach (a venv under a mode-700 home,
+  the usual container layout). Before the uid changes, each import root (sys.path entry) that `nobody` cannot
+  reach is opened as a directory and replaced, in sys.path and in every imported package's __path__, by
+  /proc/self/fd/N: the kernel lets a process walk its own descriptors, and a walk from an open directory checks
+  only the permissions below it. So exactly the interpreter's import roots stay readable, and only to this
+  process; nothing on disk changes. (A file that is itself unreadable to others, e.g. installed under umask 077,
+  stays unreadable: the reward's start-up self-check reports it.)
 - Network: a new network namespace (no interface but a down loopback) when the kernel allows one (root, or an
   unprivileged user namespace); socket creation is refused by the audit hook in any case.
 - Files: the audit hook refuses opening for writing, creating, removing, renaming and changing files outside the
@@ -26,6 +34,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -116,6 +125,47 @@ def _hook(scratch: str, armed: list):
   return hook
 
 
+def _reachable_by_others(path: str) -> bool:
+  """Whether a user that is neither owner nor group member can list `path` (search on every ancestor, read and
+  search on the directory itself)."""
+  parts = Path(path).resolve().parts
+  try:
+    if any(not os.stat(os.path.join(*parts[:i])).st_mode & stat.S_IXOTH for i in range(1, len(parts))):
+      return False
+    return os.stat(path).st_mode & (stat.S_IROTH | stat.S_IXOTH) == stat.S_IROTH | stat.S_IXOTH
+  except OSError:
+    return False
+
+
+def keep_imports_reachable() -> dict[str, str]:
+  """Before a root process becomes `nobody`: every import root `nobody` cannot reach is held open and named by
+  its descriptor in sys.path and in the imported packages' __path__ (module docstring). Returns old -> new roots."""
+  roots: dict[str, str] = {}
+  for entry in sys.path:
+    if entry in roots or not entry or not os.path.isdir(entry) or _reachable_by_others(entry):
+      continue
+    fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)  # inherited by nothing: the sandbox starts no process
+    roots[entry] = roots[os.path.realpath(entry)] = f"/proc/self/fd/{fd}"
+  if not roots:
+    return roots
+  ordered = sorted(roots, key=len, reverse=True)  # the deepest root first: a venv inside another root
+
+  def moved(path):
+    if isinstance(path, str):
+      for root in ordered:
+        if path == root or path.startswith(root + os.sep):
+          return roots[root] + path[len(root):]
+    return path
+
+  sys.path[:] = [moved(p) for p in sys.path]
+  for module in list(sys.modules.values()):
+    search = getattr(module, "__path__", None)
+    if isinstance(search, list):  # a regular package (namespace packages recompute theirs from sys.path)
+      search[:] = [moved(p) for p in search]
+  sys.path_importer_cache.clear()
+  return roots
+
+
 def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None):
   """Confines this process (see the module docstring); returns (Confinement, set_cpu_budget). `before_nproc` runs
   just before processes are limited (e.g. to start a thread). set_cpu_budget(s) lets the process use s more CPU
@@ -127,6 +177,7 @@ def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None
   os.chdir(scratch)
   uid = os.getuid()
   if uid == 0:
+    keep_imports_reachable()
     os.chown(scratch, NOBODY, NOBODY)
     os.setgroups([])
     os.setgid(NOBODY)

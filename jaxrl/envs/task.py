@@ -64,6 +64,12 @@ class Task(abc.ABC):
   def eval_examples(self, n: int) -> list[Example]:
     """The first n held-out examples (distinct, never seen in training)."""
 
+  def reward_checks(self) -> tuple:
+    """Known right and wrong answers (rewards.Check) for the task's own reward, beside the reward's own cases: the
+    run's start-up self-check scores them (jaxrl.envs.guard). A reward that needs the task's data (a dataset's
+    own scorer) is checked on one of its held-out examples here."""
+    return ()
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:

@@ -16,15 +16,21 @@ Implementations behind `paged_attention(..., impl=)`:
   reads only its own pages) and a [K, pages, Z, D] pool. In the "KNPZD" layout the stacked pool is that array for
   all layers at once ([K, N * P, Z, D], a free reshape) and layer n's page p is page n * P + p: the kernel reads
   the pages of one layer in place, with no per-layer copy of the pool. Rows of several queries (a prefill chunk:
-  rebuild, an observation's append) take the XLA path over the same layout.
+  rebuild, an observation's append) take the XLA path over the same layout. Under a mesh a kernel runs in
+  shard_map (slots over "data", kv heads over "tensor"; docs/KERNELS.md); the TPU kernel needs head_dim % 128 == 0.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxrl.axes import SAMPLER_RULES, logical_to_spec
 from jaxrl.kernels.cached_attention import online_softmax
+from jaxrl.kernels.mosaic import LANES, mosaic_precision, per_device
 
 IMPLS = ("xla", "pallas_gpu", "pallas_tpu")
 LAYOUTS = ("NPZKD", "KNPZD")  # of the pool: [N, P, Z, K, D] (XLA's), [K, N, P, Z, D] (the kernels')
@@ -116,6 +122,15 @@ def _pallas_tpu(q_SxCxKxGxD, k_KxNxPxZxD, v_KxNxPxZxD, layer, table_SxM, positio
   return out.reshape(s, 1, kh, g, d).astype(q_SxCxKxGxD.dtype)
 
 
+def _kernel_specs(mesh, s: int, kh: int):
+  """shard_map specs of (q, k pool, v pool, layer, table, positions) and of the output: slots over the sampler's
+  "batch" axis, kv heads over its "kv_heads" axis where that divides them; the pool is not split by slot (any slot
+  may own any page), as the engine lays it out, so each device reads its heads' pages in place."""
+  rows, heads = logical_to_spec(("batch", "kv_heads"), (s, kh), mesh, SAMPLER_RULES)
+  q, pool = P(rows, None, heads, None, None), P(heads, None, None, None, None)
+  return (q, pool, pool, P(), P(rows, None), P(rows, None)), q
+
+
 def paged_attention(q_SxCxKxGxD, k_pages, v_pages, layer, table_SxM, positions_SxC, *, block: int = 128,
                     impl: str = "xla", interpret: bool = False, rows_per_group: int = 8, layout: str = "NPZKD"):
   """softmax(q k^T / sqrt(D)) v over positions 0..position of each query's row, through the row's page table.
@@ -130,9 +145,16 @@ def paged_attention(q_SxCxKxGxD, k_pages, v_pages, layer, table_SxM, positions_S
   if impl != "xla" and layout != "KNPZD":
     raise ValueError(f"paged_attention(impl={impl!r}) reads the pool in the kernels' layout 'KNPZD' "
                      f"([K, N, P, Z, D]; got {layout!r})")
+  if impl == "pallas_tpu" and q_SxCxKxGxD.shape[-1] % LANES:
+    raise ValueError(f"paged_attention(impl='pallas_tpu') needs head_dim a multiple of {LANES} (got "
+                     f"{q_SxCxKxGxD.shape[-1]}): Mosaic tiles the kernel's per-head blocks by {LANES} lanes")
   if impl != "xla" and q_SxCxKxGxD.shape[1] == 1:
-    kernel = _pallas_gpu if impl == "pallas_gpu" else _pallas_tpu
-    return kernel(q_SxCxKxGxD, k_pages, v_pages, layer, table_SxM, positions_SxC, interpret)
+    kernel = functools.partial(_pallas_gpu if impl == "pallas_gpu" else _pallas_tpu, interpret=interpret)
+    s, _, kh = q_SxCxKxGxD.shape[:3]
+    specs = lambda mesh: _kernel_specs(mesh, s, kh)
+    with mosaic_precision():
+      return per_device(kernel, specs, q_SxCxKxGxD, k_pages, v_pages, jnp.asarray(layer, jnp.int32), table_SxM,
+                        positions_SxC)
   s = q_SxCxKxGxD.shape[0]
   if s > rows_per_group and s % rows_per_group == 0:
     return _ragged(q_SxCxKxGxD, k_pages, v_pages, layer, table_SxM, positions_SxC, block, rows_per_group, layout)

@@ -7,7 +7,10 @@ queries (segment 0) see no key; their output is finite and unused. Implementatio
              key blocks wholly after the query block are skipped. Memory O(T * block) per head, not O(T^2).
   cudnn:     jax.nn.dot_product_attention(implementation="cudnn") on GPU (bf16 / fp16), segments as a boolean
              [B, 1, T, T] mask (one byte per pair, no per-head float tensor).
-  splash:    the Pallas splash-attention kernel on TPU (causal mask, segment ids); `interpret` runs it on CPU.
+  splash:    the Pallas splash-attention kernel on TPU (causal mask, segment ids); `interpret` runs it on CPU. Under
+             a mesh it runs in shard_map, each device on its rows and heads (docs/KERNELS.md).
+"auto" (implementation None) picks by the platform of the mesh in scope, which is the target's also when a TPU
+program is compiled deviceless on a CPU host.
 """
 
 from __future__ import annotations
@@ -17,15 +20,27 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxrl.settings import TRAIN_ATTENTION as IMPLEMENTATIONS  # declared once, with the run config
+from jaxrl.axes import LEARNER_RULES, logical_to_spec
+from jaxrl.kernels.mosaic import mosaic_precision, per_device
+
+IMPLEMENTATIONS = ("reference", "chunked", "cudnn", "splash")  # the run config's model.train_attention choices
 
 _NEG_INF = -1e30
 
 
+def target_platform() -> str:
+  """The platform the program is built for: that of the mesh in scope (in a deviceless TPU compile the host's
+  jax.default_backend() is "cpu"), else the default backend's."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else mesh.abstract_device
+  return jax.default_backend() if device is None else device.platform
+
+
 def default_implementation(seq_len: int, dtype, block: int) -> str:
-  """The backend's memory-efficient kernel; the reference for rows of one block or less (no gain there)."""
-  backend = jax.default_backend()
+  """The target's memory-efficient kernel; the reference for rows of one block or less (no gain there)."""
+  backend = target_platform()
   if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
     return "cudnn"
   if backend == "tpu":
@@ -105,19 +120,28 @@ def cudnn_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, implementa
                                       implementation=implementation)
 
 
-@functools.cache
+def _splash_block(t: int) -> int:
+  """The kernel's block (queries and keys, forward and backward): the largest of 512, 256, 128 dividing the padded
+  row (Mosaic tiles a block by 128 lanes; these compile for v5e and v5p at head dim 64 and 128 in float32 and
+  bfloat16, rows of 1k to 32k tokens: tests/test_kernels_mosaic.py, bench/kernels_mosaic.py)."""
+  return next(b for b in (512, 256, 128) if t % b == 0)
+
+
 def _splash_kernel(t: int, groups: int, interpret: bool):
+  """Made in each trace that calls it: its mask tables become that trace's arrays (a kernel kept across traces
+  leaked the first trace's tracers into later programs); the costly mask processing is cached by jax by mask."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-  block = min(512, t)
+  block = _splash_block(t)
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
   mask = masks.MultiHeadMask([masks.CausalMask((t, t)) for _ in range(groups)])
   return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret), splash.SegmentIds
 
 
-def splash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret: bool = False):
+def _splash_local(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret: bool):
+  """The kernel over this device's rows and heads: one call per (row, kv head), each its G query heads (MQA)."""
   b, t, h, d = q_BxTxHxD.shape
   kv = k_BxTxKxD.shape[2]
   tile = 128  # the kernel's blocks tile the row: pad to a multiple (padding is segment 0, never a real key)
@@ -133,6 +157,45 @@ def splash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret
   per_row = jax.vmap(per_head, in_axes=(0, 0, 0, None))
   out = jax.vmap(per_row)(q_BxKxGxTxD, k_BxKxTxD, v_BxKxTxD, seg)  # BxKxGxTxD
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, tp, h, d)[:, :t]
+
+
+def _splash_specs(mesh, shape_BxTxKxD):
+  """shard_map specs of (q, k, v, segment ids) and of the output: rows over the learner's batch axes, heads over
+  its tensor axis where that axis divides the kv heads (query head h uses kv head h // G, so q splits the same
+  way); an axis that does not divide is left out (the kernel runs replicated along it)."""
+  batch, _, heads, _ = logical_to_spec(("batch", None, "kv_heads", None), shape_BxTxKxD, mesh, LEARNER_RULES)
+  x = P(batch, None, heads, None)
+  return (x, x, x, P(batch, None)), x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _splash_pinned(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret):
+  """_splash_local with its forward and backward kernels traced at Mosaic's precision (the backward is traced when
+  the step is differentiated, outside the forward's context: hence the custom_vjp)."""
+  with mosaic_precision():
+    return _splash_local(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret)
+
+
+def _splash_pinned_fwd(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret):
+  with mosaic_precision():
+    local = lambda q, k, v: _splash_local(q, k, v, segment_ids_BxT, interpret)
+    return jax.vjp(local, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD)
+
+
+def _splash_pinned_bwd(interpret, vjp, d_out):
+  with mosaic_precision():
+    return (*vjp(d_out), None)
+
+
+_splash_pinned.defvjp(_splash_pinned_fwd, _splash_pinned_bwd)
+
+
+def splash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, interpret: bool = False):
+  """The splash kernel on each device's rows and heads (kernels.mosaic.per_device: shard_map under the mesh in
+  scope, which the learner's step traces under)."""
+  local = lambda q, k, v, s: _splash_pinned(q, k, v, s, interpret)
+  return per_device(local, lambda mesh: _splash_specs(mesh, k_BxTxKxD.shape), q_BxTxHxD, k_BxTxKxD, v_BxTxKxD,
+                    segment_ids_BxT)
 
 
 def attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, implementation: str | None = None,

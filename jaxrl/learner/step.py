@@ -1,4 +1,5 @@
-"""make_train_step and the pure step it jits: train_step(state, batch, rng) -> (state, metrics).
+"""The learner step: pure `train_step(state, batch, rng, *, config) -> (state, metrics)`, a StepConfig fixing what
+every call shares, and jit_train_step(config, shardings) jitting it (state donated).
 
 One call is one learner step and makes one policy version, whatever the mini-batching: it runs
 `num_epochs * num_minibatches` optimizer updates, each over `num_microbatches` gradient-accumulation chunks scanned
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Callable
 
 import jax
@@ -43,6 +43,7 @@ from jaxrl.learner.packing import to_tokens
 from jaxrl.learner.state import TrainState
 from jaxrl.models import lora
 from jaxrl.rollout import Batch
+from jaxrl.sharding import under_mesh
 
 LogitsFn = Callable[[object, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -116,26 +117,61 @@ def fixed_param_pass_count(loss: LossConfig, updates_per_step: int) -> int:
   return int(needs_prox_pass(loss, updates_per_step)) + int(needs_ref_pass(loss))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepSetup:
-  """What make_train_step fixes for every call of the step (validated there; see its arguments)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+  """What every call of the step fixes; checked when made (a bad value raises ValueError naming it)."""
 
-  logits_fn: LogitsFn
-  decoder: nnx.GraphDef | None  # for logprob_chunk: the model's hidden states and head
-  optimizer: optax.GradientTransformation
-  loss: LossConfig
+  model: LogitsFn | nnx.GraphDef  # logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL), or a GraphDef
+  optimizer: optax.GradientTransformation  # any optax transformation (make_optimizer's AdamW updates in place)
+  loss: LossConfig = LossConfig()
+  # The Batch shape accepted (anything else raises ValueError when traced); row_buckets adds row counts (packed
+  # batches, jaxrl.learner.packing: one compilation each), each divisible as batch_size is.
   batch_size: int
   seq_len: int
-  num_microbatches: int = 1
-  num_minibatches: int = 1
-  num_epochs: int = 1
-  microbatch_rows: int = 0
-  compute_dtype: object = None
-  batch_sharding: NamedSharding | None = None
-  staleness_bins: int = 8
   row_buckets: tuple[int, ...] = ()
+  num_minibatches: int = 1  # optimizer updates per epoch; row r of a batch is in mini-batch r % num_minibatches
+  num_epochs: int = 1  # passes over the batch per step (PPO epochs), each over the mini-batches in its own order
+  num_microbatches: int = 1  # gradient-accumulation chunks per update; the loss is normalised over the update
+  # If > 0, each batch shape (row bucket) takes the fewest chunks, at least num_microbatches, that split its
+  # update's rows per device evenly into chunks of at most this many rows (fewer when no divisor fits: 1 row). The
+  # same update up to float summation order: it bounds the activations one chunk holds (and on a CPU keeps a chunk
+  # in the core's cache; docs/BENCHMARKS.md).
+  microbatch_rows: int = 0
+  compute_dtype: object = None  # if set, floating params are cast to it for the forward pass (fp32 master, bf16 math)
+  # Rows over the learner's data axes (jaxrl.sharding.batch_sharding); with jit_train_step's state shardings it
+  # places the step on a mesh.
+  batch_sharding: NamedSharding | None = None
+  staleness_bins: int = 8  # the staleness histogram's bins 0..bins-1 plus one for >= bins
+  # If > 0 (model an nnx GraphDef of a Decoder), log-probs and entropies are computed that many positions at a time
+  # from the hidden states, never holding float32 [B, L, V] logits.
   logprob_chunk: int = 0
+  # A non-finite update skips its whole step (the pre-step state is kept until the step ends: +1 TrainState of
+  # memory when num_minibatches * num_epochs > 1); False: it skips only itself.
   atomic: bool = True
+  logits_fn: LogitsFn = dataclasses.field(init=False, repr=False, compare=False)  # from model
+
+  def __post_init__(self):
+    m, k, e = self.num_minibatches, self.num_microbatches, self.num_epochs
+    if m < 1 or k < 1 or e < 1:
+      raise ValueError(f"num_minibatches, num_microbatches and num_epochs must be >= 1 (got {m}, {k}, {e})")
+    if self.microbatch_rows < 0:
+      raise ValueError(f"microbatch_rows must be >= 0 (0: num_microbatches chunks), got {self.microbatch_rows}")
+    if self.batch_size < 1 or self.seq_len < 2:
+      raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {self.batch_size}, {self.seq_len})")
+    if self.batch_size % (m * k):
+      raise ValueError(f"batch_size={self.batch_size} is not divisible by num_minibatches * num_microbatches = "
+                       f"{m * k}")
+    if self.logprob_chunk < 0 or (self.logprob_chunk and not isinstance(self.model, nnx.GraphDef)):
+      raise ValueError(f"logprob_chunk={self.logprob_chunk} needs to be >= 0, and > 0 only with an nnx GraphDef "
+                       "model")
+    shards = batch_shards(self.batch_sharding)
+    for b in (self.batch_size, *self.row_buckets):
+      if b % (m * k * shards):
+        raise ValueError(f"a batch of {b} rows makes micro-batches of {b / (m * k):g} rows, not divisible by the "
+                         f"{shards} devices of the batch axes; change batch_size, row_buckets, num_minibatches or "
+                         f"num_microbatches")
+    object.__setattr__(self, "row_buckets", tuple(self.row_buckets))
+    object.__setattr__(self, "logits_fn", as_logits_fn(self.model))
 
   @property
   def updates_per_step(self) -> int:
@@ -172,91 +208,50 @@ def chunk_count(rows_per_device: int, num_microbatches: int, microbatch_rows: in
               if rows_per_device % d == 0 and rows_per_device // d <= microbatch_rows)
 
 
-def make_train_step(model: LogitsFn | nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
-                    *, batch_size: int, seq_len: int, num_microbatches: int = 1, num_minibatches: int = 1,
-                    num_epochs: int = 1, compute_dtype=None, state_shardings: TrainState | None = None,
-                    batch_sharding: NamedSharding | None = None, staleness_bins: int = 8,
-                    row_buckets: tuple[int, ...] = (), logprob_chunk: int = 0, atomic: bool = True,
-                    microbatch_rows: int = 0):
-  """The jitted `train_step(state, batch, rng) -> (state, metrics)`; the state argument is donated.
+def jit_train_step(config: StepConfig, shardings: TrainState | None = None):
+  """`train_step` for `config`, jitted with the state argument donated: step(state, batch, rng) -> (state,
+  metrics). shardings (train_state_shardings) and config.batch_sharding place it on a mesh: both or neither."""
+  if (shardings is None) != (config.batch_sharding is None):
+    raise ValueError("give both the state's shardings and StepConfig.batch_sharding (a mesh step) or neither "
+                     "(one device)")
+  step = functools.partial(train_step, config=config)
+  if shardings is None:
+    return jax.jit(step, donate_argnums=0)
+  replicated = NamedSharding(config.batch_sharding.mesh, P())
+  # Under the mesh: its attention kernel runs in shard_map over it, and the model keeps its activations row-sharded
+  # (sharding.constrain_rows)
+  step = under_mesh(step, config.batch_sharding.mesh)
+  return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch_shardings(config.batch_sharding), replicated),
+                 out_shardings=(shardings, replicated))
 
-  model: logits_fn(params, tokens_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV, or an nnx GraphDef.
-  optimizer: any optax GradientTransformation (make_optimizer's AdamW updates in place).
-  batch_size, seq_len: the Batch shape accepted (anything else raises ValueError when traced); row_buckets adds
-  row counts (packed batches, jaxrl.learner.packing: one compilation each), each divisible as batch_size is.
-  num_minibatches: optimizer updates per epoch; row r of a batch is in mini-batch r % num_minibatches.
-  num_epochs: passes over the batch per step (PPO epochs), each over the mini-batches in its own order.
-  num_microbatches: gradient-accumulation chunks per update; the loss is normalised over the whole update.
-  microbatch_rows: if > 0, each batch shape (row bucket) takes the fewest chunks, at least num_microbatches, that
-  split its update's rows per device evenly into chunks of at most this many rows (fewer when no divisor fits: 1
-  row). The same update up to float summation order: it bounds the activations one chunk holds (and on a CPU keeps
-  a chunk in the core's cache; docs/BENCHMARKS.md).
-  compute_dtype: if set, floating params are cast to it for the forward pass (fp32 master weights, bf16 math).
-  state_shardings (see train_state_shardings) and batch_sharding (rows over the learner's data axes) place the
-  step on a mesh; give both or neither. staleness_bins: histogram bins 0..bins-1 plus one for >= bins.
-  logprob_chunk: if > 0 (model an nnx GraphDef of a Decoder), log-probs and entropies are computed that many
-  positions at a time from the hidden states, never holding float32 [B, L, V] logits.
-  atomic: a non-finite update skips its whole step (the pre-step state is kept until the step ends: +1 TrainState
-  of memory when num_minibatches * num_epochs > 1); False: it skips only itself.
+
+def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, config: StepConfig):
+  """One learner step: advantages, the fixed-parameter passes, the mini-batch updates, and the step's commit.
+
+  Pure: same (state, batch, rng) in, same (state, metrics) out. jit it with config bound (jit_train_step does).
   """
-  m, k, e = num_minibatches, num_microbatches, num_epochs
-  if m < 1 or k < 1 or e < 1:
-    raise ValueError(f"num_minibatches, num_microbatches and num_epochs must be >= 1 (got {m}, {k}, {e})")
-  if microbatch_rows < 0:
-    raise ValueError(f"microbatch_rows must be >= 0 (0: num_microbatches chunks), got {microbatch_rows}")
-  if batch_size < 1 or seq_len < 2:
-    raise ValueError(f"need batch_size >= 1 and seq_len >= 2 (got {batch_size}, {seq_len})")
-  if batch_size % (m * k):
-    raise ValueError(f"batch_size={batch_size} is not divisible by num_minibatches * num_microbatches = {m * k}")
-  if logprob_chunk < 0 or (logprob_chunk and not isinstance(model, nnx.GraphDef)):
-    raise ValueError(f"logprob_chunk={logprob_chunk} needs to be >= 0, and > 0 only with an nnx GraphDef model")
-  if (state_shardings is None) != (batch_sharding is None):
-    raise ValueError("give both state_shardings and batch_sharding (a mesh step) or neither (one device)")
-  shards = batch_shards(batch_sharding)
-  for b in (batch_size, *row_buckets):
-    if b % (m * k * shards):
-      raise ValueError(f"a batch of {b} rows makes micro-batches of {b / (m * k):g} rows, not divisible by the "
-                       f"{shards} devices of the batch axes; change batch_size, row_buckets, num_minibatches or "
-                       f"num_microbatches")
-  setup = StepSetup(as_logits_fn(model), model if logprob_chunk else None, optimizer, loss_config, batch_size,
-                    seq_len, k, m, e, microbatch_rows, compute_dtype, batch_sharding, staleness_bins,
-                    tuple(row_buckets), logprob_chunk, atomic)
-  if state_shardings is None:
-    return jax.jit(functools.partial(train_step, setup=setup), donate_argnums=0)
-
-  def step(state, batch, rng):  # traced under the mesh: the model keeps its activations row-sharded (constrain_rows)
-    with jax.sharding.use_abstract_mesh(batch_sharding.mesh.abstract_mesh):
-      return train_step(state, batch, rng, setup=setup)
-
-  replicated = NamedSharding(batch_sharding.mesh, P())
-  return jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, batch_shardings(batch_sharding), replicated),
-                 out_shardings=(state_shardings, replicated))
-
-
-def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, setup: StepSetup):
-  """One learner step: advantages, the fixed-parameter passes, the mini-batch updates, and the step's commit."""
-  check_batch(batch, setup.batch_size, setup.seq_len, setup.row_buckets)
-  if setup.ref_pass and state.ref_params is None:
+  check_batch(batch, config.batch_size, config.seq_len, config.row_buckets)
+  if config.ref_pass and state.ref_params is None:
     raise ValueError("LossConfig.kl_coef > 0 needs TrainState.ref_params (init_train_state(ref_params=...))")
-  k = setup.chunks(batch.tokens_BxL.shape[0])
+  k = config.chunks(batch.tokens_BxL.shape[0])
   per_row = batch_arrays(batch)
-  per_row |= fixed_param_passes(setup, state, per_row, k)
-  rewards_B, kl_reward_B = kl_shaped_rewards(setup.loss, batch, per_row)
-  per_row["adv"] = token_advantages(setup.loss, rewards_B, batch)
+  per_row |= fixed_param_passes(config, state, per_row, k)
+  rewards_B, kl_reward_B = kl_shaped_rewards(config.loss, batch, per_row)
+  per_row["adv"] = token_advantages(config.loss, rewards_B, batch)
   valid_B = batch.sample_mask_B > 0
   rewards_ok = jnp.all(jnp.isfinite(batch.rewards_B) | ~valid_B)
   # The updates' mini-batches in the order they run, scanned over as inputs: a loop that indexes the mini-batches
   # itself (closing over them) deadlocked XLA:CPU's collectives when the sampler ran beside it (tests/test_e2e.py).
-  order = minibatch_order(rng, setup.num_minibatches, setup.num_epochs)
-  updates = jax.tree.map(lambda x: jnp.take(x, order, axis=0), split_minibatches(setup, per_row, k))
-  update = functools.partial(one_update, setup, state.version, rewards_ok)
+  order = minibatch_order(rng, config.num_minibatches, config.num_epochs)
+  updates = jax.tree.map(lambda x: jnp.take(x, order, axis=0), split_minibatches(config, per_row, k))
+  update = functools.partial(one_update, config, state.version, rewards_ok)
   (after, _), per_update = jax.lax.scan(update, (state, jnp.int32(0)), updates)
   v0 = state.version
-  state, per_update, reasons = commit(setup, state, after, per_update)
-  metrics = _summarise(per_update, batch, v0, valid_B, setup.staleness_bins)
+  state, per_update, reasons = commit(config, state, after, per_update)
+  metrics = _summarise(per_update, batch, v0, valid_B, config.staleness_bins)
   metrics.update({name: flag.astype(jnp.float32) for name, flag in reasons.items()})  # why the step was skipped
   metrics["updates_nonfinite"] = jnp.sum(per_update["skip/nonfinite"].astype(jnp.float32))
-  if setup.loss.is_cap is not None or setup.loss.is_ess_min is not None:
+  if config.loss.is_cap is not None or config.loss.is_ess_min is not None:
     metrics["is_cap"] = jnp.min(per_update["is_cap_min"])  # the smallest truncation applied this step
   metrics["kl_reward_mean"] = jnp.sum(jnp.where(valid_B, kl_reward_B, 0.0)) / jnp.maximum(valid_B.sum(), 1)
   return state, metrics
@@ -271,40 +266,40 @@ def batch_arrays(batch: Batch) -> dict[str, jax.Array]:
           "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1)}
 
 
-def token_logprobs_of(setup: StepSetup, params, x: dict[str, jax.Array], frozen=None):
+def token_logprobs_of(config: StepConfig, params, x: dict[str, jax.Array], frozen=None):
   """(logprobs, in_support, entropy) [B, L] of x's tokens under `params` (on top of the `frozen` ones, a LoRA
   run's base: TrainState.frozen), as the sampler drew them."""
   if frozen is not None:
     params = lora.merge(frozen, params)
-  params = _cast_floats(params, setup.compute_dtype)
-  if setup.logprob_chunk:
-    decoder = nnx.merge(setup.decoder, params)
+  params = _cast_floats(params, config.compute_dtype)
+  if config.logprob_chunk:
+    decoder = nnx.merge(config.model, params)
     hidden = decoder(x["tokens"], x["positions"], x["segments"], hidden=True)
-    return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], setup.loss.sampling, setup.logprob_chunk)
-  logits = setup.logits_fn(params, x["tokens"], x["positions"], x["segments"])
-  return token_logprobs(logits, x["tokens"], setup.loss.sampling)
+    return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], config.loss.sampling, config.logprob_chunk)
+  logits = config.logits_fn(params, x["tokens"], x["positions"], x["segments"])
+  return token_logprobs(logits, x["tokens"], config.loss.sampling)
 
 
-def fixed_param_passes(setup: StepSetup, state: TrainState, per_row: dict, k: int) -> dict[str, jax.Array]:
+def fixed_param_passes(config: StepConfig, state: TrainState, per_row: dict, k: int) -> dict[str, jax.Array]:
   """Forward passes at fixed params, before any update: prox (decoupled PPO's pre-step policy) and ref (the KL's
   reference), each with its support mask (a token outside it has probability 0 there)."""
   out = {}
-  if setup.prox_pass:
-    prox = lambda x: token_logprobs_of(setup, state.params, x, state.frozen)
-    out["prox"], out["prox_in_support"], _ = _chunked(setup, prox, per_row, k)
-  if setup.ref_pass:
+  if config.prox_pass:
+    prox = lambda x: token_logprobs_of(config, state.params, x, state.frozen)
+    out["prox"], out["prox_in_support"], _ = _chunked(config, prox, per_row, k)
+  if config.ref_pass:
     # A LoRA run's reference is its initial adapters (B = 0) on the shared base: exactly the base model.
-    ref = lambda x: token_logprobs_of(setup, state.ref_params, x, state.frozen)
-    ref, out["ref_in_support"], _ = _chunked(setup, ref, per_row, k)
+    ref = lambda x: token_logprobs_of(config, state.ref_params, x, state.frozen)
+    ref, out["ref_in_support"], _ = _chunked(config, ref, per_row, k)
     out["ref"] = jax.lax.stop_gradient(ref)
   return out
 
 
-def _chunked(setup: StepSetup, fn, x: dict, k: int):
+def _chunked(config: StepConfig, fn, x: dict, k: int):
   """fn over the batch in its M*K shard-local chunks, one at a time (bounded memory); [B, ...] outputs."""
   b = x["tokens"].shape[0]
-  n = setup.num_minibatches * k
-  parts = jax.tree.map(lambda a: setup.constrain(jnp.moveaxis(a.reshape(b // n, n, *a.shape[1:]), 0, 1), 1), x)
+  n = config.num_minibatches * k
+  parts = jax.tree.map(lambda a: config.constrain(jnp.moveaxis(a.reshape(b // n, n, *a.shape[1:]), 0, 1), 1), x)
   out = jax.lax.map(fn, parts)
   return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(b, *o.shape[2:]), out)
 
@@ -335,14 +330,14 @@ def token_advantages(cfg: LossConfig, rewards_B: jax.Array, batch: Batch) -> jax
   return to_tokens(adv.reshape(b, -1), batch.segment_ids_BxL)
 
 
-def split_minibatches(setup: StepSetup, per_row: dict, k: int) -> dict[str, jax.Array]:
+def split_minibatches(config: StepConfig, per_row: dict, k: int) -> dict[str, jax.Array]:
   """[B, ...] -> [M, K, B / (M K), ...]: row (a K + c) M + j goes to mini-batch j, micro-batch c. Each device's
   rows hold a share of every (mini-batch, micro-batch), so no update moves rows between devices."""
-  m = setup.num_minibatches
+  m = config.num_minibatches
 
   def split(x):
     x = x.reshape(x.shape[0] // (m * k), k, m, *x.shape[1:])
-    return setup.constrain(jnp.moveaxis(x, (2, 1), (0, 1)), 2)
+    return config.constrain(jnp.moveaxis(x, (2, 1), (0, 1)), 2)
 
   return jax.tree.map(split, per_row)
 
@@ -353,31 +348,31 @@ def minibatch_order(rng: jax.Array, num_minibatches: int, num_epochs: int) -> ja
   return jax.vmap(lambda key: jax.random.permutation(key, num_minibatches))(keys).reshape(-1)
 
 
-def one_update(setup: StepSetup, v0: jax.Array, rewards_ok: jax.Array, carry, mini: dict):
+def one_update(config: StepConfig, v0: jax.Array, rewards_ok: jax.Array, carry, mini: dict):
   """One optimizer update over a mini-batch (its micro-batches accumulated in order); skipped, and why, if its loss
   or gradient is not finite, a reward is not, or it has no tokens."""
   state, n_applied = carry
   # Where the params are between version v0 and v0 + 1 (for proximal="interpolate").
-  v_now = v0 + n_applied / setup.updates_per_step
-  grads, loss, stats = _gradients(setup, state.params, mini, v0, v_now, state.frozen)
+  v_now = v0 + n_applied / config.updates_per_step
+  grads, loss, stats = _gradients(config, state.params, mini, v0, v_now, state.frozen)
   grad_norm = optax.tree.norm(grads)
   has_tokens = stats["tokens"] > 0
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   ok = finite & rewards_ok & has_tokens
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-  params, opt_state = apply_update(setup.optimizer, grads, state.opt_state, state.params, ok)
+  params, opt_state = apply_update(config.optimizer, grads, state.opt_state, state.params, ok)
   reasons = {"skip/reward": ~rewards_ok, "skip/empty": rewards_ok & ~has_tokens,
              "skip/nonfinite": rewards_ok & has_tokens & ~finite}
   return ((state.replace(params=params, opt_state=opt_state), n_applied + ok.astype(jnp.int32)),
           {"loss": loss, "grad_norm": grad_norm, "applied": ok, **reasons, **stats})
 
 
-def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.Array, frozen=None):
+def _gradients(config: StepConfig, params, mini: dict, v0: jax.Array, v_now: jax.Array, frozen=None):
   """(float32 gradients, loss, stats) of one update: its K micro-batches' sums, the loss normalised over all.
   Gradients of `params` only: `frozen` (a LoRA run's base) is read, never differentiated."""
   k, rows, seq_len = mini["tokens"].shape
   weights = aggregation_weights(mini["loss_mask"].reshape(k * rows, seq_len), mini["sample_mask"].reshape(k * rows, -1),
-                                setup.loss.aggregation, setup.loss.norm_length,
+                                config.loss.aggregation, config.loss.norm_length,
                                 mini["segments"].reshape(k * rows, seq_len)).reshape(k, rows, seq_len)
 
   def accumulate(grads, xs):
@@ -385,7 +380,7 @@ def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.A
     (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, x, w, v0, v_now)
     return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
 
-  micro_loss = functools.partial(_micro_loss, setup, frozen=frozen)
+  micro_loss = functools.partial(_micro_loss, config, frozen=frozen)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   grads, (losses, stats) = jax.lax.scan(accumulate, zeros, (mini, weights))
   stats = {name: (jnp.max(v) if name in MAX_STATS else jnp.min(v) if name in MIN_STATS else jnp.sum(v))
@@ -393,14 +388,14 @@ def _gradients(setup: StepSetup, params, mini: dict, v0: jax.Array, v_now: jax.A
   return grads, losses.sum(), stats
 
 
-def _micro_loss(setup: StepSetup, params, x: dict, weights_BxL: jax.Array, v0: jax.Array, v_now: jax.Array,
+def _micro_loss(config: StepConfig, params, x: dict, weights_BxL: jax.Array, v0: jax.Array, v_now: jax.Array,
                 frozen=None):
   """policy_objective of one micro-batch at `params` (on `frozen`), with its anchor as LossConfig.proximal says."""
-  cfg = setup.loss
-  logp, in_support, entropy = token_logprobs_of(setup, params, x, frozen)
+  cfg = config.loss
+  logp, in_support, entropy = token_logprobs_of(config, params, x, frozen)
   prox = None
   if cfg.proximal == "recompute":
-    prox = x["prox"] if setup.prox_pass else jax.lax.stop_gradient(logp)
+    prox = x["prox"] if config.prox_pass else jax.lax.stop_gradient(logp)
   elif cfg.proximal == "interpolate":
     v_t = x["versions"]
     alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)
@@ -411,7 +406,7 @@ def _micro_loss(setup: StepSetup, params, x: dict, weights_BxL: jax.Array, v0: j
                           segment_ids_BxL=x["segments"])
 
 
-def commit(setup: StepSetup, start: TrainState, after: TrainState, per_update: dict):
+def commit(config: StepConfig, start: TrainState, after: TrainState, per_update: dict):
   """The step's result, decided here alone: atomic, all its updates or none (a version is the result of all its
   updates, and a batch is trained on whole or its groups are dropped, counted); else whatever updates applied.
   A mini-batch of padding rows only is a no-op, not a fault. Returns (state, per_update with "applied" as it
@@ -419,9 +414,9 @@ def commit(setup: StepSetup, start: TrainState, after: TrainState, per_update: d
   any_of = lambda name: jnp.any(per_update[name])
   reasons = {"skip/reward": any_of("skip/reward"), "skip/nonfinite": any_of("skip/nonfinite"),
              "skip/empty": jnp.all(per_update["skip/empty"])}
-  if setup.atomic:
+  if config.atomic:
     step_ok = ~(reasons["skip/reward"] | reasons["skip/nonfinite"] | reasons["skip/empty"])
-    if setup.updates_per_step > 1:  # the pre-step state was kept for this (one update skips itself)
+    if config.updates_per_step > 1:  # the pre-step state was kept for this (one update skips itself)
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(step_ok, a, b), new, old)
       after = after.replace(params=keep(after.params, start.params), opt_state=keep(after.opt_state, start.opt_state))
   else:  # each update kept or skipped alone: the step applies if any did, and says why not when none did
@@ -493,14 +488,3 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
       "staleness_min": jnp.min(jnp.where(trained_BxL, staleness, jnp.iinfo(jnp.int32).max)),
   }
 
-
-def timed_step(step, state: TrainState, batch: Batch, rng: jax.Array):
-  """Runs `step`, waits for it, and adds host-side step_time_s, tokens_per_s and input_tokens_per_s."""
-  start = time.perf_counter()
-  state, metrics = step(state, batch, rng)
-  metrics = jax.device_get(metrics)
-  seconds = time.perf_counter() - start
-  metrics["step_time_s"] = seconds
-  metrics["tokens_per_s"] = float(metrics["num_tokens"]) / seconds
-  metrics["input_tokens_per_s"] = float(metrics["num_input_tokens"]) / seconds
-  return state, metrics

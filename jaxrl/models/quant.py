@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl.settings import WEIGHT_DTYPES  # declared once, with the run config
+WEIGHT_DTYPES = ("float", "int8")  # the sampler's weights: as they are, or int8 (the run config's choices)
 
 __all__ = ["CONTRACTED", "WEIGHT_DTYPES", "QuantizedWeight", "dequantize", "dequantize_params", "einsum",
            "is_quantized", "matmul", "quantize", "quantize_params", "quantized_shardings", "take"]

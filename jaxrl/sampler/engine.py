@@ -20,8 +20,9 @@ from jaxrl.models import ModelConfig
 from jaxrl.sampler.decode_state import DecodeState, Prefix, ResultTokens, SlotSettings
 from jaxrl.sampler.dense_engine import DenseEngine
 from jaxrl.sampler.paged_engine import PagedEngine
-from jaxrl.settings import KV_LAYOUTS  # declared once, with the run config
 from jaxrl.sharding import Versioned
+
+KV_LAYOUTS = ("dense", "paged")  # the KV cache: max_len per slot, or a page pool shared by the slots
 
 __all__ = ["DecodeState", "DenseEngine", "Engine", "PagedEngine", "Prefix", "ResultTokens", "SlotSettings",
            "make_engine"]

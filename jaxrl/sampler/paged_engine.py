@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl.kernels.mosaic import LANES
 from jaxrl.kernels.paged_attention import IMPLS as PAGED_ATTENTION
 from jaxrl.models import ModelConfig, PagedKVCache, init_paged_cache
 from jaxrl.sampler import decode, paged_kv
 from jaxrl.sampler.decode_state import DecodeState, Prefix, ResultTokens, SlotSettings
 from jaxrl.sampler.slot_engine import SlotEngine, check_positive_ints
-from jaxrl.sharding import Versioned
+from jaxrl.sharding import Versioned, under_mesh
 
 
 def insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings, num_generated, table_row_M,
@@ -46,17 +47,18 @@ def generate_live(graphdef, steps, shardings, num_rows, params, version, state: 
   return paged_kv.put_rows(state, sub, result, rows_R)
 
 
-def decode_attention(attention: str, mesh) -> str:
-  """The decode attention a paged engine runs ("auto": the backend's Pallas kernel on one GPU/TPU device)."""
+def decode_attention(attention: str, mesh, head_dim: int) -> str:
+  """The decode attention a paged engine runs ("auto": the Pallas kernel of the mesh's platform, where it applies;
+  the kernel runs in shard_map over the sampler mesh: slots over "data", kv heads over "tensor")."""
   if attention not in ("auto", *PAGED_ATTENTION):
     raise ValueError(f"Engine: attention must be 'auto' or one of {PAGED_ATTENTION} (got {attention!r})")
-  platform, devices = mesh.devices.flat[0].platform, mesh.devices.size
+  platform = mesh.devices.flat[0].platform
   if attention == "auto":
     kernel = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
-    return kernel if kernel is not None and devices == 1 else "xla"
-  if attention != "xla" and devices != 1:
-    raise ValueError(f"Engine: attention={attention!r} runs on a sampler mesh of one device (got {devices}): its "
-                     "custom call cannot be partitioned; use attention='xla' or one device per sampler replica")
+    return "xla" if kernel is None or (kernel == "pallas_tpu" and head_dim % LANES) else kernel
+  if attention == "pallas_tpu" and head_dim % LANES:
+    raise ValueError(f"Engine: attention='pallas_tpu' needs head_dim a multiple of {LANES} (Mosaic tiles the "
+                     f"kernel's head blocks by {LANES} lanes; got {head_dim}); use attention='xla'")
   return attention
 
 
@@ -92,13 +94,13 @@ class PagedEngine(SlotEngine):
     call's cost is fixed: small calls waste less). row_buckets: the batch sizes a generate call may run at, over
     its live slots only (None: 8, 16, 32, ... below max_slots; max_slots is always one); each is compiled once,
     all at the first generate call. attention: "xla" | "pallas_gpu" | "pallas_tpu" (kernels.paged_attention) or
-    "auto": the backend's Pallas kernel on a GPU or TPU sampler of one device, "xla" otherwise (on CPU, and on a
-    sampler mesh of several devices, which a kernel's custom call cannot be partitioned over); a kernel keeps the
-    pool in its [K, N, P, Z, D] layout. interpret: run the kernel in Pallas interpret mode (tests on CPU)."""
+    "auto": the Pallas kernel of a GPU or TPU sampler mesh (TPU: head_dim a multiple of 128), "xla" otherwise (on
+    CPU); a kernel runs in shard_map over the mesh and keeps the pool in its [K, N, P, Z, D] layout. interpret: run
+    the kernel in Pallas interpret mode (tests on CPU)."""
     num_pages = max_slots * max_len // page_size if num_pages is None and page_size else num_pages
     check_positive_ints(max_len=max_len, rebuild_rows=rebuild_rows)
     check_pages(max_len, page_size, num_pages)
-    self.attention = decode_attention(attention, mesh)
+    self.attention = decode_attention(attention, mesh, cfg.head_dim)
     self.interpret = bool(interpret)
     self.row_buckets = live_row_buckets(row_buckets, max_slots)
     self.page_size, self.num_pages, self.pages_per_slot = page_size, num_pages, max_len // page_size
@@ -108,13 +110,14 @@ class PagedEngine(SlotEngine):
     self._insert = jax.jit(functools.partial(insert), donate_argnums=1, out_shardings=out)
     # One program per row bucket, compiled ahead of time (all at the first call, so none compiles mid-run).
     rows = {b: self.decode_state_shardings(b) for b in self.row_buckets}
-    self._generate_live = jax.jit(functools.partial(generate_live, g, steps, rows), static_argnums=0,
-                                  donate_argnums=3, out_shardings=(out, self._result_shardings))
+    # The programs that attend over the pool trace under the mesh: a kernel there runs in shard_map over it.
+    self._generate_live = jax.jit(under_mesh(functools.partial(generate_live, g, steps, rows), mesh),
+                                  static_argnums=0, donate_argnums=3, out_shardings=(out, self._result_shardings))
     self._live_programs = {}
     self._store_prefix = jax.jit(functools.partial(paged_kv.store_prefix), donate_argnums=1, out_shardings=out)
     self._set_tables = jax.jit(functools.partial(paged_kv.set_table), donate_argnums=0, out_shardings=out)
-    self._rebuild_rows = jax.jit(functools.partial(paged_kv.rebuild_rows, g, chunk), donate_argnums=1,
-                                 out_shardings=out)
+    self._rebuild_rows = jax.jit(under_mesh(functools.partial(paged_kv.rebuild_rows, g, chunk), mesh),
+                                 donate_argnums=1, out_shardings=out)
 
   @property
   def layout(self) -> str:

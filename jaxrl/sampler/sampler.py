@@ -30,8 +30,9 @@ from jaxrl.sampler.page_policy import page_policy_for
 from jaxrl.sampler.requests import Request, check_ids, check_request
 from jaxrl.sampler.samples import Group, InFlight, Sample, sample_key_data, to_rollout
 from jaxrl.sampler.stops import Stops
-from jaxrl.settings import ON_UPDATE  # declared once, with the run config
 from jaxrl.sharding import Versioned
+
+ON_UPDATE = ("recompute", "finish", "keep_kv")  # what the sampler does with samples in flight at a params update
 
 
 @dataclasses.dataclass

@@ -107,10 +107,6 @@ class SlotEngine:
     mat = self._named("batch", None, rows=rows)
     return DecodeState(self.cache_shardings(rows), mat, vec, vec, vec, SlotSettings(mat, vec, vec, vec, vec, vec, mat))
 
-  @property
-  def max_concurrent_decodes(self) -> int:
-    return self.max_slots
-
   def bucket(self, length: int) -> int:
     """The smallest prompt-length bucket that holds `length` tokens."""
     for b in self.buckets:

@@ -201,18 +201,6 @@ def paged_kv_batch(model: ModelSpec, hw: Hardware, devices: int, live_tokens: fl
   return max(0, int(free // (model.kv_bytes_per_token * (live_tokens + page_size / 2))))
 
 
-def min_engine_devices(model: ModelSpec, hw: Hardware, slot_tokens: int, min_batch: int,
-                       mem_fraction: float = 1.0, max_devices: int = 1024) -> int:
-  """Smallest power-of-two engine (tensor-parallel degree) that holds the weights and `min_batch` slots."""
-  d = 1
-  while d <= max_devices:
-    if kv_limited_batch(model, hw, d, slot_tokens, mem_fraction) >= min_batch:
-      return d
-    d *= 2
-  raise ValueError(f"{model.name} with {min_batch} slots of {slot_tokens} tokens does not fit {max_devices} "
-                   f"{hw.name} devices")
-
-
 def prefill_s_per_token(model: ModelSpec, hw: Hardware, devices: int, flop_eff: float = 1.0) -> float:
   """Prefill is compute-bound for prompts longer than the knee: 2 N FLOPs per prompt token."""
   _check_positive("prefill_s_per_token", devices=devices, flop_eff=flop_eff)

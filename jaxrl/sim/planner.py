@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrl.learner.packing import packed_rows, row_buckets
 from jaxrl.sim.calibrate import Calibration
 from jaxrl.sim.costs import Costs
 from jaxrl.sim.lengths import Empirical, LengthDist
@@ -225,8 +226,6 @@ class Prediction:
 def _packed_tokens(run: RunDescription):
   """A step's charge packed as the learner packs it: the samples shuffled (a fixed permutation: which lengths
   share a mini-batch is what matters), mini-batch i % num_minibatches packed on its own, rows x seq_len."""
-  from jaxrl.learner.packing import packed_rows, row_buckets
-
   if not run.seq_len:
     raise ValueError("RunDescription.pack needs seq_len, the packed row length")
   m = run.num_minibatches

@@ -31,3 +31,14 @@ def dies_and_breaks_restarts(prompt, completion, meta):
     open(os.environ["JAXRL_FAULTS_BREAK_IMPORT"], "w").close()
     os._exit(3)
   return _target_fraction(meta)
+
+
+def rare(prompt, completion, meta):
+  """1 for about one completion in forty (by its token ids), else 0: about 90% of groups of 4 score all equal,
+  the filter rate dynamic sampling is tested at."""
+  return float(sum(meta["completion_ids"]) % 40 == 0)
+
+
+def always_zero(prompt, completion, meta):
+  """0 for every completion: no group has a learning signal."""
+  return 0.0

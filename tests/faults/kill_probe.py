@@ -55,14 +55,14 @@ _mark(checkpoint.Checkpointer, "_commit_step", "checkpoint")  # the background w
 _mark(data, "evaluate_policy", "eval")  # before the trainers import it by name
 
 if os.environ.get("JAXRL_PROBE") == "distributed":
-  from jaxrl.distributed import channels
+  from jaxrl.distributed import cross_process
 
-  _mark(channels.LearnerPublisher, "publish", "publish")
-  _mark(channels.Ferry, "_copy_weights", "publish")  # a sampler receiving a version
-  from jaxrl.distributed import train as distributed_train
+  _mark(cross_process.LearnerPublisher, "publish", "publish")
+  _mark(cross_process.Ferry, "_copy_weights", "publish")  # a sampler receiving a version
+  from jaxrl.distributed import job as distributed_job
 
   if __name__ == "__main__":
-    distributed_train.main()
+    distributed_job.main()
 elif __name__ == "__main__":
   from jaxrl import train
 

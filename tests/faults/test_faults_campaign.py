@@ -9,6 +9,7 @@ from faults_util import TALLY
 from kill_campaign import STEPS, Topology, campaign
 
 
+@pytest.mark.timeout(600)  # the slowest tests: 111-183 s on the 2-core box under load (docs/RELIABILITY.md)
 @pytest.mark.slow
 def test_a_multiprocess_job_killed_twice_resumes_exactly_and_accounts_for_every_rollout(tmp_path, xla_cache_dir):
   tally = campaign(Topology.parse("mp1+1"), kills=2, out=tmp_path, seed=1, per_run=2, cache=xla_cache_dir)

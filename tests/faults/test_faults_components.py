@@ -3,10 +3,12 @@ workers stops the run within a bounded time with the original traceback and a sa
 a reward fn that raises is isolated (NaN reward, group dropped as "reward_failed", counted) and the run goes on."""
 
 import itertools
+import subprocess
 import threading
 import time
 
 import faults_rewards  # noqa: F401 - imported here first, so that breaking its import later hits only workers
+import faults_util
 import pytest
 from faults_util import NUM_STEPS, TALLY, check_history, committed_steps, inject, read_trace, tiny_config
 
@@ -91,8 +93,22 @@ def test_a_raising_reward_fn_drops_its_group_and_the_run_goes_on(tmp_path, monke
   check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=4)
 
 
-def test_a_reward_fn_that_always_raises_stops_the_run_instead_of_looping(tmp_path):
-  c = tiny_config("pipeline", task__reward="faults_rewards:always_raises", rl__max_failures_in_a_row=8)
+def test_a_reward_fn_that_always_raises_stops_the_jaxrl_train_within_its_failure_window_with_one_line(tmp_path):
+  out = subprocess.run(faults_util.cli(tmp_path, task__reward="faults_rewards:always_raises", task__failure_window=16),
+                       cwd=faults_util.REPO, env=faults_util.child_env(), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last == ("jaxrl-train: reward 'faults_rewards:always_raises' failed 9 of the last 9 samples scored (over "
+                  "task.max_failure_frac=0.5 of task.failure_window=16); most common error (9x): error: ValueError: "
+                  "broken reward: injected failure")
+  assert "Traceback" not in out.stderr
+  assert "reward 'faults_rewards:always_raises' has no known cases to self-check" in out.stderr
+  assert committed_steps(tmp_path) == [0]  # the checkpoint came first: the same command resumes
+
+
+def test_without_its_failure_window_a_reward_that_always_raises_still_ends_the_run_for_lack_of_progress(tmp_path):
+  c = tiny_config("pipeline", task__reward="faults_rewards:always_raises", rl__max_failures_in_a_row=8,
+                  task__failure_window=100_000)
   t0 = time.monotonic()
   with pytest.raises(RuntimeError, match=r"no progress: 8 failures in a row .*'reward_failed': 8"):
     train_lib.train(c, tmp_path)

@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxrl.controller.channels import Coordination
+from jaxrl.controller.interfaces import Coordination
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
 from jaxrl.controller.summary import SAMPLER_COUNTS, merge_ledgers
@@ -155,7 +155,7 @@ class LearnerPublisher:
   def __init__(self, routes: list[WeightRoute], replicated_sharding, log: TransferLog | None,
                dump_dir: Path | None = None, prepare=None):
     """prepare: applied to each version on the learner before it is cut for the routes (e.g. int8 quantization:
-    jaxrl.distributed.train.sampler_weights); None sends the params as they are."""
+    jaxrl.distributed.job.sampler_weights); None sends the params as they are."""
     self.routes, self.log, self.dump_dir = routes, log, dump_dir
     prepare = prepare or (lambda params: params)
     self._replicate = jax.jit(lambda params: prepare(params), out_shardings=replicated_sharding)
@@ -224,8 +224,9 @@ class StoreCoordinator(Coordination):
   that no sampler admitted yet as unadmitted; a resumed job's samplers admit both first (sampler_started)."""
 
   def __init__(self, store, topology, record: RunRecord, num_steps: int, group_size: int,
-               max_failures_in_a_row: int, resumed_from: int | None = None, poll_s: float = 0.05):
-    super().__init__(record, max_failures_in_a_row, resumed_from)
+               max_failures_in_a_row: int, resumed_from: int | None = None, poll_s: float = 0.05,
+               max_filtered_in_a_row: int = 1000):
+    super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
     self.store, self.topology, self.num_steps, self.poll_s = store, topology, num_steps, poll_s
     self.group_size = group_size
     self.is_lead = topology.process_id == topology.lead

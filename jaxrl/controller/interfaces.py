@@ -8,7 +8,7 @@
                sampler, logged by the learner with every step for jaxrl-profile --from-run)
 
 In one process: `rollouts.RolloutQueue`, `weights.WeightPublisher` and `LocalCoordinator` below, the two loops in two
-threads (`controller.local`). Across processes: `jaxrl.distributed.channels` (JAX cross-host copies and the
+threads (`controller.local`). Across processes: `jaxrl.distributed.cross_process` (JAX cross-host copies and the
 coordination store), one loop per process.
 """
 
@@ -22,6 +22,7 @@ from typing import Protocol
 
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
+from jaxrl.envs.guard import RewardsBroken
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned
 
@@ -45,18 +46,25 @@ class Weights(Protocol):
 
 class Progress:
   """Failures (skipped prompts, dropped groups, skipped updates) since the last applied update; too many in a row
-  stop the run, blaming the checkpoint just resumed from if not one update has applied since."""
+  stop the run, blaming the checkpoint just resumed from if not one update has applied since. Groups filtered for
+  having no signal (rl.filter_groups) are counted apart, against their own, larger bound: many are expected."""
 
-  def __init__(self, max_in_a_row: int, resumed_from: int | None = None):
+  def __init__(self, max_in_a_row: int, resumed_from: int | None = None, max_filtered_in_a_row: int = 1000):
     self.max_in_a_row, self.resumed_from = max_in_a_row, resumed_from
+    self.max_filtered_in_a_row = max_filtered_in_a_row
     self.counts: collections.Counter[str] = collections.Counter()
     self.applied_since_start = False
 
   def failed(self, reason: str) -> None:
     self.counts[reason] += 1
-    if sum(self.counts.values()) >= self.max_in_a_row:
-      raise RuntimeError(f"no progress: {sum(self.counts.values())} failures in a row without an applied update "
-                         f"({dict(self.counts)}); {self.suspect()}")
+    filtered = self.counts["filtered"]
+    if filtered >= self.max_filtered_in_a_row:
+      raise RuntimeError(f"no progress: {filtered} groups in a row filtered out (all their rewards equal) without "
+                         "an applied update: every prompt is always solved or always failed by this policy, or the "
+                         "reward is constant (rl.max_filtered_in_a_row)")
+    if sum(self.counts.values()) - filtered >= self.max_in_a_row:
+      raise RuntimeError(f"no progress: {sum(self.counts.values()) - filtered} failures in a row without an applied "
+                         f"update ({dict(self.counts)}); {self.suspect()}")
 
   def applied(self) -> None:
     self.counts.clear()
@@ -77,11 +85,12 @@ class Coordination:
   record (data position and ledger) with the lock that changes it, the groups admitted and not yet settled, and
   the failures in a row."""
 
-  def __init__(self, record: RunRecord, max_failures_in_a_row: int, resumed_from: int | None = None):
+  def __init__(self, record: RunRecord, max_failures_in_a_row: int, resumed_from: int | None = None,
+               max_filtered_in_a_row: int = 1000):
     self.record = record
     self.lock = threading.Lock()  # data position, live groups and ledger change together (sampler vs checkpoint)
     self.live: set[int] = set()  # admitted, not yet trained or dropped
-    self.progress = Progress(max_failures_in_a_row, resumed_from)
+    self.progress = Progress(max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
     self.stop = threading.Event()  # set by any end: the last step, a stop request, an error
     self.abort = threading.Event()  # set by an error only
     self.stop_reason: str | None = None
@@ -120,6 +129,8 @@ class Coordination:
   def raise_errors(self) -> None:
     if self.errors:
       where, err, tb = self.errors[0]
+      if isinstance(err, RewardsBroken):  # one line: the reward and its error say what is wrong
+        raise err
       msg = f"jaxrl {where} failed: {type(err).__name__}: {err}\n--- original traceback ---\n{tb}"
       raise RuntimeError(msg) from err
 
@@ -172,8 +183,8 @@ class LocalCoordinator(Coordination):
   flight at the checkpoint resumed from are generated again first."""
 
   def __init__(self, record: RunRecord, num_steps: int, group_size: int, max_failures_in_a_row: int,
-               resumed_from: int | None = None):
-    super().__init__(record, max_failures_in_a_row, resumed_from)
+               resumed_from: int | None = None, max_filtered_in_a_row: int = 1000):
+    super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
     self.num_steps = num_steps
     self.regenerate = list(record.pending_group_ids)
     self.unadmitted = list(record.unadmitted_group_ids)

@@ -1,4 +1,5 @@
-"""jaxrl-train on a multi-process JAX job: every process runs this same command, with the same config.
+"""One process of a multi-process jaxrl-train job (`python -m jaxrl.distributed.job`): every process runs this same
+command, with the same config.
 
   python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
   (TPU VMs and Slurm: see launch/README.md)
@@ -44,7 +45,7 @@ from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.controller.spec import RunRecord
 from jaxrl.distributed import cli, runtime
-from jaxrl.distributed.channels import (
+from jaxrl.distributed.cross_process import (
   Ferry,
   Inbox,
   LearnerPublisher,
@@ -56,6 +57,7 @@ from jaxrl.distributed.channels import (
 from jaxrl.distributed.roles import LearnerProcess, SamplerProcess
 from jaxrl.distributed.transfer import TransferLog, WeightRoute, source_devices
 from jaxrl.distributed.watchdog import Watchdog, hard_exit
+from jaxrl.envs.guard import RewardsBroken
 from jaxrl.models import hf, lora, quant
 from jaxrl.sampler.slot_engine import compute_dtype_name
 
@@ -169,7 +171,7 @@ def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, job:
   job.store.barrier("learners_compiled", held.learner_processes)
   spec = side.spec
   coord = StoreCoordinator(job.store, job.topology, side.record, spec.num_steps, spec.group_size,
-                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s)
+                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s, spec.max_filtered_in_a_row)
   inbox = Inbox(len(replicas), coord.stop, job.store if held.lead else None, job.poll_s)
   loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
                      coord=coord, num_samplers=len(replicas), checkpointer=side.checkpointer, metrics=side.metrics,
@@ -229,7 +231,7 @@ def main(argv=None):
 
   flags_def = flags.FLAGS
   cli.define_flags(flags_def)
-  config_lib.parse_cli("jaxrl.distributed.train", argv)  # bad flags end here with one line, before any work
+  config_lib.parse_cli("jaxrl.distributed.job", argv)  # bad flags end here with one line, before any work
   # JAX's own heartbeat abort is the backstop, well after the watchdog's.
   runtime.initialize(heartbeat_timeout_s=int(3 * flags_def.heartbeat_timeout_s) + 10)
   store = runtime.Store()
@@ -258,7 +260,7 @@ def main(argv=None):
     reason = f"process {me} ({topology.name(me)}) failed: {type(e).__name__}: {first_line}"
     watchdog.stop_job(reason)
     print(f"jaxrl: {reason}", file=sys.stderr, flush=True)
-    watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError)) else EXIT_FAILED)
+    watchdog.leave(2 if isinstance(e, (config_lib.ConfigError, IntegrityError, RewardsBroken)) else EXIT_FAILED)
   watchdog.close()
   jax.distributed.shutdown()
   if me == topology.lead:

@@ -1,0 +1,52 @@
+"""Logical axis names and the rules that map them to mesh axes, for the learner's and the sampler's meshes.
+
+Apart from jaxrl.sharding (which re-exports them) because it imports the models: the kernels, which the models
+import, read the rules too, to run per device on the shards the rules give (jaxrl.kernels.mosaic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec as P
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
+LEARNER_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+)
+SAMPLER_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", "data"),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh,
+                    rules: Sequence[tuple[str, Any]]) -> P:
+  """Maps logical axes to a PartitionSpec; a mesh axis is used once, and only where it divides the dimension."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name, dim in zip(axes, shape, strict=True):
+    targets = table.get(name) if name is not None else None
+    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    chosen = tuple(t for t in targets if t in mesh.shape and t not in used and mesh.shape[t] > 1)
+    while chosen and dim % math.prod(mesh.shape[t] for t in chosen):
+      chosen = chosen[:-1]  # replicate what does not divide evenly (e.g. 2 kv heads on a tensor axis of 4)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return P(*spec)

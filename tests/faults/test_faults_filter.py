@@ -1,0 +1,66 @@
+"""Dynamic sampling (rl.filter_groups="zero_variance") at a 90% filter rate: no group whose rewards are all equal
+reaches the train step, every step still trains groups_per_step groups within the staleness bound, the ledger
+balances with the filtered groups counted by reason, in every topology and across a kill and resume; a policy that
+leaves nothing to train stops the run with one line instead of sampling for ever."""
+
+import json
+
+import pytest
+from faults_util import NUM_STEPS, check_history, committed_steps, inject, read_trace, tiny_config, wait_for
+from test_faults_topologies import GROUP_SIZE, TOPOLOGIES, command, kill_job, start_job
+
+from jaxrl import train as train_lib
+
+FILTER = {"task__reward": "faults_rewards:rare", "rl__filter_groups": "zero_variance"}
+
+
+def test_only_groups_with_signal_are_trained_and_every_filtered_group_is_counted(tmp_path, monkeypatch):
+  trained_rewards = []
+
+  def record(run):
+    loop = run.controller.learner_loop
+    real = loop._train
+
+    def train(groups):
+      trained_rewards.extend([r.reward for r in g] for g in groups)
+      return real(groups)
+
+    loop._train = train
+
+  inject(monkeypatch, record)
+  summary = train_lib.train(tiny_config("pipeline", **FILTER), tmp_path)
+  led = summary["ledger"]
+  assert summary["steps"] == NUM_STEPS and led["samples_trained"] == NUM_STEPS * 16
+  assert len(trained_rewards) == NUM_STEPS * 4 and all(len(set(g)) > 1 for g in trained_rewards)
+  assert led["zero_advantage_groups"] == 0
+  # ~90% of the groups filtered: each a counted drop, its samples and tokens under "filtered"
+  assert led["filtered_groups"] >= 4 * NUM_STEPS * 4 and led["dropped"]["filtered"] == GROUP_SIZE * led[
+      "filtered_groups"]
+  assert led["dropped_tokens"]["filtered"] > 0 and "dropped_filtered_mean_len" in summary["length_bias"]
+  assert summary["staleness_max"] <= 1  # k = 1: nothing trained staler (the learner also asserts it every step)
+  counts = check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=GROUP_SIZE)
+  assert counts["trained"] == NUM_STEPS * 16
+
+
+def test_a_policy_that_leaves_nothing_to_train_stops_the_run_with_one_line(tmp_path):
+  c = tiny_config("pipeline", task__reward="faults_rewards:always_zero", rl__filter_groups="zero_variance",
+                  rl__max_filtered_in_a_row=12)
+  with pytest.raises(RuntimeError, match=r"no progress: 12 groups in a row filtered out \(all their rewards equal\)"):
+    train_lib.train(c, tmp_path)
+  assert committed_steps(tmp_path) == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_dynamic_sampling_resumes_exactly_and_the_ledger_balances_in_every_topology(topology, tmp_path):
+  workdir, log = tmp_path / "run", tmp_path / "job.log"
+  args = command(topology, workdir, **FILTER)
+  proc = start_job(args, log)
+  wait_for(lambda: 2 in committed_steps(workdir), proc, timeout=300, what="the step-2 checkpoint")
+  kill_job(proc, log)
+  assert start_job(args, log).wait(timeout=300) == 0, log.read_text()[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  led = summary["ledger"]
+  assert summary["steps"] == NUM_STEPS and summary["resumed_from"] is not None
+  assert led["filtered_groups"] > 0 and led["dropped"]["filtered"] == GROUP_SIZE * led["filtered_groups"]
+  check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=GROUP_SIZE)

@@ -1,0 +1,117 @@
+"""The learner loop's own checks and bookkeeping (controller.learner_loop) around a stand-in train step: a group over
+the staleness bound or drawn with other sampling settings stops the step, a skipped update drops and counts its
+groups, tells the samplers and publishes nothing, an applied update publishes its version, and every step trains
+with its own rng."""
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl.controller.interfaces import LocalCoordinator
+from jaxrl.controller.learner_loop import LearnerLoop
+from jaxrl.controller.spec import RunRecord, RunSpec
+from jaxrl.rollout import Rollout, SamplingParams
+
+GROUP_SIZE, SEED = 2, 5
+DEFAULT = SamplingParams()
+
+
+@flax.struct.dataclass
+class _State:
+  params: jax.Array
+  version: jax.Array
+  step: jax.Array
+
+
+class _Rollouts:
+  def __init__(self, groups):
+    self.groups = list(groups)
+
+  def get(self, rank):
+    return self.groups.pop(0)
+
+  def depth(self):
+    return len(self.groups)
+
+
+class _Weights:
+  def __init__(self):
+    self.published = []
+
+  def publish(self, params, version):
+    self.published.append((float(params), version))
+
+
+def _group(gid, version, sampling=DEFAULT):
+  return [Rollout(np.array([1], np.int32), np.array([2, 3], np.int32), np.zeros(2, np.float32),
+                  np.full(2, version, np.int32), "eos", gid, i, sampling=sampling, reward=float(i))
+          for i in range(GROUP_SIZE)]
+
+
+def _loop(groups, *, version=0, num_steps=2, applies=None, max_staleness=1):
+  """A learner loop over `groups` (one a step) from state `version`; `applies`: whether each call of the stand-in
+  train step applies its update (default: all). Returns (loop, weights, the rng keys the steps were given)."""
+  spec = RunSpec(num_steps=num_steps, group_size=GROUP_SIZE, groups_per_step=1, seq_len=8,
+                 max_staleness=max_staleness, sampling=DEFAULT, seed=SEED)
+  applies, keys = list(applies or []), []
+
+  def train_step(state, batch, key):
+    keys.append(key)
+    applied = applies.pop(0) if applies else True
+    return state.replace(params=state.params + applied, version=state.version + applied, step=state.step + 1), \
+        {"updates_nonfinite": jnp.int32(not applied)}
+
+  record = RunRecord(next_group_id=len(groups))
+  coord = LocalCoordinator(record, num_steps, GROUP_SIZE, max_failures_in_a_row=100)
+  coord.live.update(g[0].group_id for g in groups)
+  state = _State(jnp.float32(0.0), jnp.int32(version), jnp.int32(version))
+  weights = _Weights()
+  loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=_Rollouts(groups), weights=weights,
+                     coord=coord)
+  return loop, weights, keys
+
+
+def test_an_applied_step_trains_its_samples_and_publishes_its_version():
+  loop, weights, _ = _loop([_group(0, 0), _group(1, 0)])
+  loop.run()
+  led = loop.ledger
+  assert loop.version == 2 and weights.published == [(1.0, 1), (2.0, 2)]
+  assert led.samples_trained == 2 * GROUP_SIZE and not led.dropped and led.skipped_updates == 0
+  assert loop.coord.live == set() and loop.trained_staleness == [0, 0, 1, 1]
+
+
+def test_a_skipped_update_drops_its_groups_tells_the_samplers_and_publishes_nothing(capsys):
+  loop, weights, _ = _loop([_group(0, 0), _group(1, 0), _group(2, 0)], applies=[False, True, True])
+  loop.run()
+  led = loop.ledger
+  assert loop.version == 2 and weights.published == [(1.0, 1), (2.0, 2)]  # the skipped step published nothing
+  assert led.skipped_updates == 1 and led.dropped == {"update_skipped": GROUP_SIZE} and led.dropped_groups == 1
+  assert led.samples_trained == 2 * GROUP_SIZE and loop.coord.updates_skipped() == 1
+  assert loop.coord.live == set()  # the skipped group is settled too: a checkpoint does not regenerate it
+  assert "update skipped at version 0" in capsys.readouterr().err
+
+
+def test_every_step_trains_with_the_rng_of_its_own_train_step():
+  loop, _, keys = _loop([_group(0, 0), _group(1, 0), _group(2, 0)], applies=[False, True, True])
+  loop.run()
+  want = [jax.random.fold_in(jax.random.key(SEED), s) for s in range(3)]  # by train step, skipped ones included
+  assert [jax.random.key_data(k).tolist() for k in keys] == [jax.random.key_data(k).tolist() for k in want]
+
+
+def test_a_group_at_the_staleness_bound_trains_and_one_past_it_stops_the_step():
+  loop, weights, _ = _loop([_group(0, 1)], version=2, num_steps=3)
+  loop.run()
+  assert loop.version == 3 and loop.trained_staleness == [1, 1]
+  loop, weights, _ = _loop([_group(0, 0)], version=2, num_steps=3)
+  with pytest.raises(RuntimeError, match=r"staleness invariant broken at step 2: \(group, staleness\) \[\(0, 2\)"):
+    loop.run()
+  assert loop.version == 2 and not weights.published and loop.ledger.samples_trained == 0
+
+
+def test_a_group_drawn_with_other_sampling_settings_stops_the_step():
+  loop, weights, _ = _loop([_group(0, 0, SamplingParams(temperature=0.5))])
+  with pytest.raises(ValueError, match=r"rollout \(group 0, sample 0\) was drawn with"):
+    loop.run()
+  assert loop.version == 0 and not weights.published
