@@ -302,8 +302,8 @@ def counts(text: str, chip: Hardware) -> dict:
   the datasheet roofline they imply on the chip."""
   costs = hlo.costs(text)
   return dict(flops=costs.flops, bytes_accessed=costs.bytes, collective_bytes=costs.collective_bytes,
-              unknown_loops=costs.unknown_loops, top_bytes=costs.top_bytes, top_collectives=costs.top_collectives,
-              top_flops=costs.top_flops, roofline=_roofline(costs, chip))
+              unknown_loops=costs.unknown_loops, kernel_calls=costs.kernel_calls, top_bytes=costs.top_bytes,
+              top_collectives=costs.top_collectives, top_flops=costs.top_flops, roofline=_roofline(costs, chip))
 
 
 def recount(report: dict, hlo_dir: str) -> dict:

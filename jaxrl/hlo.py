@@ -12,6 +12,9 @@ a fused or called computation as often as its caller. From that:
   collectives: the bytes of every all-gather (its output), all-reduce, reduce-scatter, all-to-all and
     collective-permute (their operands), by kind.
 
+A Mosaic kernel (a Pallas TPU kernel: splash attention, paged decode) is a custom call whose inside the HLO does not
+show: its operands and result count as bytes, its own FLOPs and traffic do not; `kernel_calls` says how many ran.
+
 All per device (an SPMD program is one device's). `top` keeps the ops that move the most bytes and collectives, named
 and FLOPs, named by the jax op that made them (their metadata), to say what a ratio above its target comes from.
 """
@@ -119,6 +122,7 @@ class Costs:
   bytes: float
   collective_bytes: dict[str, float]
   unknown_loops: int  # while loops whose trip count is not a constant (counted once)
+  kernel_calls: float  # runs of Mosaic kernels (tpu_custom_call): their own FLOPs and HBM traffic are not counted
   top_bytes: list[tuple[str, float]]  # (jax op, bytes) of the ops moving the most, summed by op name
   top_collectives: list[tuple[str, float]]
   top_flops: list[tuple[str, float]]
@@ -186,7 +190,7 @@ def costs(text: str, top: int = 8) -> Costs:
   computations, entry = parse(text)
   shapes = {op.name: op.shape for ops in computations.values() for op in ops}
   runs, fused, unknown = _runs(computations, entry)
-  flops = bytes_ = 0.0
+  flops = bytes_ = kernels = 0.0
   coll: dict[str, float] = collections.defaultdict(float)
   by_bytes: dict[str, float] = collections.defaultdict(float)
   by_coll: dict[str, float] = collections.defaultdict(float)
@@ -196,6 +200,7 @@ def costs(text: str, top: int = 8) -> Costs:
     if not n:
       continue
     for op in ops:
+      kernels += n * (op.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in op.attrs)
       label = _label(op)
       work = n * _flops(op, shapes)
       flops += work
@@ -210,7 +215,7 @@ def costs(text: str, top: int = 8) -> Costs:
       bytes_ += moved
       by_bytes[f"{op.opcode} {label}"] += moved
   ranked = lambda d: sorted(((k, v) for k, v in d.items() if v), key=lambda kv: -kv[1])[:top]
-  return Costs(flops, bytes_, dict(coll), unknown, ranked(by_bytes), ranked(by_coll), ranked(by_flops))
+  return Costs(flops, bytes_, dict(coll), unknown, kernels, ranked(by_bytes), ranked(by_coll), ranked(by_flops))
 
 
 def _runs(computations: dict[str, list[Op]], entry: str) -> tuple[dict[str, float], set[str], int]:

@@ -88,3 +88,33 @@ def test_a_data_dependent_loop_is_counted_once_and_said():
 
   costs = hlo.costs(compiled_text(until, jnp.asarray(np.eye(4, dtype=np.float32))))
   assert costs.unknown_loops == 1 and costs.flops == 2 * 4**3
+
+
+def test_a_mosaic_kernel_is_counted_as_a_call_not_as_flops():
+  """A Pallas TPU kernel is a custom call: the HLO shows its operands and result, not its work."""
+  text = """HloModule m
+%body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %k = f32[8,128] custom-call(%x), custom_call_target="tpu_custom_call"
+  ROOT %t = (s32[], f32[8,128]) tuple(%next, %k)
+}
+%cond (p: (s32[], f32[8,128])) -> pred[] {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (x: f32[8,128]) -> (s32[], f32[8,128]) {
+  %x = f32[8,128] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,128]) tuple(%zero, %x)
+  ROOT %w = (s32[], f32[8,128]) while(%init), condition=%cond, body=%body
+}
+"""
+  costs = hlo.costs(text)
+  assert costs.kernel_calls == 3 and costs.flops == 0 and costs.unknown_loops == 0
+  assert costs.bytes >= 3 * 2 * 8 * 128 * 4  # each call's operand and result
