@@ -311,6 +311,11 @@ def _validate_model_and_task(c, need, get) -> None:
       raise ConfigError(f"config: model.tiny: {e}") from None
   elif source != "smollm2":
     need(Path(source).is_dir(), f"model.source={source!r} is neither 'tiny', 'smollm2' nor a folder")
+  preset = get("model.preset")
+  if preset != "":
+    from jaxrl.models.presets import PRESETS
+
+    need(preset in PRESETS, f"model.preset={preset!r}; known: {sorted(PRESETS)}")
   if get("model.lora.enabled"):
     targets = get("model.lora.targets")
     need(isinstance(targets, str), f"model.lora.targets must be a regular expression string (got {targets!r})")

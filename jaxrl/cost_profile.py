@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from jaxrl import config as config_lib
+from jaxrl import platforms
 from jaxrl.controller import build as build_lib
 from jaxrl.metrics import read_jsonl
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
@@ -398,6 +399,7 @@ def summary(cal: Calibration, details: dict) -> str:
 
 
 def main(argv=None):
+  platforms.skip_tpu_probe()
   from absl import app, flags
   from ml_collections import config_flags
 

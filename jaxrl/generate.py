@@ -32,6 +32,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from jaxrl import config as config_lib
+from jaxrl import platforms
 from jaxrl.controller import sides
 from jaxrl.models import Decoder, ModelConfig, hf, lora
 from jaxrl.models.hf import load_config, load_params
@@ -277,6 +278,7 @@ def main(argv):
 
 def run():
   """Console entry point (jaxrl-generate)."""
+  platforms.skip_tpu_probe()
   app.run(main)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import sharding
+from jaxrl import platforms, sharding
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.build import abstract_train_state, base_params, model_source
 from jaxrl.models import ModelConfig, hf, lora
@@ -92,6 +92,7 @@ def export(policy: Policy, out: str | os.PathLike) -> Path:
 
 def export_main(argv=None):
   """Console entry point (jaxrl-export)."""
+  platforms.skip_tpu_probe()
   from absl import flags
   from ml_collections import config_flags
 

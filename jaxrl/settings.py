@@ -167,6 +167,10 @@ class LoRA:
 @dataclasses.dataclass(frozen=True)
 class Model:
   source: str = Other("tiny", '"tiny" (random ModelConfig.tiny), "smollm2" (fetched by jaxrl-assets), or a HF folder')
+  # A published model's shape by name (jaxrl/models/presets.py): sizing, jaxrl-compile or training from random
+  # weights without downloading the model; the tokenizer (text tasks) is still model.source's
+  preset: str = Other("", 'a model shape by name ("qwen2.5-7b", "llama-3.1-70b", ...; jaxrl.models.presets) that '
+                      "replaces model.source's, random weights, none read; \"\": off")
   tiny: Frozen = Other(dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                             num_kv_heads=2, head_dim=8), 'sizes of the "tiny" model (and eos_token_ids=(...): ids '
                        "that end a sample; none by default, so every sample runs to sampler.max_new_tokens)")

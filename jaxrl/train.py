@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, sharding
+from jaxrl import hostmem, platforms, sharding
 from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
 from jaxrl.controller import auto, sides
 from jaxrl.controller import build as build_lib
@@ -164,6 +164,7 @@ def _cpu_devices() -> None:
 
 
 def main(argv=None):
+  platforms.skip_tpu_probe()
   _cpu_devices()
   hostmem.return_freed_memory()
   from absl import flags

@@ -14,6 +14,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+from jaxrl import platforms  # noqa: E402
+
+platforms.skip_tpu_probe()  # libtpu is installed (the test extra): no TPU probe, here nor in subprocesses
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

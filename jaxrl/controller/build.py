@@ -24,7 +24,7 @@ from jaxrl.learner import StepConfig, init_train_state, jit_train_step, make_opt
 from jaxrl.learner.packing import pack_batch, row_buckets
 from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
-from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora
+from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora, presets
 from jaxrl.models.lora import LoRAConfig
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Engine, Sampler, make_engine
@@ -33,22 +33,37 @@ from jaxrl.settings import RunConfig
 
 
 def model_source(c: RunConfig) -> tuple[ModelConfig, Any, Path | None]:
-  """(model config, tokenizer, HF folder or None) of c.model: cheap, read before any params are loaded."""
+  """(model config, tokenizer, HF folder of the weights or None) of c.model: cheap, read before any params are
+  loaded. With model.preset the weights are random (no folder), the tokenizer still model.source's."""
+  cfg = model_config(c)
+  if c.model.source == "tiny":
+    return cfg, None, None
+  import transformers
+
+  path = _source_path(c)
+  return cfg, transformers.AutoTokenizer.from_pretrained(str(path)), None if c.model.preset else path
+
+
+def model_config(c: RunConfig, platform: str | None = None) -> ModelConfig:
+  """The ModelConfig of c.model for a run on `platform` (default: this host's backend): model.preset's shape, the
+  "tiny" sizes, or the HF folder's config.json (no weights read)."""
   # bfloat16 compute (float32 master weights by default) on accelerators; float32 on CPU, where bf16 is slow.
-  dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  platform = platform or jax.default_backend()
+  dtype = c.model.dtype if c.model.dtype != "auto" else "float32" if platform == "cpu" else "bfloat16"
   overrides = dict(dtype=dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                    remat_policy=c.model.remat_policy, train_attention=c.model.train_attention,
                    scan_unroll=c.model.scan_unroll, lora=lora_config(c))
+  if c.model.preset:
+    return ModelConfig(**{**presets.shape(c.model.preset), **overrides})
   if c.model.source == "tiny":
-    cfg = ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
-    return cfg, None, None
-  if c.model.source == "smollm2":
-    path = smollm2_path()
-  else:
-    path = Path(c.model.source).expanduser()
-  import transformers
+    return ModelConfig.tiny(**c.model.tiny.to_dict(), **overrides, max_position_embeddings=c.sampler.max_len)
+  return hf.load_config(_source_path(c), **overrides)
 
-  return hf.load_config(path, **overrides), transformers.AutoTokenizer.from_pretrained(str(path)), path
+
+def _source_path(c: RunConfig) -> Path:
+  if c.model.source == "smollm2":
+    return smollm2_path()
+  return Path(c.model.source).expanduser()
 
 
 def run_shapes(c: RunConfig) -> tuple[int, float]:
@@ -156,10 +171,28 @@ def _with_ref(c: RunConfig) -> bool:
 def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None, spec: RunSpec) -> Learner:
   """The learner of a config; with LoRA its state trains the adapters (params) on the frozen base (frozen)."""
   model_cfg, graphdef, params = base_params(c, model_cfg, path, _param_shardings(mesh))
-  frozen = frozen_sh = None
+  frozen = None
   if model_cfg.lora is not None:
     params, frozen = lora.split(params)
-    frozen_sh = _param_shardings(mesh)(frozen)
+  step = learner_step(c, mesh, graphdef, params, spec, frozen)
+  # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
+  state = init_train_state(params, step.optimizer, rng=c.seed, shardings=step.state_shardings, frozen=frozen,
+                           ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
+  return Learner(model_cfg, graphdef, step.train_step, state, step.state_shardings, step.batch_sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerStep:
+  optimizer: Any
+  train_step: Any  # (state, batch, key) -> (state, metrics), jitted with in/out shardings
+  state_shardings: Any
+  batch_sharding: Any
+
+
+def learner_step(c: RunConfig, mesh, graphdef, params, spec: RunSpec, frozen=None) -> LearnerStep:
+  """The run's train step on `mesh` for params (arrays, or abstract ones: jaxrl-compile builds the step from
+  shapes alone) and, with LoRA, the frozen base."""
+  frozen_sh = None if frozen is None else _param_shardings(mesh)(frozen)
   optimizer = run_optimizer(c)
   state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh, with_ref=_with_ref(c),
                                    frozen=frozen, frozen_shardings=frozen_sh)
@@ -170,11 +203,14 @@ def build_learner(c: RunConfig, mesh, model_cfg: ModelConfig, path: Path | None,
                            seq_len=rl.seq_len, num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
                            batch_sharding=rows, row_buckets=spec.row_buckets, logprob_chunk=rl.logprob_chunk,
                            atomic=rl.atomic_step, microbatch_rows=rl.microbatch_rows)
-  train_step = jit_train_step(step_config, state_sh)
-  # The KL reference is the initial policy: with LoRA its adapters (B = 0) on the shared base, a small copy.
-  state = init_train_state(params, optimizer, rng=c.seed, shardings=state_sh, frozen=frozen,
-                           ref_params=jax.tree.map(jnp.copy, params) if _with_ref(c) else None)
-  return Learner(model_cfg, graphdef, train_step, state, state_sh, rows)
+  return LearnerStep(optimizer, jit_train_step(step_config, state_sh), state_sh, rows)
+
+
+def abstract_init_state(c: RunConfig, optimizer, params, frozen=None):
+  """The shapes of the run's initial TrainState from (abstract) params: what init_train_state makes."""
+  with_ref = _with_ref(c)
+  return jax.eval_shape(lambda p, f: init_train_state(p, optimizer, rng=c.seed, frozen=f,
+                                                      ref_params=p if with_ref else None), params, frozen)
 
 
 def abstract_train_state(c: RunConfig, abstract_params, mesh):
@@ -186,8 +222,7 @@ def abstract_train_state(c: RunConfig, abstract_params, mesh):
   with_ref = _with_ref(c)
   state_sh = train_state_shardings(abstract_params, optimizer, _param_shardings(mesh)(abstract_params), mesh,
                                    with_ref)
-  abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, rng=c.seed, ref_params=p if with_ref else None),
-                            abstract_params)
+  abstract = abstract_init_state(c, optimizer, abstract_params)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
 
 

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl import config as config_lib
-from jaxrl import settings, sharding
+from jaxrl import platforms, settings, sharding
 from jaxrl.checkpoint import IntegrityError
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
@@ -226,6 +226,7 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
 
 
 def main(argv=None):
+  platforms.skip_tpu_probe()
   from absl import flags
 
   flags_def = flags.FLAGS

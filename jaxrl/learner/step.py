@@ -187,11 +187,8 @@ class StepConfig:
 
   def chunks(self, rows: int) -> int:
     """Gradient-accumulation chunks per update for a batch of `rows` rows (see microbatch_rows)."""
-    if not self.microbatch_rows:
-      return self.num_microbatches
-    per_device = rows // (self.num_minibatches * batch_shards(self.batch_sharding))
-    return next(d for d in range(self.num_microbatches, per_device + 1)
-                if per_device % d == 0 and per_device // d <= self.microbatch_rows)
+    return chunk_count(rows // (self.num_minibatches * batch_shards(self.batch_sharding)), self.num_microbatches,
+                       self.microbatch_rows)
 
   def constrain(self, x: jax.Array, axis: int) -> jax.Array:
     """x with `axis` split over the batch's devices (the other axes whole)."""
@@ -200,6 +197,15 @@ class StepConfig:
     spec = [None] * x.ndim
     spec[axis] = self.batch_sharding.spec[0]
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.batch_sharding.mesh, P(*spec)))
+
+
+def chunk_count(rows_per_device: int, num_microbatches: int, microbatch_rows: int) -> int:
+  """Gradient-accumulation chunks of an update of rows_per_device rows on each device: num_microbatches, or with
+  microbatch_rows > 0 the fewest (at least num_microbatches) that split them evenly into chunks of at most that."""
+  if not microbatch_rows:
+    return num_microbatches
+  return next(d for d in range(num_microbatches, rows_per_device + 1)
+              if rows_per_device % d == 0 and rows_per_device // d <= microbatch_rows)
 
 
 def jit_train_step(config: StepConfig, shardings: TrainState | None = None):
@@ -212,7 +218,9 @@ def jit_train_step(config: StepConfig, shardings: TrainState | None = None):
   if shardings is None:
     return jax.jit(step, donate_argnums=0)
   replicated = NamedSharding(config.batch_sharding.mesh, P())
-  step = under_mesh(step, config.batch_sharding.mesh)  # its attention kernel runs in shard_map over the mesh
+  # Under the mesh: its attention kernel runs in shard_map over it, and the model keeps its activations row-sharded
+  # (sharding.constrain_rows)
+  step = under_mesh(step, config.batch_sharding.mesh)
   return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch_shardings(config.batch_sharding), replicated),
                  out_shardings=(shardings, replicated))
 

@@ -279,13 +279,16 @@ class Decoder(nnx.Module):
     unroll = min(cfg.scan_unroll, cfg.num_layers)
 
     if cache is None:
+      from jaxrl.sharding import constrain_rows  # (jaxrl.sharding imports this package)
+
       def body(x, state):
-        x, _ = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
+        x, _ = nnx.merge(graphdef, state)(constrain_rows(x), positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
         return x, None
 
       if cfg.remat:
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
       x, _ = jax.lax.scan(body, x, stacked, unroll=unroll)
+      x = constrain_rows(x)
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
       # in place and no second cache-sized buffer exists.

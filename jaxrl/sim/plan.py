@@ -10,6 +10,7 @@ speedup_vs_length.png to the output directory.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import time
@@ -18,8 +19,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxrl.sim import compiled, intervals, planner, plots
 from jaxrl.sim import costs as costs_lib
-from jaxrl.sim import intervals, planner, plots
 from jaxrl.sim import lengths as lengths_lib
 from jaxrl.sim.calibrate import Calibration
 from jaxrl.sim.hardware import preset
@@ -30,7 +31,15 @@ def build(config) -> dict:
   """Costs, workload and planner arguments from a plan config (importable for notebooks and tests)."""
   model = costs_lib.ModelSpec.from_dims(**config.model)
   hw = preset(config.hardware).replace(**dict(config.hardware_overrides))
-  if config.calibration:
+  if config.compiled:
+    with open(config.compiled) as f:
+      report = json.load(f)
+    model, hw = compiled.model_spec(report), preset(report["chip"]).replace(**dict(config.hardware_overrides))
+    costs = compiled.compiled_costs(
+        report, mem_eff=config.mem_eff, flop_eff=config.flop_eff, mfu=config.mfu, overhead_s=config.overhead_s,
+        knee_sharpness=config.knee_sharpness, max_batch_cap=config.max_batch_cap, slot_tokens=config.slot_tokens,
+        train_overhead_s=config.train_overhead_s, sync_overhead_s=config.sync_overhead_s)
+  elif config.calibration:
     costs = Calibration.load(config.calibration).costs()
   else:
     costs = costs_lib.roofline_costs(

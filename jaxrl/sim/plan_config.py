@@ -14,6 +14,9 @@ def base() -> ml_collections.ConfigDict:
   c.hardware = "h100"
   c.hardware_overrides = ml_collections.ConfigDict()  # Hardware fields to replace, e.g. link_bandwidth
   c.calibration = ""  # a Calibration JSON (jaxrl-profile output); when set it replaces the roofline costs
+  # a jaxrl-compile report (JSON): costs from its compiled programs on its chip (jaxrl/sim/compiled.py), with mem_eff,
+  # flop_eff, mfu and the overheads below; it replaces the roofline (hardware and model are then the report's)
+  c.compiled = ""
   c.pool = 8  # devices to split between sampler and learner
   c.devices_per_engine = 1  # devices of one sampler engine (its tensor-parallel degree)
   c.slot_tokens = 4096  # KV-cache tokens reserved per live sequence; sets the slots per engine
