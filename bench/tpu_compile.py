@@ -30,12 +30,15 @@ ROWS = [
     ("llama-3.1-70b", "v5p:4x4x4", ["--config.mesh.sampler_devices=32", "--config.mesh.sampler_axes.tensor=4"], ""),
     ("qwen2.5-0.5b", "v5e:2x2", ["--config.mesh.sampler_devices=2", "--config.sampler.max_slots=32"], "32 slots"),
     ("qwen2.5-7b", "v5p:4x4x2", ["--config.sampler.kv=dense"], "dense KV"),
+    ("qwen2.5-7b", "v5p:4x4x2", ["--config.model.train_attention=splash", "--config.sampler.kv=dense"],
+     "splash, dense KV"),
 ]
 GiB = 2**30
 
 
 def report_path(preset: str, target: str, tag: str = "") -> Path:
-  return RESULTS / f"compile_{preset}_{target.replace(':', '-')}{'_' + tag.replace(' ', '-') if tag else ''}.json"
+  suffix = "_" + tag.replace(", ", "_").replace(" ", "-") if tag else ""
+  return RESULTS / f"compile_{preset}_{target.replace(':', '-')}{suffix}.json"
 
 
 def command(preset: str, target: str, extra: list[str], tag: str) -> list[str]:
@@ -87,7 +90,8 @@ def row(preset: str, target: str, extra: list[str], tag: str) -> dict | None:
   if r["fits"]:
     train = next(p for n, p in programs.items() if n.startswith("train_step"))
     decode = next(p for n, p in programs.items() if n.startswith("decode"))
-    out.update(kv_sequences={k: r["kv_capacity"][k] for k in ("4096", "16384", "32768")},
+    out.update(kernel_calls=train.get("kernel_calls", 0),
+               kv_sequences={k: r["kv_capacity"][k] for k in ("4096", "16384", "32768")},
                learner_step_s=train["roofline"]["bound_s"],
                decode_step_s=decode["roofline"]["bound_s"] / decode["steps_per_call"],
                efficiency={k: v["ratio"] for k, v in r["efficiency"].items()},
@@ -121,8 +125,9 @@ def markdown(rows: list[dict]) -> str:
     kv = " / ".join(str(r["kv_sequences"][k]) for k in ("4096", "16384", "32768"))
     n = r["sampler_replicas"]
     replicas = f"{n} replica{'s' if n > 1 else ''} of {r['replica_chips']}"
+    kernel = " (without the kernel's own work)" if r["kernel_calls"] else ""
     lines.append(f"| {name} | {r['target']} ({r['chips']}) | {r['split']} ({replicas}) | "
-                 f"{r['learner_gib']:.1f} | {r['sampler_gib']:.1f} | {kv} | {r['learner_step_s']:.2f} | "
+                 f"{r['learner_gib']:.1f} | {r['sampler_gib']:.1f} | {kv} | {r['learner_step_s']:.2f}{kernel} | "
                  f"{1e3 * r['decode_step_s']:.1f} | {recommendation(r['plan_compiled'])} | "
                  f"{recommendation(r['plan_roofline'])} |")
   return "\n".join(lines)
