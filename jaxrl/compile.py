@@ -36,6 +36,8 @@ from jaxrl import compile_efficiency, hlo, platforms
 from jaxrl import config as config_lib
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
+from jaxrl.distributed import runtime
+from jaxrl.distributed.job import roles
 from jaxrl.learner.step import batch_shardings, batch_shards, chunk_count, fixed_param_pass_count
 from jaxrl.models import ModelConfig, hf, lora, quant
 from jaxrl.rollout import SamplingParams
@@ -101,9 +103,6 @@ def split(c: RunConfig, devices) -> sides.Roles:
   pool = list(devices) if c.mesh.num_devices == -1 else list(devices)[: c.mesh.num_devices]
   if len({d.process_index for d in pool}) == 1:
     return sides.Roles.single(c, pool)
-  from jaxrl.distributed import runtime
-  from jaxrl.distributed.job import roles
-
   try:
     topology = runtime.Topology.split(c.mesh.sampler_devices, pool, 0)
   except ValueError as e:

@@ -24,6 +24,7 @@ from jaxrl.learner.config import LossConfig
 from jaxrl.learner.optim import make_optimizer
 from jaxrl.models import ModelConfig
 from jaxrl.models.lora import LoRAConfig
+from jaxrl.models.presets import PRESETS
 from jaxrl.rollout import SamplingParams
 from jaxrl.settings import SETTINGS, RunConfig, from_tree, help_text, is_int, is_real
 from jaxrl.sharding import resolve_axis_sizes
@@ -313,8 +314,6 @@ def _validate_model_and_task(c, need, get) -> None:
     need(Path(source).is_dir(), f"model.source={source!r} is neither 'tiny', 'smollm2' nor a folder")
   preset = get("model.preset")
   if preset != "":
-    from jaxrl.models.presets import PRESETS
-
     need(preset in PRESETS, f"model.preset={preset!r}; known: {sorted(PRESETS)}")
   if get("model.lora.enabled"):
     targets = get("model.lora.targets")

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 # The logical-axis rules live in jaxrl.axes (no model imports: the kernels read them too); imported from here as before.
 from jaxrl.axes import LEARNER_RULES as LEARNER_RULES
 from jaxrl.axes import SAMPLER_RULES as SAMPLER_RULES
+from jaxrl.axes import constrain_rows as constrain_rows
 from jaxrl.axes import logical_to_spec
 from jaxrl.models import quant
 
@@ -130,19 +131,6 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[tuple[str, An
       lambda v, a: NamedSharding(mesh, logical_to_spec(a, v.get_value().shape, mesh, rules)),
       params, axes, is_leaf=lambda x: _is_variable(x) or isinstance(x, tuple),
   )
-
-
-def constrain_rows(x: jax.Array) -> jax.Array:
-  """x with its leading (row) axis split over the learner's batch axes (LEARNER_RULES) of the mesh in context, the
-  rest whole; unchanged without one. The learner's train step traces under its mesh (under_mesh), so a model's
-  activations stay row-sharded through the layer scan and FSDP gathers each layer's weights: left to itself,
-  XLA:TPU kept the weights sharded and all-reduced the whole batch's activations on every chip instead (5.8x FSDP's
-  collective bytes on Qwen2.5-7B; docs/TPU.md)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = () if mesh.empty else tuple(a for a in dict(LEARNER_RULES)["batch"] if a in mesh.axis_names)
-  if not axes:
-    return x
-  return jax.lax.with_sharding_constraint(x, P(axes, *([None] * (x.ndim - 1))))
 
 
 def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]], ndim: int = 2) -> NamedSharding:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.axes import constrain_rows
 from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
@@ -279,8 +280,6 @@ class Decoder(nnx.Module):
     unroll = min(cfg.scan_unroll, cfg.num_layers)
 
     if cache is None:
-      from jaxrl.sharding import constrain_rows  # (jaxrl.sharding imports this package)
-
       def body(x, state):
         x, _ = nnx.merge(graphdef, state)(constrain_rows(x), positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
         return x, None
