@@ -55,7 +55,7 @@ def test_packet_round_trip_is_bitwise():
       [_rollout(7, 0, [1, 2, 3], [4, 5], 0.1 + 0.2, meta={"correct": True}),  # a reward with no exact float32
        _rollout(7, 1, [1, 2, 3], [], float("nan"), finish_reason="eos", meta={"correct": False})],
       [_rollout(2**31 - 1, 0, [9] * 10, list(range(22)), -0.0, finish_reason="stop",
-                sampling=SamplingParams(temperature=0.7, top_k=40, top_p=0.95))],
+                sampling=SamplingParams(temperature=0.7, top_k=40, top_p=0.95), left_out="surplus")],
   ]
   groups[0][0].logprobs[1] = np.float32(-1e-45)  # a denormal survives too
   packet = packets.encode(groups, max_len=32)
@@ -67,7 +67,8 @@ def test_packet_round_trip_is_bitwise():
       a, b = getattr(want, field), getattr(got, field)
       assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), field
     assert np.float64(want.reward).tobytes() == np.float64(got.reward).tobytes()
-    assert (want.finish_reason, want.sample_index) == (got.finish_reason, got.sample_index)
+    assert (want.finish_reason, want.sample_index, want.left_out) == (got.finish_reason, got.sample_index,
+                                                                      got.left_out)
     assert got.meta == {k: v for k, v in want.meta.items() if k == "correct"}
     assert got.sampling == want.sampling  # exactly: the learner refuses tokens drawn under other settings
 
@@ -89,7 +90,7 @@ def test_packet_carries_the_loss_mask_of_multi_turn_samples():
 def test_packet_errors_name_the_problem():
   with pytest.raises(ValueError, match="group 3 sample 0 has 9 tokens, more than max_len=8"):
     packets.encode([[_rollout(3, 0, [1] * 5, [2] * 4, 1.0)]], max_len=8)
-  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 38\]\)"):
+  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 39\]\)"):
     packets.decode(np.zeros((2, 5), np.int32), max_len=8)
 
 

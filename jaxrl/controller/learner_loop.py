@@ -118,7 +118,8 @@ class LearnerLoop:
       self.ledger.filtered_groups += reason == "filtered"
       self.coord.settle(group[0].group_id)
       self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
-      self.coord.progress.failed(reason)
+      if reason != "surplus":  # surplus groups had signal: dynamic sampling's cost, not a failure to progress
+        self.coord.progress.failed(reason)
     return False
 
   def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrl.controller.assembly import DeadlineBook, reject_reason
+from jaxrl.controller.assembly import DeadlineBook, over_ask, reject_reason
 from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
 from jaxrl.controller.rollouts import GroupAssembler
 from jaxrl.controller.spec import RunSpec, SkipPrompt
@@ -37,6 +37,7 @@ class SamplerLoop:
     self.assembler = GroupAssembler()
     self.busy = 0.0
     self._outbox: list[list[Rollout]] = []  # complete groups not put on the channel yet
+    self.finished_groups = self.rejected_groups = 0  # scored here, and of those not trainable (over_ask's rate)
 
   @property
   def ledger(self):
@@ -58,17 +59,13 @@ class SamplerLoop:
       while self.sampler.num_waiting < self.sampler.engine.max_slots and self.book.room(self.sampler.version):
         self._admit_one()
       if self.sampler.num_active or self.sampler.num_waiting:
-        for g in self._complete_groups(self.sampler.step()):
-          if reject_reason(g, spec.seq_len, spec.filter_groups) is None:
-            self.book.finish(g)
-          else:  # sent on its own: the learner drops and counts it
-            self.book.discard(g[0].group_id)
-            self._outbox.append(g)
+        self._finish(self._complete_groups(self.sampler.step()))
       while self.book.shares < coord.shares_asked():
         share = self.book.take()
         if share is None:
           break
         self._outbox += share
+      self._outbox += self._surplus()
       self.busy += time.perf_counter() - t0
       if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
         coord.idle(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
@@ -77,6 +74,27 @@ class SamplerLoop:
         sent = self.rollouts.send_s
         self.rollouts.put_all(self._outbox)  # blocks when the learner is behind (back-pressure)
         self.busy += self.rollouts.send_s - sent  # sending is the loop's work (a packet's encoding and copy-out)
+
+  def _finish(self, groups: list[list[Rollout]]) -> None:
+    """Finished, scored groups into the book, or (not trainable) on their own to the learner, which drops and counts
+    them; with rl.filter_groups, the rate of the latter sets how far admission over-asks."""
+    for g in groups:
+      if reject_reason(g, self.spec.seq_len, self.spec.filter_groups) is None:
+        self.book.finish(g)
+      else:
+        self.book.discard(g[0].group_id)
+        self._outbox.append(g)
+        self.rejected_groups += 1
+      self.finished_groups += 1
+    if self.spec.filter_groups != "none":
+      self.book.over_ask = over_ask(self.rejected_groups, self.finished_groups)
+
+  def _surplus(self) -> list[list[Rollout]]:
+    """Groups over-asked beyond their step's places, past their deadline: marked, for the learner to drop."""
+    groups, self.book.surplus = self.book.surplus, []
+    for r in (r for g in groups for r in g):
+      r.left_out = "surplus"
+    return groups
 
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
@@ -123,5 +141,5 @@ class SamplerLoop:
     """Finished samples neither trained nor dropped on this side: in open groups, waiting for a share, not yet on
     the channel, or on the channel's sending end."""
     partial = sum(len(v) for v in self.assembler._open.values())
-    waiting = self._outbox + (self.book.finished if self.book else [])
+    waiting = self._outbox + (self.book.finished + self.book.surplus if self.book else [])
     return partial + sum(len(g) for g in waiting) + self.rollouts.unsent()
