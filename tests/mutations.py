@@ -243,8 +243,7 @@ CONTROLLER = (
              "self.deadline[group_id] = version + self.admit_bound + 1",
              (BOOK + "out_of_order_completion_drops_nothing_and_keeps_the_bound",)),
     Mutation("assembly: room for one step too many", AS,
-             "return max(0, (last - self.step + 1) * self.gb - len(self.deadline))",
-             "return max(0, (last - self.step + 2) * self.gb - len(self.deadline))",
+             "places = max(0, last - self.step + 1) * self.gb", "places = max(0, last - self.step + 2) * self.gb",
              (BOOK + "a_share_waits_for_a_group_due_now_and_fills_in_completion_order",)),
     Mutation("assembly: skipped updates not in the book's step", AS, "return self.base + self.shares - self.skipped",
              "return self.base + self.shares", (BOOK + "skipped_updates_and_discards_give_the_room_back",)),
@@ -369,6 +368,14 @@ GUARD = (
     Mutation("dynamic sampling: filtered groups never bounded", "jaxrl/controller/interfaces.py",
              "if filtered >= self.max_filtered_in_a_row:", "if False:",
              (FILTER_T + "a_policy_that_leaves_nothing_to_train_stops_the_run_with_one_line",)),
+    Mutation("dynamic sampling: over-ask ignores the filter rate", "jaxrl/controller/assembly.py",
+             "return min(MAX_OVER_ASK, (finished + 1) / (finished - rejected + 1))", "return 1.0",
+             (BOOK + "over_ask_is_the_inverse_kept_fraction_with_a_prior_within_bounds",)),
+    Mutation("dynamic sampling: surplus kept past its deadline", "jaxrl/controller/assembly.py",
+             "    self._leave_out_past(step, done - chosen)\n", "",
+             (BOOK + "over_asked_groups_beyond_the_places_are_surplus_at_their_deadline",)),
+    Mutation("dynamic sampling: a surplus group trained", "jaxrl/controller/assembly.py",
+             "  if group[0].left_out is not None:\n    return group[0].left_out\n", "", (REJECT,)),
 )
 
 MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD
