@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.axes import constrain_rows
 from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
@@ -280,12 +281,13 @@ class Decoder(nnx.Module):
 
     if cache is None:
       def body(x, state):
-        x, _ = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
+        x, _ = nnx.merge(graphdef, state)(constrain_rows(x), positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
         return x, None
 
       if cfg.remat:
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
       x, _ = jax.lax.scan(body, x, stacked, unroll=unroll)
+      x = constrain_rows(x)
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
       # in place and no second cache-sized buffer exists.
