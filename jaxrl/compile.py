@@ -65,9 +65,9 @@ class Target:
 def target(name: str) -> Target:
   """The chips of a TPU topology ("v5e:2x2", "v5p:4x4x2", "v6e:4x4", ...) as libtpu describes them."""
   if name.startswith("gpu:"):
-    raise CompileError(f"--target={name}: compiling for a GPU without one needs a CUDA jaxlib plugin with a deviceless "
-                       "topology API, which this jax install lacks; compile on the GPU host (jaxrl-profile, "
-                       "bench/device) instead")
+    raise CompileError(f"--target={name}: a deviceless GPU compile needs a CUDA jaxlib plugin whose topology API "
+                       "works without a GPU; jax-cuda12-plugin 0.12.0.1's says 'No visible GPU devices' (docs/TPU.md), "
+                       "so compile on the GPU host (jaxrl-profile, bench/device) instead")
   generation, _, shape = name.partition(":")
   if generation not in TPU_CHIPS or not re.fullmatch(r"[0-9]+(x[0-9]+)*", shape):
     raise CompileError(f"--target={name!r}: a TPU topology like 'v5e:2x2', 'v5p:4x4x2' or 'v6e:4x4' "
