@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 # The logical-axis rules live in jaxrl.axes (no model imports: the kernels read them too); imported from here as before.
 from jaxrl.axes import LEARNER_RULES as LEARNER_RULES
 from jaxrl.axes import SAMPLER_RULES as SAMPLER_RULES
+from jaxrl.axes import constrain_rows as constrain_rows
 from jaxrl.axes import logical_to_spec
 from jaxrl.models import quant
 

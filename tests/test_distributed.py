@@ -315,6 +315,33 @@ def test_launcher_passes_a_sigterm_on_to_every_process(tmp_path, monkeypatch, ca
   assert signal.getsignal(signal.SIGTERM) is before  # the launcher's handler is gone with the job
 
 
+def test_processes_of_a_cpu_job_compile_their_programs_themselves(tmp_path, monkeypatch, capsys):
+  """The persistent compilation cache is off in a multi-process CPU job: with it, process 0 alone ran executables
+  loaded from the cache (its key holds each process's own CPU topology) beside the others' fresh compiles, whose
+  collectives XLA:CPU issued in another order, and a 2-learner-process job hung (runtime.initialize)."""
+  cache = tmp_path / "cache"
+  (tmp_path / "cross_process_sum.py").write_text(textwrap.dedent(f"""
+      import os
+      import jax, numpy as np
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from jaxrl.distributed import runtime
+      runtime.initialize()
+      jax.config.update("jax_compilation_cache_dir", {str(cache)!r})
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+      jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+      mesh = jax.make_mesh((2,), ("data",), devices=jax.devices())
+      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.full(3, jax.process_index() + 1.0))
+      total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+      entries = len(os.listdir({str(cache)!r})) if os.path.isdir({str(cache)!r}) else 0
+      print(f"process {{jax.process_index()}}: sum {{float(total)}}, cache entries {{entries}}", flush=True)
+  """))
+  monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
+  assert launch.main(["--num_processes=2", "--devices_per_process=1", "--module=cross_process_sum", "--"]) == 0
+  out = capsys.readouterr().out
+  for p in range(2):
+    assert f"] process {p}: sum 9.0, cache entries 0" in out, out[-2000:]
+
+
 def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):
   (tmp_path / "ok.py").write_text("print('hello')\n")
   monkeypatch.setenv("PYTHONPATH", str(tmp_path))
