@@ -80,7 +80,8 @@ class SlotEngine:
     self.base = None  # a LoRA model's frozen base, held once (hold_base): placed params are then its adapters
     self.publish_shardings = self.param_shardings  # of what place() takes: every param, or the adapters alone
     self._state_shardings = self.decode_state_shardings()
-    self._result_shardings = ResultTokens(*(self._named("batch", None),) * 3, self._named("batch"), self._named())
+    self._result_shardings = ResultTokens(*(self._named("batch", None),) * 3, self._named("batch"), self._named(),
+                                          self._named("batch", None, None, None) if cfg.is_moe else None)
     prefix_shardings = Prefix(self.kv_shardings(batch_axis=None), self._named(None), self._named())
     # Each engine jits its own function objects: jit keeps one cache per function, so compile_count() counts this
     # engine's programs only (not those of other engines over the same module-level function).
