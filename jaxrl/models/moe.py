@@ -12,9 +12,12 @@ X is the number of experts, k the experts per token.
 
 from __future__ import annotations
 
+import math
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def route(logits_MxX: jax.Array, k: int, norm_topk_prob: bool, recorded_MxK: jax.Array | None = None):
@@ -31,18 +34,48 @@ def route(logits_MxX: jax.Array, k: int, norm_topk_prob: bool, recorded_MxK: jax
 
 
 def experts_mlp(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF, down_XxFxE) -> jax.Array:
-  """sum_k gate_k * expert_k(x) per token: SwiGLU experts over the token copies sorted by expert (ragged_dot)."""
+  """sum_k gate_k * expert_k(x) per token: SwiGLU experts over the token copies sorted by expert (ragged_dot).
+
+  Expert parallel under a mesh with an "expert" axis (the mesh in scope: jaxrl.sharding.under_mesh): in shard_map,
+  each device holds X / n experts (whole: their fsdp / tensor shards are gathered at the boundary, as FSDP gathers a
+  dense weight) and runs them on its rows of tokens (rows over the "data" / "fsdp" axes, every token on each device
+  of the expert axis: no all-to-all), and the partial outputs are summed over the expert axis (psum)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  n = 1 if mesh.empty else dict(mesh.shape).get("expert", 1)
+  if n == 1:
+    return _local_experts(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF, down_XxFxE)
+  if gate_XxExF.shape[0] % n:
+    raise ValueError(f"{gate_XxExF.shape[0]} experts do not split over the mesh's expert axis of {n} devices")
+  rows = tuple(a for a in ("data", "fsdp") if dict(mesh.shape).get(a, 1) > 1)
+  if x_MxE.shape[0] % math.prod(mesh.shape[a] for a in rows):
+    rows = ()
+  tokens = P(rows or None, None)
+
+  def local(x, experts, gates, gate, up, down):
+    first = jax.lax.axis_index("expert") * gate.shape[0]
+    return jax.lax.psum(_local_experts(x, experts - first, gates, gate, up, down), "expert")
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, P("expert"), P("expert"), P("expert")),
+                       out_specs=tokens, check_vma=False)(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF,
+                                                          down_XxFxE)
+
+
+def _local_experts(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF, down_XxFxE) -> jax.Array:
+  """experts_mlp over the experts held here (ids 0..X-1 of these weights); other ids contribute nothing: their
+  copies sort last, past every group of the ragged matmuls."""
   m, k = experts_MxK.shape
+  x = gate_XxExF.shape[0]
   flat = experts_MxK.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  mine = (flat >= 0) & (flat < x)
+  order = jnp.argsort(jnp.where(mine, flat, x), stable=True)
   token = order // k
-  sizes_X = jnp.bincount(flat, length=gate_XxExF.shape[0]).astype(jnp.int32)
+  sizes_X = jnp.bincount(jnp.where(mine, flat, x), length=x + 1)[:x].astype(jnp.int32)
   dt = x_MxE.dtype
   xs = x_MxE[token]
   h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_XxExF.astype(dt), sizes_X)) * jax.lax.ragged_dot(
       xs, up_XxExF.astype(dt), sizes_X)
   y = jax.lax.ragged_dot(h, down_XxFxE.astype(dt), sizes_X) * gates_MxK.reshape(-1)[order][:, None].astype(dt)
-  return jnp.zeros_like(x_MxE).at[token].add(y)
+  return jnp.zeros_like(x_MxE).at[token].add(jnp.where(mine[order][:, None], y, 0.0))
 
 
 @flax.struct.dataclass
