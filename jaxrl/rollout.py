@@ -147,6 +147,15 @@ def check_fits(rollouts: Sequence[Rollout], seq_len: int) -> None:
       raise ValueError(f"rollout {i} (group {r.group_id}) has {r.num_tokens} tokens, more than seq_len={seq_len}")
 
 
+def with_routing(batch: Batch, routing: tuple[int, int] | None) -> Batch:
+  """The batch with routing entries (-1: none recorded) of (layers, experts per token) if it has none: a MoE run's
+  batches all carry them, so its train step sees one structure (an empty batch compiled ahead, a batch of rollouts
+  that recorded none)."""
+  if routing is None or batch.experts_BxLxNxK is not None:
+    return batch
+  return batch.replace(experts_BxLxNxK=np.full((*np.shape(batch.tokens_BxL), *routing), -1, np.int16))
+
+
 def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ...], pad_id: int = 0) -> Batch:
   """A numpy Batch of [rows, seq_len] with per-sample arrays of samples_shape, from (rollout, row, start column,
   segment id, per-sample index) placements; everything else is padding."""

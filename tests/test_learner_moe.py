@@ -11,7 +11,7 @@ from sampling_util import random_params, run_groups
 
 from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step
 from jaxrl.learner.packing import pack_batch
-from jaxrl.learner.step import batch_arrays, token_logprobs_of
+from jaxrl.learner.step import batch_arrays, check_batch, token_logprobs_of
 from jaxrl.models import ModelConfig, init_params
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
@@ -151,3 +151,9 @@ def test_load_balance_terms_are_in_the_loss_with_the_model_config_coefficients()
     np.testing.assert_allclose(m_on[f"loss/router_{term}"], value, rtol=1e-5)
     np.testing.assert_allclose(m_on["loss"] - m_off["loss"], 0.5 * value, rtol=1e-4, err_msg=term)
     assert np.abs(router(state_on) - router(state_off)).max() > 1e-4, term
+
+
+def test_a_batch_with_routing_of_another_shape_is_refused():
+  batch = make_batch(_rollouts(), B, L)
+  with pytest.raises(ValueError, match=r"Batch.experts_BxLxNxK has shape \(4, 15, 2, 2\)"):
+    check_batch(batch.replace(experts_BxLxNxK=batch.experts_BxLxNxK[:, 1:]), B, L)

@@ -79,6 +79,11 @@ def check_batch(batch: Batch, batch_size: int, seq_len: int, row_buckets: tuple[
     kind = jnp.integer if name in _INTEGER else jnp.floating
     if not jnp.issubdtype(x.dtype, kind):
       raise ValueError(f"Batch.{name} has dtype {x.dtype}; expected {kind.__name__}")
+  experts = batch.experts_BxLxNxK
+  if experts is not None and (experts.ndim != 4 or tuple(experts.shape[:2]) != (rows, seq_len)
+                              or not jnp.issubdtype(experts.dtype, jnp.integer)):
+    raise ValueError(f"Batch.experts_BxLxNxK has shape {tuple(experts.shape)} and dtype {experts.dtype}; this train "
+                     f"step expects integers of shape ({rows}, {seq_len}, layers, experts per token)")
 
 
 def batch_shardings(sharding_BxL: NamedSharding) -> Batch:
