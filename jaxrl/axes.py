@@ -23,6 +23,7 @@ LEARNER_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("expert", "expert"),  # a MoE layer's experts (jaxrl/models/moe.py): expert parallelism over an "expert" mesh axis
 )
 SAMPLER_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", "data"),
@@ -33,6 +34,7 @@ SAMPLER_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("expert", "expert"),
 )
 
 

@@ -153,8 +153,9 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
   groups = dict(params=state.params, opt_state=state.opt_state, frozen=state.frozen, ref_params=state.ref_params)
   programs = []
   for empty in build_lib.train_step_batches(spec, c.rl.seq_len):
-    batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s), empty,
-                         batch_sh)
+    batch = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
+                         batch_sh.replace(experts_BxLxNxK=batch_sh.experts_BxLxNxK if empty.experts_BxLxNxK
+                                          is not None else None), empty)
     rows = np.shape(empty.tokens_BxL)[0]
     name = "train_step" + (f"[{rows} rows]" if spec.pack else "")
     programs.append(Program(name, "learner", step.train_step, (state, batch, key), groups=dict(groups, batch=batch)))

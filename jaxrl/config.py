@@ -304,7 +304,7 @@ def _validate_model_and_task(c, need, get) -> None:
       if k == "eos_token_ids":  # ids that end a sample: natural completion lengths (jaxrl-profile --from-run)
         need(isinstance(v, (tuple, list)) and all(is_int(i) and i >= 0 for i in v),
              f"model.tiny.eos_token_ids must be a tuple of ids >= 0 (got {v!r})")
-      else:
+      elif k not in ("architecture", "qk_norm", "router_aux_loss_coef", "router_z_loss_coef"):  # ModelConfig's
         need(is_int(v) and v >= 1, f"model.tiny.{k} must be an int >= 1 (got {v!r})")
     try:
       ModelConfig.tiny(**c.model.tiny.to_dict())

@@ -52,6 +52,10 @@ class Rollout:
   # Why the sampler side left this sample's group out of every share although it could be trained ("surplus": over-
   # asked by dynamic sampling beyond its step's places, past its deadline); the learner drops it, counted. None: not.
   left_out: str | None = None
+  # int16 [C, N, k] (mixture of experts): entry i holds, for each of the N layers, the k experts that routed the
+  # input token whose logits drew completion token i (the token before it), as the sampler chose them; -1 where
+  # nothing was recorded (a dense layer, an environment's observation token). None: a dense model.
+  experts: np.ndarray | None = None
 
   def __post_init__(self):
     c = len(self.completion_tokens)
@@ -62,6 +66,9 @@ class Rollout:
       )
     if self.loss_mask is not None and len(self.loss_mask) != c:
       raise ValueError(f"rollout arrays disagree: {c} completion tokens, {len(self.loss_mask)} loss mask entries")
+    if self.experts is not None and (np.ndim(self.experts) != 3 or len(self.experts) != c):
+      raise ValueError(f"rollout arrays disagree: {c} completion tokens, routing of shape "
+                       f"{np.shape(self.experts)} (want [{c}, layers, experts per token])")
 
   @property
   def model_mask(self) -> np.ndarray:
@@ -116,6 +123,10 @@ class Batch:
   rewards_B: jax.Array  # float32
   group_ids_B: jax.Array  # int32, -1 for padding rows
   sample_mask_B: jax.Array  # float32, 0 for padding rows
+  # int16 [B, L, N, k] (mixture of experts, routing replay): the experts the sampler routed the token at each
+  # column through, per layer (k: experts per token); -1 where none was recorded (prompt, padding: routed afresh).
+  # Column t holds what Rollout.experts records for completion token t + 1. None: a dense model.
+  experts_BxLxNxK: jax.Array | None = None
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -139,6 +150,15 @@ def check_fits(rollouts: Sequence[Rollout], seq_len: int) -> None:
       raise ValueError(f"rollout {i} (group {r.group_id}) has {r.num_tokens} tokens, more than seq_len={seq_len}")
 
 
+def with_routing(batch: Batch, routing: tuple[int, int] | None) -> Batch:
+  """The batch with routing entries (-1: none recorded) of (layers, experts per token) if it has none: a MoE run's
+  batches all carry them, so its train step sees one structure (an empty batch compiled ahead, a batch of rollouts
+  that recorded none)."""
+  if routing is None or batch.experts_BxLxNxK is not None:
+    return batch
+  return batch.replace(experts_BxLxNxK=np.full((*np.shape(batch.tokens_BxL), *routing), -1, np.int16))
+
+
 def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ...], pad_id: int = 0) -> Batch:
   """A numpy Batch of [rows, seq_len] with per-sample arrays of samples_shape, from (rollout, row, start column,
   segment id, per-sample index) placements; everything else is padding."""
@@ -151,6 +171,8 @@ def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ..
   rewards = np.zeros(samples_shape, np.float32)
   group_ids = np.full(samples_shape, -1, np.int32)
   sample_mask = np.zeros(samples_shape, np.float32)
+  routed = [r.experts for r, *_ in placements if r.experts is not None]
+  experts = np.full((rows, seq_len, *routed[0].shape[1:]), -1, np.int16) if routed else None
   for r, row, start, segment, index in placements:
     p, end = start + len(r.prompt_tokens), start + r.num_tokens
     tokens[row, start:p] = r.prompt_tokens
@@ -160,7 +182,9 @@ def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ..
     loss_mask[row, p:end] = 1.0 if r.loss_mask is None else r.loss_mask
     logprobs[row, p:end] = r.logprobs
     versions[row, p:end] = r.versions
+    if r.experts is not None:
+      experts[row, p - 1 : end - 1] = r.experts
     rewards[index] = r.reward
     group_ids[index] = r.group_id
     sample_mask[index] = 1.0
-  return Batch(tokens, positions, segments, loss_mask, logprobs, versions, rewards, group_ids, sample_mask)
+  return Batch(tokens, positions, segments, loss_mask, logprobs, versions, rewards, group_ids, sample_mask, experts)

@@ -303,7 +303,7 @@ class RL:
 # A < 0) against the pre-step policy, corrected for staleness by truncated token IS weights prox / mu.
 LOSS = dict(advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
             proximal="recompute", is_level="token", is_cap=2.0, is_ess_min=None, kl_coef=0.0, kl_estimator="k2",
-            entropy_coef=0.0)
+            entropy_coef=0.0, routing="replay")
 
 
 def _default_loss():

@@ -34,7 +34,8 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/controller/": ("test_controller_*.py", "test_checkpoint*.py"),
           "jaxrl/envs/runner.py": ("test_envs_runner.py",), "jaxrl/checkpoint.py": ("test_checkpoint*.py",),
           "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
-          "jaxrl/envs/guard.py": ("test_envs_guard.py",)}
+          "jaxrl/envs/guard.py": ("test_envs_guard.py",),
+          "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -378,7 +379,29 @@ GUARD = (
              "  if group[0].left_out is not None:\n    return group[0].left_out\n", "", (REJECT,)),
 )
 
-MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD
+MOE_TEST = "tests/test_learner_moe.py::test_"
+REPLAY = MOE_TEST + "replay_makes_on_policy_ratios_one_and_recompute_does_not"
+BALANCE = MOE_TEST + "load_balance_terms_are_in_the_loss_with_the_model_config_coefficients"
+RECORDED = MOE_TEST + "sampler_records_the_routing_and_replay_scores_it"
+MOE = (
+    Mutation("MoE: the load-balancing aux loss cut from the objective", S, "cfg.router_aux_loss_coef * aux",
+             "0.0 * aux", (BALANCE,)),
+    Mutation("MoE: the router z-loss cut from the objective", S, "cfg.router_z_loss_coef * z", "0.0 * z",
+             (BALANCE,)),
+    Mutation("routing replay: the recorded experts ignored (routed afresh)", S,
+             'replay = x.get("experts") if config.loss.routing == "replay" else None', "replay = None", (REPLAY,)),
+    Mutation("routing replay: gated by the fresh top-k's probabilities", "jaxrl/models/moe.py",
+             "top_MxK = jnp.take_along_axis(probs_MxX, experts_MxK, axis=-1)", "top_MxK = top_MxK",
+             ("tests/test_moe.py::test_route_renormalises_and_replays_with_the_current_router",)),
+    Mutation("routing replay: the sampler's routing not recorded", "jaxrl/sampler/sampler.py",
+             "sample.experts += list(result.experts_SxCxNxK[slot, :n])", "sample.experts += [None] * n", (RECORDED,)),
+    Mutation("routing replay: a decode step's routing recorded at the next step", "jaxrl/sampler/decode.py",
+             "out[3].at[:, i].set(", "out[3].at[:, jnp.minimum(i + 1, steps - 1)].set(", (RECORDED,)),
+    Mutation("routing replay: a batch puts the routing at the token's own column", "jaxrl/rollout.py",
+             "experts[row, p - 1 : end - 1] = r.experts", "experts[row, p:end] = r.experts",
+             (MOE_TEST + "batches_and_packing_carry_the_routing", REPLAY)),
+)
+MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD + MOE
 
 
 def apply(mutation: Mutation, root: pathlib.Path) -> None:

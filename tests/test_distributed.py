@@ -92,6 +92,10 @@ def test_packet_errors_name_the_problem():
     packets.encode([[_rollout(3, 0, [1] * 5, [2] * 4, 1.0)]], max_len=8)
   with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 39\]\)"):
     packets.decode(np.zeros((2, 5), np.int32), max_len=8)
+  routed = _rollout(4, 1, [1, 2], [3], 1.0)
+  routed.experts = np.zeros((1, 2, 2), np.int16)
+  with pytest.raises(ValueError, match="group 4 sample 1 carries MoE routing"):
+    packets.encode([[routed]], max_len=8)
 
 
 # ---- roles ---------------------------------------------------------------------------------------------------------

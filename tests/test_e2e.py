@@ -314,3 +314,18 @@ def test_no_config_dict_reaches_a_component(tmp_path, monkeypatch):
   assert typed and all(isinstance(cfg, RunConfig) for cfg in typed)
   with pytest.raises(AssertionError, match="a ConfigDict reached a component"):
     c.rl.group_size  # noqa: B018 - the guard is live: a leak would have failed the run
+
+
+def test_a_mixture_of_experts_policy_learns_in_the_pipeline(tmp_path):
+  """The tiny config with a Qwen3-MoE decoder (8 experts, 2 per token), routing replay and the aux loss in the
+  objective: the reward rises as the dense model's does, and the router's terms are in the step metrics."""
+  moe = dict(architecture="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+             router_aux_loss_coef=0.01)
+  c = _config("pipeline", **{"model.tiny": dict(tiny.get_config().model.tiny) | moe, "eval.num_examples": 0})
+  summary = train(c, tmp_path)
+  records = read_jsonl(tmp_path / "metrics.jsonl")
+  rewards = [r["reward_mean"] for r in records]
+  assert len(rewards) == c.num_steps == summary["steps"]
+  first, last = np.mean(rewards[:2]), np.mean(rewards[-3:])
+  assert last > first + 0.3, f"MoE: reward went from {first:.3f} to {last:.3f}"
+  assert all(r["loss/router_aux"] > 0 for r in records)

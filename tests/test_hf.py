@@ -1,6 +1,7 @@
 """HF checkpoint directories: round trip, sharded placement, transformers opens what we save, bad input."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ ARCHS = {
     "llama": dict(),
     "qwen2": dict(attention_bias=True, tie_embeddings=True, architecture="qwen2"),
     "qwen3": dict(qk_norm=True, head_dim=16, architecture="qwen3"),
+    "qwen3_moe": dict(ModelConfig.tiny_moe().__dict__),
 }
 
 
@@ -43,6 +45,19 @@ def test_round_trip_and_transformers_opens_the_folder(tmp_path, arch):
   names = set(load_file(str(path / "model.safetensors")))
   assert "model.layers.1.self_attn.q_proj.weight" in names
   assert ("lm_head.weight" in names) == (not cfg.tie_embeddings)
+
+
+def test_mixed_moe_checkpoint_saves_back_the_same_tensors(tmp_path):
+  """The Hub's Qwen3-MoE layout (a router and per-expert projections on sparse layers, a dense MLP on the others)
+  loads into the stacked layout and saves back tensor for tensor."""
+  fixture = Path(__file__).parent / "fixtures" / "qwen3_moe"
+  cfg, _, params = hf.load_params(fixture)
+  assert cfg.sparse_layers == (True, False, True) and cfg.num_experts == 8
+  original, saved = load_file(str(fixture / "model.safetensors")), load_file(str(hf.save_params(
+      tmp_path / "again", cfg, params) / "model.safetensors"))
+  assert sorted(saved) == sorted(original)
+  assert "model.layers.2.mlp.experts.7.down_proj.weight" in saved and "model.layers.1.mlp.up_proj.weight" in saved
+  assert all(np.array_equal(saved[name], original[name]) for name in original)
 
 
 def test_tokenizer_files_are_copied_and_open(tmp_path):

@@ -26,7 +26,7 @@ from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora, presets
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.rollout import SamplingParams, make_batch
+from jaxrl.rollout import SamplingParams, make_batch, with_routing
 from jaxrl.sampler import Engine, Sampler, make_engine
 from jaxrl.sampler.forced import ForcedLengths, LognormalLengths
 from jaxrl.settings import RunConfig
@@ -118,7 +118,11 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
                  max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
                  num_minibatches=c.rl.num_minibatches, filter_groups=c.rl.filter_groups,
-                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row)
+                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row, routing=_routing(model_config(c)))
+
+
+def _routing(cfg: ModelConfig) -> tuple[int, int] | None:
+  return (cfg.num_layers, cfg.num_experts_per_tok) if cfg.is_moe else None
 
 
 def rows_unit(mesh) -> int:
@@ -255,8 +259,10 @@ def train_step_batches(spec: RunSpec, seq_len: int) -> list:
   """An empty batch of every shape the run's train step can see (spec.make_batch's): every packed row bucket when
   packing, else the padded batch of batch_size rows."""
   if spec.pack:
-    return [pack_batch([], seq_len, (b,), spec.max_segments) for b in spec.row_buckets or (spec.batch_size,)]
-  return [make_batch([], spec.batch_size, seq_len)]
+    batches = [pack_batch([], seq_len, (b,), spec.max_segments) for b in spec.row_buckets or (spec.batch_size,)]
+  else:
+    batches = [make_batch([], spec.batch_size, seq_len)]
+  return [with_routing(b, spec.routing) for b in batches]
 
 
 def _shapes(batch) -> tuple:

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxrl.controller.ledger import Ledger
 from jaxrl.learner.packing import pack_batch
-from jaxrl.rollout import Rollout, make_batch
+from jaxrl.rollout import Rollout, make_batch, with_routing
 
 
 class SkipPrompt(Exception):
@@ -59,6 +59,8 @@ class RunSpec:
   row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
   num_minibatches: int = 1  # optimizer updates per epoch of a learner step (rl.num_minibatches)
   filter_groups: str = "none"  # rl.filter_groups: "zero_variance" drops groups whose rewards are all equal
+  # A mixture-of-experts model's (layers, experts per token): every batch carries Batch.experts_BxLxNxK
+  routing: tuple[int, int] | None = None
   max_filtered_in_a_row: int = 1000  # filtered groups with no applied update before the run stops
 
   @property
@@ -73,6 +75,8 @@ class RunSpec:
       order = np.random.default_rng([self.seed, step]).permutation(len(samples))
       samples = [samples[i] for i in order]
     if self.pack:
-      return pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments,
-                        num_minibatches=self.num_minibatches)
-    return make_batch(samples, self.batch_size, self.seq_len)
+      batch = pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments,
+                         num_minibatches=self.num_minibatches)
+    else:
+      batch = make_batch(samples, self.batch_size, self.seq_len)
+    return with_routing(batch, self.routing)

@@ -37,6 +37,9 @@ def encode(groups: list[list[Rollout]], max_len: int) -> np.ndarray:
     if np.any((np.asarray(r.versions) < 0) != ~r.model_mask):
       raise ValueError(f"group {r.group_id} sample {r.sample_index}: exactly the observation tokens (loss mask 0) "
                        "must carry version -1")
+    if r.experts is not None:  # dropping it would silently turn the learner's routing replay into recompute
+      raise ValueError(f"group {r.group_id} sample {r.sample_index} carries MoE routing (Rollout.experts), which "
+                       "packets do not carry yet: run a mixture-of-experts policy in one process")
     correct = -1 if "correct" not in r.meta else int(bool(r.meta["correct"]))
     out[i, :6] = (p, c, r.group_id, r.sample_index, FINISH_REASONS.index(r.finish_reason), correct)
     out[i, 6:8] = np.array([r.reward], np.float64).view(np.int32)

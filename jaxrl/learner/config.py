@@ -19,6 +19,7 @@ POLICY_LOSSES = ("pg", "ppo", "gspo")
 PROXIMALS = ("behavior", "recompute", "interpolate")
 IS_LEVELS = ("none", "token", "sequence", "sequence_mean")
 KL_ESTIMATORS = ("k2", "k1_reward")
+ROUTINGS = ("replay", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +114,20 @@ class LossConfig:
 
   log_ratio_clamp: float = 20.0  # log-ratios are clamped to +-this before exp, against overflow
 
+  # A mixture-of-experts policy's routing in the learner's passes (no effect on a dense model):
+  #   replay:    each sampled token's input goes through the experts the sampler chose (Batch.experts_BxLxNxK),
+  #              gated by the learner's own router probabilities over them (the router still learns): the
+  #              learner scores exactly the distribution the token was drawn from, so on-policy ratios are 1
+  #   recompute: every token routed afresh by the learner (a ratio then also measures routing differences)
+  routing: str = "replay"
+
   def __post_init__(self):
     if self.kl_estimator in ("k1", "k3"):
       raise ValueError(f"kl_estimator={self.kl_estimator!r} is gone: as a loss k1 has zero expected gradient and "
                        "k3 follows KL(ref || pi); use 'k2' (a loss) or 'k1_reward' (in the reward)")
     for name, allowed in (("advantage", ADVANTAGES), ("aggregation", AGGREGATIONS),
                           ("policy_loss", POLICY_LOSSES), ("proximal", PROXIMALS), ("is_level", IS_LEVELS),
-                          ("kl_estimator", KL_ESTIMATORS)):
+                          ("kl_estimator", KL_ESTIMATORS), ("routing", ROUTINGS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}; allowed: {allowed}")
     if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

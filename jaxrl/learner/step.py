@@ -79,13 +79,19 @@ def check_batch(batch: Batch, batch_size: int, seq_len: int, row_buckets: tuple[
     kind = jnp.integer if name in _INTEGER else jnp.floating
     if not jnp.issubdtype(x.dtype, kind):
       raise ValueError(f"Batch.{name} has dtype {x.dtype}; expected {kind.__name__}")
+  experts = batch.experts_BxLxNxK
+  if experts is not None and (experts.ndim != 4 or tuple(experts.shape[:2]) != (rows, seq_len)
+                              or not jnp.issubdtype(experts.dtype, jnp.integer)):
+    raise ValueError(f"Batch.experts_BxLxNxK has shape {tuple(experts.shape)} and dtype {experts.dtype}; this train "
+                     f"step expects integers of shape ({rows}, {seq_len}, layers, experts per token)")
 
 
 def batch_shardings(sharding_BxL: NamedSharding) -> Batch:
-  """A Batch of shardings: rows split as sharding_BxL says (e.g. jaxrl.sharding.batch_sharding), L whole."""
+  """A Batch of shardings: rows split as sharding_BxL says (e.g. jaxrl.sharding.batch_sharding), L whole; also
+  for a MoE batch's routing (a batch without routing, None there, takes it too)."""
   lead = sharding_BxL.spec[0] if len(sharding_BxL.spec) else None
   rows, rows_cols = NamedSharding(sharding_BxL.mesh, P(lead)), NamedSharding(sharding_BxL.mesh, P(lead, None))
-  return Batch(**{name: rows_cols if name in _BxL else rows for name in _BxL + _B})
+  return Batch(**{name: rows_cols if name in _BxL else rows for name in _BxL + _B}, experts_BxLxNxK=rows)
 
 
 def batch_shards(batch_sharding: NamedSharding | None) -> int:
@@ -260,24 +266,46 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array, *, config: StepC
 def batch_arrays(batch: Batch) -> dict[str, jax.Array]:
   """The batch's per-row arrays the updates read (float32 masks and log-probs; per-sample arrays as [B, G])."""
   b = batch.tokens_BxL.shape[0]
-  return {"tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
-          "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
-          "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
-          "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1)}
+  out = {"tokens": batch.tokens_BxL, "positions": batch.positions_BxL, "segments": batch.segment_ids_BxL,
+         "loss_mask": batch.loss_mask_BxL.astype(jnp.float32),
+         "behavior": batch.behavior_logprobs_BxL.astype(jnp.float32), "versions": batch.versions_BxL,
+         "sample_mask": batch.sample_mask_B.astype(jnp.float32).reshape(b, -1)}
+  if batch.experts_BxLxNxK is not None:
+    out["experts"] = batch.experts_BxLxNxK
+  return out
 
 
 def token_logprobs_of(config: StepConfig, params, x: dict[str, jax.Array], frozen=None):
   """(logprobs, in_support, entropy) [B, L] of x's tokens under `params` (on top of the `frozen` ones, a LoRA
   run's base: TrainState.frozen), as the sampler drew them."""
+  return scores_and_router_loss(config, params, x, frozen)[0]
+
+
+def scores_and_router_loss(config: StepConfig, params, x: dict[str, jax.Array], frozen=None):
+  """(token_logprobs_of's triple, a mixture-of-experts model's load-balance terms or {}: {"router_aux", "router_z",
+  "router_loss": their sum weighted by the model config's coefficients}). A MoE model routes x's tokens through
+  their recorded experts (x["experts"]) when LossConfig.routing is "replay"."""
   if frozen is not None:
     params = lora.merge(frozen, params)
   params = _cast_floats(params, config.compute_dtype)
+  decoder = nnx.merge(config.model, params) if isinstance(config.model, nnx.GraphDef) else None
+  moe = decoder is not None and decoder.cfg.is_moe
+  if not (moe or config.logprob_chunk):
+    logits = config.logits_fn(params, x["tokens"], x["positions"], x["segments"])
+    return token_logprobs(logits, x["tokens"], config.loss.sampling), {}
+  replay = x.get("experts") if config.loss.routing == "replay" else None
+  out = decoder(x["tokens"], x["positions"], x["segments"], hidden=bool(config.logprob_chunk),
+                **(dict(experts_BxTxNxK=replay, routing=True) if moe else {}))
+  out, routing = out if moe else (out, None)
   if config.logprob_chunk:
-    decoder = nnx.merge(config.model, params)
-    hidden = decoder(x["tokens"], x["positions"], x["segments"], hidden=True)
-    return chunked_token_logprobs(hidden, decoder.head(), x["tokens"], config.loss.sampling, config.logprob_chunk)
-  logits = config.logits_fn(params, x["tokens"], x["positions"], x["segments"])
-  return token_logprobs(logits, x["tokens"], config.loss.sampling)
+    scores = chunked_token_logprobs(out, decoder.head(), x["tokens"], config.loss.sampling, config.logprob_chunk)
+  else:
+    scores = token_logprobs(out, x["tokens"], config.loss.sampling)
+  if routing is None:
+    return scores, {}
+  aux, z, cfg = routing.aux_loss(), routing.z_loss(), decoder.cfg
+  return scores, {"router_aux": aux, "router_z": z,
+                  "router_loss": cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z}
 
 
 def fixed_param_passes(config: StepConfig, state: TrainState, per_row: dict, k: int) -> dict[str, jax.Array]:
@@ -380,7 +408,7 @@ def _gradients(config: StepConfig, params, mini: dict, v0: jax.Array, v_now: jax
     (loss, stats), g = jax.value_and_grad(micro_loss, has_aux=True)(params, x, w, v0, v_now)
     return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), (loss, stats)
 
-  micro_loss = functools.partial(_micro_loss, config, frozen=frozen)
+  micro_loss = functools.partial(_micro_loss, config, frozen=frozen, router_scale=1.0 / k)
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   grads, (losses, stats) = jax.lax.scan(accumulate, zeros, (mini, weights))
   stats = {name: (jnp.max(v) if name in MAX_STATS else jnp.min(v) if name in MIN_STATS else jnp.sum(v))
@@ -389,10 +417,12 @@ def _gradients(config: StepConfig, params, mini: dict, v0: jax.Array, v_now: jax
 
 
 def _micro_loss(config: StepConfig, params, x: dict, weights_BxL: jax.Array, v0: jax.Array, v_now: jax.Array,
-                frozen=None):
-  """policy_objective of one micro-batch at `params` (on `frozen`), with its anchor as LossConfig.proximal says."""
+                frozen=None, router_scale: float = 1.0):
+  """policy_objective of one micro-batch at `params` (on `frozen`), with its anchor as LossConfig.proximal says;
+  a MoE model's load-balance terms added with its config's coefficients, each micro-batch's mean weighted by
+  router_scale (1 / micro-batches: the update's mean)."""
   cfg = config.loss
-  logp, in_support, entropy = token_logprobs_of(config, params, x, frozen)
+  (logp, in_support, entropy), router = scores_and_router_loss(config, params, x, frozen)
   prox = None
   if cfg.proximal == "recompute":
     prox = x["prox"] if config.prox_pass else jax.lax.stop_gradient(logp)
@@ -400,10 +430,14 @@ def _micro_loss(config: StepConfig, params, x: dict, weights_BxL: jax.Array, v0:
     v_t = x["versions"]
     alpha = jnp.where(v_now > v_t, (v0 - v_t) / jnp.maximum(v_now - v_t, 1e-6), 1.0).clip(0.0, 1.0)
     prox = x["behavior"] + alpha * (jax.lax.stop_gradient(logp) - x["behavior"])
-  return policy_objective(logp, x["behavior"], x["adv"], weights_BxL, cfg, prox_logp_BxL=prox,
-                          ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support,
-                          prox_in_support_BxL=x.get("prox_in_support"), ref_in_support_BxL=x.get("ref_in_support"),
-                          segment_ids_BxL=x["segments"])
+  loss, stats = policy_objective(logp, x["behavior"], x["adv"], weights_BxL, cfg, prox_logp_BxL=prox,
+                                 ref_logp_BxL=x.get("ref"), entropy_BxL=entropy, in_support_BxL=in_support,
+                                 prox_in_support_BxL=x.get("prox_in_support"),
+                                 ref_in_support_BxL=x.get("ref_in_support"), segment_ids_BxL=x["segments"])
+  if router:
+    loss += router_scale * router.pop("router_loss")
+    stats |= {f"loss/{name}": router_scale * value for name, value in router.items()}
+  return loss, stats
 
 
 def commit(config: StepConfig, start: TrainState, after: TrainState, per_update: dict):
@@ -448,7 +482,8 @@ def _summarise(per_update, batch: Batch, v0, valid_B, staleness_bins: int) -> di
   hist = jnp.sum(jax.nn.one_hot(hist_bin, staleness_bins + 1, dtype=jnp.float32) * trained_BxL[..., None], (0, 1))
   num_trained = jnp.maximum(trained_BxL.sum(), 1)
   rewards = jnp.where(valid_B, batch.rewards_B, 0.0)
-  return {
+  router = {name: mean(name) for name in ("loss/router_aux", "loss/router_z") if name in per_update}
+  return router | {
       "loss": mean("loss"),
       "loss/policy": mean("loss/policy"),
       "loss/kl": mean("loss/kl"),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxrl.kernels import train_attention
 from jaxrl.models.lora import LoRAConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPES = tuple(_DTYPES)
@@ -19,7 +19,7 @@ DTYPES = tuple(_DTYPES)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Llama / Qwen2 / Qwen3 family decoder. Sizes follow transformers' names, shortened."""
+  """Llama / Qwen2 / Qwen3 / Qwen3-MoE family decoder. Sizes follow transformers' names, shortened."""
 
   vocab_size: int
   hidden_size: int
@@ -56,6 +56,20 @@ class ModelConfig:
   pad_token_id: int | None = None
   architecture: str = "llama"
   lora: LoRAConfig | None = None  # low-rank adapters on the targeted projections (jaxrl/models/lora.py)
+  # Mixture of experts (Qwen3-MoE; jaxrl/models/moe.py). num_experts 0: every layer dense. Otherwise layer i is
+  # sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; a sparse layer's MLP is
+  # num_experts experts of moe_intermediate_size, each token going to its num_experts_per_tok most probable ones
+  # (dropless), weighted by their router probabilities (renormalised over the chosen ones if norm_topk_prob).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  norm_topk_prob: bool = True
+  # The learner's load-balance terms (Switch-style auxiliary loss, ST-MoE router z-loss), added to the RL loss
+  # with these weights; transformers' router_aux_loss_coef is the first.
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -77,9 +91,29 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.scan_unroll must be >= 1 (got {self.scan_unroll})")
     if self.attention_block < 1:
       raise ValueError(f"ModelConfig.attention_block must be positive (got {self.attention_block})")
+    if self.num_experts:
+      if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+        raise ValueError(f"ModelConfig: {self.num_experts} experts need 0 < num_experts_per_tok <= num_experts and "
+                         f"moe_intermediate_size > 0 (got {self.num_experts_per_tok}, {self.moe_intermediate_size})")
+      if self.decoder_sparse_step < 1 or any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+        raise ValueError(f"ModelConfig: decoder_sparse_step={self.decoder_sparse_step} must be >= 1 and "
+                         f"mlp_only_layers={self.mlp_only_layers} layer indices below {self.num_layers}")
+    if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+      raise ValueError(f"ModelConfig: router_aux_loss_coef and router_z_loss_coef must be >= 0 (got "
+                       f"{self.router_aux_loss_coef}, {self.router_z_loss_coef})")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {tuple(_DTYPES)} (got {getattr(self, name)!r})")
+
+  @property
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """Per layer: whether its MLP is the mixture of experts (transformers' Qwen3MoeDecoderLayer rule)."""
+    return tuple(bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                 for i in range(self.num_layers))
+
+  @property
+  def is_moe(self) -> bool:
+    return any(self.sparse_layers)
 
   @property
   def compute_dtype(self):
@@ -103,6 +137,14 @@ class ModelConfig:
               head_dim=8, max_position_embeddings=256)
     kw.update(overrides)
     return cls(**kw)
+
+  @classmethod
+  def tiny_moe(cls, **overrides) -> ModelConfig:
+    """tiny() with a mixture of 8 experts, 2 per token, in every layer (Qwen3-MoE)."""
+    kw = dict(architecture="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+              router_aux_loss_coef=0.001)
+    kw.update(overrides)
+    return cls.tiny(**kw)
 
   @classmethod
   def from_hf(cls, hf: Any, **overrides) -> ModelConfig:
@@ -143,12 +185,17 @@ class ModelConfig:
         rms_norm_eps=hf.rms_norm_eps,
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf.max_position_embeddings,
         bos_token_id=hf.bos_token_id,
         eos_token_ids=eos,
         pad_token_id=getattr(hf, "pad_token_id", None),
         architecture=model_type,
     )
+    if model_type == "qwen3_moe":
+      kw.update(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size, decoder_sparse_step=hf.decoder_sparse_step,
+                mlp_only_layers=tuple(hf.mlp_only_layers or ()), norm_topk_prob=bool(hf.norm_topk_prob),
+                router_aux_loss_coef=float(hf.router_aux_loss_coef))
     kw.update(overrides)
     return cls(**kw)

@@ -1,8 +1,9 @@
-"""Llama / Qwen2 / Qwen3 decoder in Flax NNX, with a full-sequence path and a KV-cache path.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder in Flax NNX, with a full-sequence path and a KV-cache path.
 
 Every parameter carries logical axis names in its `axes` metadata (see jaxrl/sharding.py for the rules that map
 them to mesh axes). Blocks are stacked along a leading `layers` axis and run with `jax.lax.scan`, so compile
-time does not grow with depth.
+time does not grow with depth. A Qwen3-MoE layer's MLP is a mixture of experts (jaxrl/models/moe.py); in a stack
+that mixes dense and sparse layers every layer holds both and runs the one its index says (lax.cond).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from jaxrl.axes import constrain_rows
 from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
-from jaxrl.models import lora, quant
+from jaxrl.models import lora, moe, quant
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.moe import Routing
 
 
 @flax.struct.dataclass
@@ -244,18 +246,71 @@ class MLP(nnx.Module):
     return quant.matmul(gate * quant.matmul(x, lora.weight(self, "up_proj", dt)), lora.weight(self, "down_proj", dt))
 
 
+class MoE(nnx.Module):
+  """Top-k routed SwiGLU experts, dropless (moe.experts_mlp). Names apart from MLP's: int8 quantization and LoRA
+  leave the experts alone."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    x, e, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    self.cfg = cfg
+    self.router = _param(rngs, (e, x), ("embed", None), cfg, fan_in=e)
+    self.expert_gate = _param(rngs, (x, e, f), ("expert", "embed", "mlp"), cfg, fan_in=e)
+    self.expert_up = _param(rngs, (x, e, f), ("expert", "embed", "mlp"), cfg, fan_in=e)
+    self.expert_down = _param(rngs, (x, f, e), ("expert", "mlp", "embed"), cfg, fan_in=f)
+
+  def __call__(self, x_BxTxE, mask_BxT, recorded_BxTxK=None, with_logits: bool = False):
+    """(output, per-layer routing tuple: experts_BxTxK, counts_X, probs_X, zsq, tokens[, logits_BxTxX])."""
+    b, t, e = x_BxTxE.shape
+    x_MxE = x_BxTxE.reshape(b * t, e)
+    logits_MxX = jnp.matmul(x_MxE, self.router[...].astype(x_MxE.dtype), preferred_element_type=jnp.float32)
+    k = self.cfg.num_experts_per_tok
+    recorded = None if recorded_BxTxK is None else recorded_BxTxK.reshape(b * t, k)
+    experts_MxK, gates_MxK, probs_MxX = moe.route(logits_MxX, k, self.cfg.norm_topk_prob, recorded)
+    y = moe.experts_mlp(x_MxE, experts_MxK, gates_MxK, self.expert_gate[...], self.expert_up[...],
+                        self.expert_down[...])
+    stats = moe.layer_statistics(logits_MxX, probs_MxX, experts_MxK, mask_BxT.reshape(-1).astype(jnp.float32))
+    out = (experts_MxK.reshape(b, t, k), *stats)
+    if with_logits:
+      out += (logits_MxX.reshape(b, t, -1),)
+    return y.reshape(b, t, e), out
+
+
+def _dense_routing(cfg: ModelConfig, b: int, t: int, with_logits: bool):
+  """A dense layer's entry in a mixed stack's routing: no experts (-1), no statistics."""
+  x, k = cfg.num_experts, cfg.num_experts_per_tok
+  zero = jnp.zeros((), jnp.float32)
+  out = (jnp.full((b, t, k), -1, jnp.int32), jnp.zeros((x,), jnp.float32), jnp.zeros((x,), jnp.float32), zero, zero)
+  return out + ((jnp.zeros((b, t, x), jnp.float32),) if with_logits else ())
+
+
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.input_norm = RMSNorm(cfg.hidden_size, "embed", cfg, rngs)
     self.attn = Attention(cfg, rngs)
     self.post_attn_norm = RMSNorm(cfg.hidden_size, "embed", cfg, rngs)
-    self.mlp = MLP(cfg, rngs)
+    if not all(cfg.sparse_layers):
+      self.mlp = MLP(cfg, rngs)
+    if cfg.is_moe:
+      self.moe = MoE(cfg, rngs)
 
-  def __call__(self, x, positions, inv_freq, *, segment_ids=None, cache_kv=None):
+  def __call__(self, x, positions, inv_freq, *, segment_ids=None, cache_kv=None, sparse=None, recorded=None,
+               with_logits: bool = False):
+    """(x, cache_kv, routing): routing None in a dense model, else this layer's MoE.__call__ tuple (sparse: a
+    traced bool, this layer's kind in a mixed stack)."""
     h, cache_kv = self.attn(self.input_norm(x), positions, inv_freq, segment_ids_BxT=segment_ids, cache_kv=cache_kv)
     x = x + h
-    return x + self.mlp(self.post_attn_norm(x)), cache_kv
+    h = self.post_attn_norm(x)
+    if not hasattr(self, "moe"):
+      return x + self.mlp(h), cache_kv, None
+    mask = jnp.ones(h.shape[:2], bool) if segment_ids is None else segment_ids > 0
+    sparse_fn = lambda h: self.moe(h, mask, recorded, with_logits)
+    if not hasattr(self, "mlp"):
+      y, routing = sparse_fn(h)
+    else:
+      dense_fn = lambda h: (self.mlp(h), _dense_routing(self.moe.cfg, *h.shape[:2], with_logits))
+      y, routing = jax.lax.cond(sparse, sparse_fn, dense_fn, h)
+    return x + y, cache_kv, routing
 
 
 class Decoder(nnx.Module):
@@ -281,28 +336,42 @@ class Decoder(nnx.Module):
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
   def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT=None, *,
-               cache: KVCache | PagedKVCache | None = None, hidden: bool = False):
+               cache: KVCache | PagedKVCache | None = None, hidden: bool = False,
+               experts_BxTxNxK: jax.Array | None = None, routing: bool = False, router_logits: bool = False):
     """Full-sequence logits (cache None; segment_ids required) or a cached step returning (logits, cache).
 
     hidden: return the final-normed hidden states [B, T, E] instead of logits (full path; the learner applies
     head() in chunks, never holding [B, T, V] logits).
+    MoE: experts_BxTxNxK replays recorded routing (rows of -1 route afresh); routing=True returns (the output
+    above, moe.Routing), router_logits=True puts the router logits in it.
     """
     cfg = self.cfg
     if cache is None and segment_ids_BxT is None:
       raise ValueError("the full-sequence path needs segment_ids_BxT (0 marks padding)")
+    if (routing or experts_BxTxNxK is not None) and not cfg.is_moe:
+      raise ValueError("routing / experts_BxTxNxK need a mixture-of-experts model (ModelConfig.num_experts > 0)")
     x = quant.take(self.embed[...], tokens_BxT, cfg.compute_dtype)
     inv_freq = rope_inv_freq(cfg)
     graphdef, stacked = nnx.split(self.blocks)
     unroll = min(cfg.scan_unroll, cfg.num_layers)
+    # Per layer, scanned beside its weights: its kind (sparse or dense) and its recorded experts.
+    per_layer = (jnp.asarray(cfg.sparse_layers),
+                 None if experts_BxTxNxK is None else jnp.moveaxis(experts_BxTxNxK, 2, 0))
+
+    def run(state, x, layer_in, **kw):
+      x, kv, layer_routing = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, sparse=layer_in[0],
+                                                        recorded=layer_in[1], with_logits=router_logits, **kw)
+      return x, kv, layer_routing
 
     if cache is None:
-      def body(x, state):
-        x, _ = nnx.merge(graphdef, state)(constrain_rows(x), positions_BxT, inv_freq, segment_ids=segment_ids_BxT)
-        return x, None
+      def body(x, xs):
+        state, layer_in = xs
+        x, _, layer_routing = run(state, constrain_rows(x), layer_in, segment_ids=segment_ids_BxT)
+        return x, layer_routing
 
       if cfg.remat:
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
-      x, _ = jax.lax.scan(body, x, stacked, unroll=unroll)
+      x, per_layer_routing = jax.lax.scan(body, x, (stacked, per_layer), unroll=unroll)
       x = constrain_rows(x)
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
@@ -314,21 +383,28 @@ class Decoder(nnx.Module):
 
       def cached_body(carry, layer_state):
         x, kv = carry
-        layer, state = layer_state
+        layer, state, layer_in = layer_state
         at = (kv, layer) if isinstance(kv, PagedKVCache) else (*kv, layer)
-        x, kv = nnx.merge(graphdef, state)(x, positions_BxT, inv_freq, cache_kv=at)
-        return (x, kv), None
+        x, kv, layer_routing = run(state, x, layer_in, cache_kv=at)
+        return (x, kv), layer_routing
 
-      (x, carried), _ = jax.lax.scan(cached_body, (x, carried), (jnp.arange(cfg.num_layers), stacked),
-                                     unroll=unroll)
+      (x, carried), per_layer_routing = jax.lax.scan(
+          cached_body, (x, carried), (jnp.arange(cfg.num_layers), stacked, per_layer), unroll=unroll)
       cache = done(carried)
     x = self.final_norm(x)
     if hidden and cache is None:
-      return x
-    logits = quant.einsum("bte,ev->btv", x, self.head(), preferred_element_type=jnp.float32)
-    if cache is None:
-      return logits
-    return logits, cache
+      out = x
+    else:
+      logits = quant.einsum("bte,ev->btv", x, self.head(), preferred_element_type=jnp.float32)
+      out = logits if cache is None else (logits, cache)
+    return (out, _routing(per_layer_routing)) if routing else out
+
+
+def _routing(per_layer) -> Routing:
+  """The scan's per-layer routing tuples ([N, ...] each) as one Routing ([B, T, N, ...] per token)."""
+  experts, counts, probs, zsq, tokens, *logits = per_layer
+  return Routing(jnp.moveaxis(experts, 0, 2), counts, probs, zsq, tokens,
+                 jnp.moveaxis(logits[0], 0, 2) if logits else None)
 
 
 def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):
@@ -336,9 +412,10 @@ def forward(graphdef, params, tokens_BxL, positions_BxL, segment_ids_BxL):
   return nnx.merge(graphdef, params)(tokens_BxL, positions_BxL, segment_ids_BxL)
 
 
-def forward_cached(graphdef, params, tokens_BxT, positions_BxT, cache: KVCache | PagedKVCache):
-  """Pure cached step: writes the tokens' keys/values at their positions and returns (logits, cache)."""
-  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache=cache)
+def forward_cached(graphdef, params, tokens_BxT, positions_BxT, cache: KVCache | PagedKVCache, routing: bool = False):
+  """Pure cached step: writes the tokens' keys/values at their positions and returns (logits, cache); routing
+  (MoE): ((logits, cache), moe.Routing)."""
+  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, cache=cache, routing=routing)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

@@ -39,6 +39,8 @@ class _Entry:
   hf: str  # HF tensor name; "{i}" is the layer index for stacked block params
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+  sparse: bool | None = None  # in a MoE model: held by the sparse layers only (True), the dense ones (False)
+  per_expert: bool = False  # one HF tensor per expert ("{j}"), stacked along our leading expert axis
 
 
 def _entries(cfg: ModelConfig) -> list[_Entry]:
@@ -58,10 +60,16 @@ def _entries(cfg: ModelConfig) -> list[_Entry]:
              lambda x: x.T.reshape(e, k, d), lambda x: x.reshape(e, k * d).T),
       _Entry(("blocks", "attn", "o_proj"), "model.layers.{i}.self_attn.o_proj.weight",
              lambda x: x.T.reshape(h, d, e), lambda x: x.reshape(h * d, e).T),
-      _Entry(("blocks", "mlp", "gate_proj"), "model.layers.{i}.mlp.gate_proj.weight", t, t),
-      _Entry(("blocks", "mlp", "up_proj"), "model.layers.{i}.mlp.up_proj.weight", t, t),
-      _Entry(("blocks", "mlp", "down_proj"), "model.layers.{i}.mlp.down_proj.weight", t, t),
   ]
+  dense = False if cfg.is_moe else None
+  if not all(cfg.sparse_layers):
+    out += [_Entry(("blocks", "mlp", name), f"model.layers.{{i}}.mlp.{name}.weight", t, t, sparse=dense)
+            for name in ("gate_proj", "up_proj", "down_proj")]
+  if cfg.is_moe:  # the Hub's Qwen3-MoE layout: a router ("gate") and each expert's own three projections
+    out.append(_Entry(("blocks", "moe", "router"), "model.layers.{i}.mlp.gate.weight", t, t, sparse=True))
+    out += [_Entry(("blocks", "moe", f"expert_{ours}"), f"model.layers.{{i}}.mlp.experts.{{j}}.{name}.weight", t, t,
+                   sparse=True, per_expert=True)
+            for ours, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))]
   if cfg.attention_bias:
     out += [
         _Entry(("blocks", "attn", "q_bias"), "model.layers.{i}.self_attn.q_proj.bias",
@@ -161,8 +169,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
       raise CheckpointError(f"no Hugging Face tensor maps to parameter {'/'.join(key)}")
     want = tuple(var.get_value().shape)
     if key[0] == "blocks":
-      parts = [_convert(tensors, entry, entry.hf.format(i=i), want[1:]) for i in range(cfg.num_layers)]
-      host = np.stack(parts)
+      host = np.stack([_layer(tensors, entry, i, want[1:], cfg) for i in range(cfg.num_layers)])
     else:
       host = _convert(tensors, entry, entry.hf, want)
     host = host.astype(var.get_value().dtype)
@@ -175,6 +182,19 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
     loaded[key] = arr
   params = nnx.from_flat_state({k: flat[tuple(k)].replace(v) for k, v in ((tuple(k), v) for k, v in loaded.items())})
   return cfg, graphdef, params
+
+
+def _layer(tensors: _TensorIndex, entry: _Entry, i: int, want: tuple[int, ...], cfg: ModelConfig) -> np.ndarray:
+  """Layer i of a stacked parameter; zeros where the layer has no such tensor (a mixed MoE stack's other kind)."""
+  if not _holds(entry, cfg, i):
+    return np.zeros(want, np.float32)
+  if entry.per_expert:
+    return np.stack([_convert(tensors, entry, entry.hf.format(i=i, j=j), want[1:]) for j in range(want[0])])
+  return _convert(tensors, entry, entry.hf.format(i=i), want)
+
+
+def _holds(entry: _Entry, cfg: ModelConfig, i: int) -> bool:
+  return entry.sparse is None or cfg.sparse_layers[i] == entry.sparse
 
 
 def _convert(tensors: _TensorIndex, entry: _Entry, name: str, want: tuple[int, ...]) -> np.ndarray:
@@ -191,13 +211,13 @@ def _convert(tensors: _TensorIndex, entry: _Entry, name: str, want: tuple[int, .
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
-  """A transformers config for the decoder (model_type llama, qwen2 or qwen3)."""
+  """A transformers config for the decoder (model_type llama, qwen2, qwen3 or qwen3_moe)."""
   rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta, **cfg.rope_scaling_dict}
   eos = list(cfg.eos_token_ids)
   d = dict(
       model_type=cfg.architecture,
       architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}[cfg.architecture]],
+                      "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[cfg.architecture]],
       vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
       head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
@@ -207,6 +227,11 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
   )
   if cfg.architecture == "llama":
     d["attention_bias"] = cfg.attention_bias
+  if cfg.architecture == "qwen3_moe":
+    d.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+             moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=cfg.decoder_sparse_step,
+             mlp_only_layers=list(cfg.mlp_only_layers), norm_topk_prob=cfg.norm_topk_prob,
+             router_aux_loss_coef=cfg.router_aux_loss_coef)
   return d
 
 
@@ -220,8 +245,10 @@ def save_params(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer_dir
   for entry in _entries(cfg):
     arr = flat[entry.path]
     if entry.path[0] == "blocks":
-      for i in range(cfg.num_layers):
-        tensors[entry.hf.format(i=i)] = np.ascontiguousarray(entry.to_hf(arr[i]))
+      for i in (i for i in range(cfg.num_layers) if _holds(entry, cfg, i)):
+        for j in range(arr.shape[1]) if entry.per_expert else (None,):
+          layer = arr[i] if j is None else arr[i, j]
+          tensors[entry.hf.format(i=i, j=j)] = np.ascontiguousarray(entry.to_hf(layer))
     else:
       tensors[entry.hf] = np.ascontiguousarray(entry.to_hf(arr))
   tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

@@ -3,8 +3,9 @@ replaces a config's model shape, so that a run can be sized, compiled for a targ
 random weights without downloading anything.
 
 Each entry holds the config.json values the decoder reads (hidden_size, num_hidden_layers, num_attention_heads,
-num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, rope) and the parameter count the
-model card publishes (`PUBLISHED`, in billions; tests/test_presets.py pins every preset's count to it within 1%).
+num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, rope; a MoE its experts) and the
+parameter count the model card publishes (`PUBLISHED`, in billions; tests/test_presets.py pins every preset's count
+to it within 1%).
 Jax-free: config.validate checks a name before anything is built.
 """
 
@@ -33,6 +34,11 @@ def _qwen3(hidden, layers, heads, mlp, *, tied=False):
               pad_token_id=151643)
 
 
+def _qwen3_moe(hidden, layers, heads, kv, mlp, moe_mlp, experts, per_token):
+  return dict(_qwen3(hidden, layers, heads, mlp), architecture="qwen3_moe", num_kv_heads=kv, num_experts=experts,
+              num_experts_per_tok=per_token, moe_intermediate_size=moe_mlp, router_aux_loss_coef=0.001)
+
+
 def _llama(hidden, layers, heads, kv, mlp, *, head_dim=128, tied=False, rope=_LLAMA31_ROPE):
   return dict(architecture="llama", vocab_size=128256, hidden_size=hidden, intermediate_size=mlp, num_layers=layers,
               num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -59,6 +65,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": _qwen3(4096, 36, 32, 12288),
     "qwen3-14b": _qwen3(5120, 40, 40, 17408),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 6144, 768, 128, 8),
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336),
     "llama-3.1-70b": _llama(8192, 80, 64, 8, 28672),
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, head_dim=64, tied=True, rope=_LLAMA32_ROPE),
@@ -74,6 +81,7 @@ PUBLISHED: dict[str, tuple[float, float | None]] = {
     "qwen2.5-7b": (7.61, 6.53), "qwen2.5-14b": (14.7, 13.1), "qwen2.5-32b": (32.5, 31.0),
     "qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6), "qwen3-8b": (8.2, 6.95),
     "qwen3-14b": (14.8, 13.2), "qwen3-32b": (32.8, 31.2),
+    "qwen3-30b-a3b": (30.5, 29.9),
     "llama-3.1-8b": (8.03, None), "llama-3.1-70b": (70.6, None), "llama-3.2-1b": (1.24, None),
     "llama-3.2-3b": (3.21, None),
     "smollm2-135m": (0.135, None), "smollm2-360m": (0.36, None), "smollm2-1.7b": (1.7, None),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxrl.models import forward_cached, init_cache
 from jaxrl.sampler.decode_state import DecodeState, Prefix, ResultTokens, SlotSettings
@@ -47,8 +48,11 @@ def keep_cache(cache, state: DecodeState):
 def generate(graphdef, steps, params, version, state: DecodeState, forward=forward_cached, draw=sample,
              before_step=keep_cache):
   """`steps` decode steps. before_step(cache, state) prepares the cache for a step (paged: which rows may
-  write); `forward` and `draw` are swappable only for bench/decode_baseline.py."""
+  write); `forward` and `draw` are swappable only for bench/decode_baseline.py. A mixture-of-experts model's
+  routing of every step is returned too (ResultTokens.experts_SxCxNxK), for the learner to replay."""
   num_slots, max_len = state.tokens_SxT.shape
+  cfg = nnx.merge(graphdef, params).cfg
+  routed = cfg.is_moe
   rows = jnp.arange(num_slots)
   s = state.settings
   request_keys = jax.random.wrap_key_data(s.key)
@@ -59,7 +63,11 @@ def generate(graphdef, steps, params, version, state: DecodeState, forward=forwa
     cache = before_step(state.cache, state)
     # An idle row runs at position 0 (its output is dropped): attention reads stop at the live rows' positions.
     pos_S = jnp.where(state.active_S, state.pos_S, 0)
-    logits, cache = forward(graphdef, params, token_S[:, None], pos_S[:, None], cache)
+    if routed:
+      (logits, cache), routing = forward(graphdef, params, token_S[:, None], pos_S[:, None], cache, routing=True)
+      out = (*out[:3], out[3].at[:, i].set(routing.experts_BxTxNxK[:, 0].astype(jnp.int16)))
+    else:
+      logits, cache = forward(graphdef, params, token_S[:, None], pos_S[:, None], cache)
     keys = jax.vmap(jax.random.fold_in)(request_keys, state.num_generated_S)
     new_S, logprob_S = draw(keys, logits[:, 0], s.temperature, s.top_k, s.top_p, s.greedy)
     active = state.active_S
@@ -70,14 +78,16 @@ def generate(graphdef, steps, params, version, state: DecodeState, forward=forwa
     done = active & (stop | (num_generated >= s.max_new) | (next_pos >= max_len - 1))
     state = state.replace(cache=cache, tokens_SxT=tokens, pos_S=next_pos, active_S=active & ~done,
                           num_generated_S=num_generated)
-    out = (out[0].at[:, i].set(new_S), out[1].at[:, i].set(logprob_S), out[2].at[:, i].set(active))
+    out = (out[0].at[:, i].set(new_S), out[1].at[:, i].set(logprob_S), out[2].at[:, i].set(active), *out[3:])
     return state, out
 
   out = (jnp.zeros((num_slots, steps), jnp.int32), jnp.zeros((num_slots, steps), jnp.float32),
          jnp.zeros((num_slots, steps), bool))
-  new_state, (tokens, logprobs, valid) = jax.lax.fori_loop(0, steps, step, (state, out))
+  if routed:
+    out += (jnp.full((num_slots, steps, cfg.num_layers, cfg.num_experts_per_tok), -1, jnp.int16),)
+  new_state, (tokens, logprobs, valid, *experts) = jax.lax.fori_loop(0, steps, step, (state, out))
   done = state.active_S & ~new_state.active_S
-  return new_state, ResultTokens(tokens, logprobs, valid, done, version)
+  return new_state, ResultTokens(tokens, logprobs, valid, done, version, *experts)
 
 
 def release(state: DecodeState, slot) -> DecodeState:

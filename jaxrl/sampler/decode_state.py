@@ -51,3 +51,6 @@ class ResultTokens:
   valid_SxK: jax.Array  # the slot was active at that step
   done_S: jax.Array  # the slot finished within this call (stop id or max tokens or full cache)
   version: jax.Array  # int32 scalar: the policy version of the params of this call
+  # int16 [S, C, N, k] of a mixture-of-experts model (None: dense): the experts each layer routed the input of step
+  # i through (the token before the one drawn), k per token, -1 on a dense layer
+  experts_SxCxNxK: jax.Array | None = None

@@ -17,7 +17,7 @@ from jaxrl.models import KVCache, ModelConfig, forward_cached, init_cache
 from jaxrl.sampler import continuation, decode
 from jaxrl.sampler.decode_state import DecodeState, Prefix, ResultTokens, SlotSettings
 from jaxrl.sampler.slot_engine import SlotEngine
-from jaxrl.sharding import Versioned
+from jaxrl.sharding import Versioned, under_mesh
 
 
 def insert(prefix: Prefix, state: DecodeState, slot, settings: SlotSettings, num_generated) -> DecodeState:
@@ -81,7 +81,7 @@ class DenseEngine(SlotEngine):
     out = self._state_shardings
     self._insert = jax.jit(functools.partial(insert), donate_argnums=1, out_shardings=out)
     self._insert_dense = jax.jit(functools.partial(insert_group), donate_argnums=1, out_shardings=out)
-    self._generate = jax.jit(functools.partial(decode.generate, self.graphdef, self.steps_per_call),
+    self._generate = jax.jit(under_mesh(functools.partial(decode.generate, self.graphdef, self.steps_per_call), mesh),
                              donate_argnums=2, out_shardings=(out, self._result_shardings))
     self._rebuild = jax.jit(functools.partial(rebuild, self.graphdef, self.rebuild_chunk), static_argnums=0,
                             donate_argnums=2, out_shardings=out)

@@ -67,6 +67,7 @@ class MultiTurn:
     s.tokens += tokens
     s.logprobs += [0.0] * len(tokens)
     s.versions += [-1] * len(tokens)
+    s.experts += [None] * len(tokens)
     ep.turn_start, s.turn = len(s.tokens), s.turn + 1
     self.stats.observed_tokens += len(tokens)
 

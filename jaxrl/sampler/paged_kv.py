@@ -90,5 +90,7 @@ def put_rows(state, sub, result, rows_R):
       tokens_SxT=put(state.tokens_SxT, sub.tokens_SxT), pos_S=put(state.pos_S, sub.pos_S),
       active_S=put(state.active_S, sub.active_S), num_generated_S=put(state.num_generated_S, sub.num_generated_S))
   full = lambda part: put(jnp.zeros((num_slots, *part.shape[1:]), part.dtype), part)
+  experts = result.experts_SxCxNxK
   return state, result.replace(tokens_SxK=full(result.tokens_SxK), logprobs_SxK=full(result.logprobs_SxK),
-                               valid_SxK=full(result.valid_SxK), done_S=full(result.done_S))
+                               valid_SxK=full(result.valid_SxK), done_S=full(result.done_S),
+                               experts_SxCxNxK=None if experts is None else full(experts))

@@ -223,11 +223,13 @@ class Sampler:
       sample.tokens += tokens[slot][:n]
       sample.logprobs += logprobs[slot][:n]
       sample.versions += [version] * n
+      if result.experts_SxCxNxK is not None:
+        sample.experts += list(result.experts_SxCxNxK[slot, :n])
       self.stats.generated_tokens += n
       reason = self.stops.finish_reason(sample) if done[slot] else None
       cut = self.stops.stop_string_end(sample, before)
       if cut is not None:
-        del sample.tokens[cut:], sample.logprobs[cut:], sample.versions[cut:]
+        del sample.tokens[cut:], sample.logprobs[cut:], sample.versions[cut:], sample.experts[cut:]
         if reason is None:
           self.cache.state = self.engine.release(self.cache.state, slot)
         reason = "stop"

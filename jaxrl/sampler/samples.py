@@ -48,6 +48,9 @@ class Sample:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  # A mixture-of-experts model's routing per completion token ([N, k] int16, Rollout.experts), None where none was
+  # recorded (an environment's observation)
+  experts: list = dataclasses.field(default_factory=list)
   admitted: int = 0  # admission order (paged: the most recent live sample is preempted first)
   episode: Any = None  # jaxrl.envs.episodes.Episode of a multi-turn sample
   turn: int = 0  # model turns started: results of a call dispatched in an earlier turn are stale
@@ -88,6 +91,10 @@ def to_rollout(sample: Sample, reason: str) -> Rollout:
   meta, loss_mask = dict(r.meta), None
   if sample.episode is not None:
     meta["episode"], loss_mask = sample.episode.outcome, sample.episode.loss_mask(len(sample.tokens))
+  routed = [e for e in sample.experts if e is not None]
+  experts = None
+  if routed:  # -1: no record, routed afresh by the learner
+    experts = np.stack([np.full_like(routed[0], -1) if e is None else e for e in sample.experts])
   return Rollout(
       prompt_tokens=sample.group.prompt,
       completion_tokens=np.asarray(sample.tokens, np.int32),
@@ -99,4 +106,5 @@ def to_rollout(sample: Sample, reason: str) -> Rollout:
       sampling=r.sampling,
       meta=meta,
       loss_mask=loss_mask,
+      experts=experts,
   )

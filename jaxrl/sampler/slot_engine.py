@@ -19,7 +19,7 @@ from jaxrl.models.config import DTYPES
 from jaxrl.models.hf import abstract_params
 from jaxrl.sampler import continuation, decode
 from jaxrl.sampler.decode_state import DecodeState, Prefix, ResultTokens, SlotSettings
-from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer
+from jaxrl.sharding import SAMPLER_RULES, Versioned, logical_to_spec, param_shardings, transfer, under_mesh
 
 
 def check_positive_ints(**sizes) -> None:
@@ -80,11 +80,14 @@ class SlotEngine:
     self.base = None  # a LoRA model's frozen base, held once (hold_base): placed params are then its adapters
     self.publish_shardings = self.param_shardings  # of what place() takes: every param, or the adapters alone
     self._state_shardings = self.decode_state_shardings()
-    self._result_shardings = ResultTokens(*(self._named("batch", None),) * 3, self._named("batch"), self._named())
+    self._result_shardings = ResultTokens(*(self._named("batch", None),) * 3, self._named("batch"), self._named(),
+                                          self._named("batch", None, None, None) if cfg.is_moe else None)
     prefix_shardings = Prefix(self.kv_shardings(batch_axis=None), self._named(None), self._named())
     # Each engine jits its own function objects: jit keeps one cache per function, so compile_count() counts this
     # engine's programs only (not those of other engines over the same module-level function).
-    self._prefill = jax.jit(functools.partial(decode.prefill, self.graphdef, cfg), out_shardings=prefix_shardings)
+    # Under the mesh: a MoE model's experts run in shard_map over its expert axis (jaxrl/models/moe.py)
+    self._prefill = jax.jit(under_mesh(functools.partial(decode.prefill, self.graphdef, cfg), mesh),
+                            out_shardings=prefix_shardings)
     self._release = jax.jit(functools.partial(decode.release), donate_argnums=0, out_shardings=self._state_shardings)
     self._zeros = None
     self._write_observation = None
