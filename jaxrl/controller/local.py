@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from jaxrl.controller.interfaces import LocalCoordinator
+from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import RolloutQueue
 from jaxrl.controller.sampler_loop import SamplerLoop
@@ -19,8 +19,8 @@ class LocalController:
   def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,
                record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
                resumed_from: int | None = None, poll_s: float = 0.05, telemetry=None):
-    self.spec, self.poll_s = spec, poll_s
-    self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
+    self.spec, self.poll_s, self.record = spec, poll_s, record or RunRecord()
+    self.coord = LocalCoordinator(self.record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                                   resumed_from, spec.max_filtered_in_a_row)
     self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
     self.learner_loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=self.rollouts,
@@ -57,7 +57,7 @@ class LocalController:
 
   def run(self, join_timeout_s: float = 60.0) -> None:
     coord = self.coord
-    self.learner_loop.log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
+    self.learner_loop.log_start("sync" if self.spec.max_staleness == 0 else "pipeline", self.record)
     threads = [threading.Thread(target=coord.guarded, args=("sampler", self.sampler_loop.run, self.poll_s),
                                 name="jaxrl-sampler", daemon=True),
                threading.Thread(target=coord.guarded, args=("learner", self.learner_loop.run), name="jaxrl-learner",

@@ -177,7 +177,7 @@ def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, job:
                      coord=coord, num_samplers=len(replicas), checkpointer=side.checkpointer, metrics=side.metrics,
                      trace=side.trace, telemetry=side.telemetry)
   ferry = job.ferry(coord, inbox=inbox, publisher=publisher)
-  return LearnerProcess(loop, coord, ferry, job.log)
+  return LearnerProcess(loop, coord, ferry, job.log, side.record)
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:
