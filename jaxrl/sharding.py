@@ -77,12 +77,6 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequ
   return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitMeshes:
-  learner: Mesh
-  sampler: Mesh
-
-
 def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None = None,
                   whole_processes: bool = False) -> tuple[list[jax.Device], list[jax.Device]]:
   """Disjoint (learner, sampler) device lists: the learner takes the first devices, the sampler the last.

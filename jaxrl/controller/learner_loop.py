@@ -149,15 +149,8 @@ class LearnerLoop:
       self.trained_staleness += [step - r.min_version for r in samples]
       self.trained_lengths += [r.num_model_tokens for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
-    metrics["applied"] = applied
-    # Per sample (learner step - its oldest token's version), beside the step's per-token staleness_mean/max.
-    staleness = [step - r.min_version for r in samples]
-    metrics.update(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
-                   sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)),
+    metrics.update(sample_metrics(samples, step), applied=applied,
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
-    accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
-    if accuracy:
-      metrics["accuracy"] = float(np.mean(accuracy))
     return metrics
 
   def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
@@ -225,3 +218,15 @@ class LearnerLoop:
 
   def samples_in_flight(self) -> int:
     return sum(len(g) for g in self.leftover + self._batch_groups)
+
+
+def sample_metrics(samples: list[Rollout], step: int) -> dict[str, float]:
+  """The host's per-sample metrics of a step's samples: completion length, staleness (learner step - the sample's
+  oldest token's version, beside the step's per-token staleness_mean/max) and, where the reward says, accuracy."""
+  staleness = [step - r.min_version for r in samples]
+  out = dict(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
+             sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)))
+  accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
+  if accuracy:
+    out["accuracy"] = float(np.mean(accuracy))
+  return out

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import threading
 
+import jax
+
+from jaxrl.controller import sides
 from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import RolloutQueue
@@ -76,3 +79,27 @@ class LocalController:
       if hung:
         coord.errors.append(("controller", TimeoutError(f"threads did not stop within {join_timeout_s}s: {hung}"), ""))
     coord.raise_errors()
+
+
+class LocalChannels:
+  """The channels of one process holding both sides (controller.sides.Channels): nothing is compiled ahead unless
+  rl.compile_ahead asks, a batch goes to the train step as it is, one checkpointer saves everything, and the
+  publisher casts (or quantizes, for an int8 sampler) each version for the engine as it moves it."""
+
+  compile_ahead = False
+
+  def checkpointer_options(self) -> dict:
+    return {}
+
+  def place(self, batch_shardings):
+    return lambda batch: batch
+
+  def wire(self, built: sides.Built) -> LocalController:
+    learner, sampler = built.learner, built.sampler
+    state, engine = learner.state, sampler.engine
+    publisher = WeightPublisher(engine.publish_shardings, engine.dtype, weight_dtype=engine.weight_dtype)
+    return LocalController(learner.spec, sampler=sampler.sampler(state.params, int(jax.device_get(state.version))),
+                           train_step=learner.train_step, state=state, publisher=publisher, prompts=sampler.prompts,
+                           score=sampler.score, record=learner.record, checkpointer=learner.checkpointer,
+                           metrics=learner.metrics, trace=learner.trace, resumed_from=learner.resumed_from,
+                           telemetry=learner.telemetry)
