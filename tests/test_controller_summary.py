@@ -113,3 +113,36 @@ def test_a_role_loop_imports_neither_the_other_loop_nor_a_transport(loop, other)
   imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
   assert f"jaxrl.controller.{other}" not in imported and "jaxrl.controller.local" not in imported
   assert not any(m.startswith("jaxrl.distributed") or m == "threading" for m in imported), imported
+
+
+def _protocol_members() -> set[str]:
+  from jaxrl.controller.interfaces import Coordinator
+
+  return {n for n in vars(Coordinator) if not n.startswith("_")} | set(Coordinator.__annotations__)
+
+
+def test_both_coordinators_implement_every_verb_of_the_protocol_and_keep_their_lock_and_record_private():
+  from jaxrl.distributed.cross_process import StoreCoordinator
+
+  verbs = _protocol_members()
+  assert {"admit", "settle", "fail", "update_done", "checkpoint_record", "progress", "request_stop"} <= verbs
+  for impl in (LocalCoordinator, StoreCoordinator):
+    missing = [v for v in verbs if not hasattr(impl, v) and v not in ("stop", "ledger")]
+    assert not missing, (impl.__name__, missing)
+  local = LocalCoordinator(RunRecord(), num_steps=1, group_size=1, max_failures_in_a_row=1)
+  assert isinstance(local.ledger, Ledger)
+  # The lock, the record and the admission state are private: no loop can take them.
+  private = ("lock", "record", "live", "skipped", "regenerate", "unadmitted", "failures", "next_group")
+  assert not [name for name in private if hasattr(local, name)]
+
+
+@pytest.mark.parametrize("loop", ["sampler_loop", "learner_loop"])
+def test_a_role_loop_reaches_only_the_coordinator_protocol(loop):
+  tree = ast.parse((CONTROLLER / f"{loop}.py").read_text())
+  reached = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and (
+        isinstance(node.value, ast.Name) and node.value.id == "coord"
+        or isinstance(node.value, ast.Attribute) and node.value.attr == "coord"):
+      reached.add(node.attr)
+  assert reached and reached <= _protocol_members(), reached - _protocol_members()

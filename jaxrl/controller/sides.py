@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import jax
 
+from jaxrl import settings as settings_lib
 from jaxrl import sharding, telemetry
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller import build as build_lib
@@ -144,34 +145,35 @@ def learner_side(c: RunConfig, workdir: Path, roles: Roles, mesh, source, sample
 
 @dataclasses.dataclass
 class SamplerSide:
-  """One sampler replica's parts: its engine, the task with its prompts and reward; `sampler` makes the Sampler a
-  SamplerLoop runs, `evaluate` scores a policy on the task's held-out examples."""
+  """One sampler replica's parts: its engine, the task with its prompts and reward, and its sections' settings
+  (sampler, eval); `sampler` makes the Sampler a SamplerLoop runs, `evaluate` scores a policy on the task's held-out
+  examples."""
 
-  c: RunConfig
+  settings: settings_lib.Sampler
+  eval_settings: settings_lib.Eval
+  seed: int
   engine: Engine
   tokenizer: Any
   task: Any
   prompts: Any
   score: Any
-  compile_rebuilds: bool = False  # compile the dense KV recompute of an in-flight update before the first step
+  # the dense KV recompute of an in-flight update compiled before the first step (a job's pipeline: at its first
+  # use mid-run every learner would wait on it)
+  compile_rebuilds: bool = False
 
   def sampler(self, params, version: int) -> Sampler:
-    """The replica's Sampler from `params` at `version`. With compile_rebuilds (a job's channels) a pipeline run's
-    dense KV recompute (sampler.on_update="recompute") is compiled first, not at its first use mid-run, where every
-    learner would wait on it."""
-    c, engine = self.c, self.engine
-    if self.compile_rebuilds and build_lib.max_staleness(c) and c.sampler.on_update == "recompute" and \
-        engine.kv == "dense":
-      build_lib.compile_rebuilds(engine, engine.place(params, version))
-    return build_lib.build_sampler(c, engine, params, version, self.tokenizer)
+    """The replica's Sampler from `params` at `version`."""
+    if self.compile_rebuilds:
+      build_lib.compile_rebuilds(self.engine, self.engine.place(params, version))
+    return build_lib.build_sampler(self.settings, self.seed, self.engine, params, version, self.tokenizer)
 
   def evaluate(self, params, version: int) -> tuple[dict[str, float], list]:
     """(summary, rollouts): greedy completions of the task's first eval.num_examples held-out examples (at most
     eval.max_new_tokens each), scored by the run's reward (controller.data.evaluate_policy)."""
-    c = self.c
+    e = self.eval_settings
     detokenize = self.tokenizer.decode if self.tokenizer is not None else None
-    return evaluate_policy(self.engine, self.task, self.score, params, version, num_examples=c.eval.num_examples,
-                           max_new_tokens=c.eval.max_new_tokens, seed=c.seed, detokenize=detokenize)
+    return evaluate_policy(self.engine, self.task, self.score, params, version, num_examples=e.num_examples,
+                           max_new_tokens=e.max_new_tokens, seed=self.seed, detokenize=detokenize)
 
 
 def sampler_engine(c: RunConfig, model_cfg: ModelConfig, mesh, path: Path | None = None, *, base=None,
@@ -193,11 +195,13 @@ def sampler_side(c: RunConfig, mesh, source, *, task=None, base=None, compile_re
                  **overrides) -> SamplerSide:
   """A sampler replica's parts on `mesh`. source: build.model_source(c); task: (task, prompts, score) when already
   built (build makes it first, so that bad data fails before any params load), else built here; base and
-  overrides: as sampler_engine's."""
+  overrides: as sampler_engine's; compile_rebuilds: compile a pipeline's dense KV recompute ahead (the channels')."""
   model_cfg, tokenizer, path = source
   task, prompts, score = task or build_lib.build_task(c, tokenizer, model_cfg)
   engine = sampler_engine(c, model_cfg, mesh, path, base=base, **overrides)
-  return SamplerSide(c, engine, tokenizer, task, prompts, score, compile_rebuilds=compile_rebuilds)
+  rebuilds = build_lib.max_staleness(c) > 0 and c.sampler.on_update == "recompute" and engine.kv == "dense"
+  return SamplerSide(c.sampler, c.eval, c.seed, engine, tokenizer, task, prompts, score,
+                     compile_rebuilds=compile_rebuilds and rebuilds)
 
 
 @dataclasses.dataclass
