@@ -477,7 +477,10 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
                               group_size=4, max_failures_in_a_row=9, poll_s=0.01)
   sampler1.sampler_started()
   sampler1.stop.set()  # its thread that follows the asks
-  assert [sampler1.next_group(2) for _ in range(5)] == [(5, True), (7, True), (9, False), (11, False), (13, False)]
+  admitted = []
+  for _ in range(5):
+    sampler1.admit(admitted.append)
+  assert admitted == [5, 7, 9, 11, 13] and sampler1.ledger.groups_admitted == 3  # 5 and 7 were counted before
 
   counts = {"groups_admitted": 2, "samples_generated": 8, "tokens_generated": 40, "skipped_prompts": 1}
   store.set("sampler/0", {"costs": {}, "admitted": {"next": 14, "left": [], "skipped": [12],
@@ -485,9 +488,7 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   store.set("sampler/1", {"costs": {}, "admitted": {"next": 11, "left": [7, 9], "skipped": [], "skip_reasons": [],
                                                     "ledger": {
       "groups_admitted": 0, "samples_generated": 4, "tokens_generated": 20, "skipped_prompts": 0}}})
-  with lead.lock:
-    lead.settle(10)  # trained
-    lead.settle(5)
+  lead.settle([[_rollout(g, 0, [1], [2], 1.0)] for g in (10, 5)])  # trained
   saved = lead.checkpoint_record()
   # Admitted: 10 and 12 (sampler 0), 5 (regenerated; 7 is still due); 12 was skipped; 11 and 9 nobody reached.
   assert (saved["next_group_id"], saved["pending_group_ids"], saved["unadmitted_group_ids"]) == (13, [7], [9, 11])

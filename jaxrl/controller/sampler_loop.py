@@ -16,18 +16,19 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxrl.controller.assembly import DeadlineBook, over_ask, reject_reason
-from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
+from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
 from jaxrl.controller.rollouts import GroupAssembler
 from jaxrl.controller.spec import RunSpec, SkipPrompt
 from jaxrl.rollout import Rollout
 
 
 class SamplerLoop:
-  """One sampler replica (`rank` of `num_samplers`): it admits data positions rank, rank + num_samplers, ... and
-  assembles its share (groups_per_step / num_samplers) of every step from its own groups."""
+  """One sampler replica (`rank` of `num_samplers`): it admits the data positions its coordinator hands it (rank,
+  rank + num_samplers, ...) and assembles its share (groups_per_step / num_samplers) of every step from its own
+  groups."""
 
   def __init__(self, spec: RunSpec, *, sampler, prompts: Callable[[int], tuple[np.ndarray, dict]],
-               score: Callable[[list[Rollout]], None], rollouts: Rollouts, weights: Weights, coord: Coordination,
+               score: Callable[[list[Rollout]], None], rollouts: Rollouts, weights: Weights, coord: Coordinator,
                num_samplers: int = 1, trace: Callable[[dict], None] | None = None):
     self.spec, self.sampler, self.prompts, self.score = spec, sampler, prompts, score
     self.rollouts, self.weights, self.coord = rollouts, weights, coord
@@ -47,20 +48,21 @@ class SamplerLoop:
     spec, coord = self.spec, self.coord
     self.book = DeadlineBook(spec.max_staleness, self.share, self.sampler.version, spec.num_steps,
                              spec.queue_groups // self.num_samplers)
-    skipped_at_start = coord.updates_skipped()
+    skipped_at_start = coord.progress().updates_skipped
     while not coord.stop.is_set():
       t0 = time.perf_counter()
       newer = self.weights.take_newer(self.sampler.version)
       if newer is not None:
         self.sampler.update_params(newer.params, newer.version)
-      self.book.skipped = coord.updates_skipped() - skipped_at_start
-      self.book.admit_k = coord.admit_k
+      asks = coord.progress()
+      self.book.skipped = asks.updates_skipped - skipped_at_start
+      self.book.admit_k = asks.admit_k
       # Admit while every deadline stays feasible; keep the waiting list short so new versions are used soon.
       while self.sampler.num_waiting < self.sampler.engine.max_slots and self.book.room(self.sampler.version):
         self._admit_one()
       if self.sampler.num_active or self.sampler.num_waiting:
         self._finish(self._complete_groups(self.sampler.step()))
-      while self.book.shares < coord.shares_asked():
+      while self.book.shares < coord.progress().shares:
         share = self.book.take()
         if share is None:
           break
@@ -98,29 +100,25 @@ class SamplerLoop:
 
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
-    coord = self.coord
-    with coord.lock:
-      gid, again = coord.next_group(self.num_samplers)
-      try:
-        prompt, meta = self.prompts(gid)
-        room = self.sampler.engine.max_len
-        if len(prompt) >= room:
-          raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
-      except SkipPrompt as e:
-        self.ledger.skipped_prompts += 1
-        coord.skipped[gid] = str(e)
-        print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
-        if self.trace is not None:
-          self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
-        coord.progress.failed("skipped_prompt")
-        return False
-      self.book.admit(gid, self.sampler.version)
-      self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
-                          max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
-      self.assembler.expect(gid, self.spec.group_size)
-      coord.live.add(gid)
-      self.ledger.groups_admitted += not again  # a regenerated group was counted when it was first admitted
-      return True
+    return self.coord.admit(self._start)
+
+  def _start(self, gid: int) -> str | None:
+    """Submits group `gid` (the coordinator's admit holds its lock); the reason its prompt is skipped, or None."""
+    try:
+      prompt, meta = self.prompts(gid)
+      room = self.sampler.engine.max_len
+      if len(prompt) >= room:
+        raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
+    except SkipPrompt as e:
+      print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
+      if self.trace is not None:
+        self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
+      return str(e)
+    self.book.admit(gid, self.sampler.version)
+    self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
+                        max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
+    self.assembler.expect(gid, self.spec.group_size)
+    return None
 
   def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
     """Counts finished samples, releases complete groups with their rewards computed."""
