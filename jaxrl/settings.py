@@ -214,6 +214,11 @@ class Task:
   failure_window: int = Int(64, 1, "scored samples in the reward-failure window")
   max_failure_frac: float = Real(0.5, lambda v: 0 <= v < 1, "in [0, 1)",
                                  "failed samples in the window above this fraction stop the run")
+  # A prompt whose last pass_rate_filter groups all scored alike (all right or all wrong: no signal) is skipped for
+  # the next pass_rate_aside_steps steps' worth of data positions, counted (jaxrl/controller/pass_rate.py): for
+  # datasets a run goes through more than once
+  pass_rate_filter: int = Int(0, 0, "groups in a row scoring alike that set a prompt aside (0: off)")
+  pass_rate_aside_steps: int = Int(10, 1, "steps' worth of data positions a prompt is set aside for")
 
 
 @dataclasses.dataclass(frozen=True)

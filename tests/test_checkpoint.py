@@ -68,7 +68,7 @@ def test_a_resume_gets_back_its_state_and_data_position_and_counts_the_samples_i
   coord = LocalCoordinator(record, num_steps=8, group_size=2, max_failures_in_a_row=10)
   admitted = []
   for _ in range(4):
-    coord.admit(admitted.append)
+    coord.admit(lambda gid, again: admitted.append(gid))
   assert admitted == [9, 11, 10, 12] and record.ledger.samples_regenerated == 2 * 2
   assert record.ledger.groups_admitted == ledger.groups_admitted + 2  # 9 and 11 were counted when first admitted
 

@@ -66,7 +66,7 @@ def _loop(groups, *, version=0, num_steps=2, applies=None, max_staleness=1):
   coord = LocalCoordinator(RunRecord(), num_steps, GROUP_SIZE, max_failures_in_a_row=100)
   admitted = []
   while len(admitted) < len(groups):  # the groups' data positions, admitted (pending until settled)
-    coord.admit(admitted.append)
+    coord.admit(lambda gid, again: admitted.append(gid))
   assert admitted == [g[0].group_id for g in groups]
   state = _State(jnp.float32(0.0), jnp.int32(version), jnp.int32(version))
   weights = _Weights()

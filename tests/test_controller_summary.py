@@ -83,10 +83,14 @@ def test_local_coordinator_regenerates_pending_groups_first_and_checkpoints_them
   # Counted once when first admitted: a regenerated group is not admitted a second time (nothing is reset).
   assert record.ledger.samples_regenerated == 8 and record.ledger.groups_admitted == 12
   admitted = []
-  assert coord.admit(admitted.append)
+
+  def start(gid, again):
+    admitted.append(gid)
+
+  assert coord.admit(start)
   assert admitted == [7] and coord.checkpoint_record()["pending_group_ids"] == [7, 8]  # 8 not admitted: still due
-  assert coord.admit(lambda gid: "too long") is False  # 8, skipped: settled for good, counted
-  assert coord.admit(admitted.append) and coord.admit(admitted.append) and admitted == [7, 10, 11]
+  assert coord.admit(lambda gid, again: "too long") is False  # 8, skipped: settled for good, counted
+  assert coord.admit(start) and coord.admit(start) and admitted == [7, 10, 11]
   record = coord.checkpoint_record()
   assert (record["next_group_id"], record["pending_group_ids"]) == (12, [7, 10, 11])
   assert record["ledger"]["groups_admitted"] == 14 and record["ledger"]["skipped_prompts"] == 1

@@ -469,7 +469,7 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   store = DictStore()
   lead = StoreCoordinator(store, learner, record, num_steps=10, group_size=4, max_failures_in_a_row=9)
   lead.learner_started(version=2, fresh=False)
-  assert store.values["resume"] == {"version": 2, "fresh": False, "base": 10, "admit_k": None,
+  assert store.values["resume"] == {"version": 2, "fresh": False, "base": 10, "admit_k": None, "pass_rate": {},
                                     "regenerate": [[], [5, 7]], "unadmitted": [[], [9]]}
   assert record.ledger.samples_regenerated == 8  # 2 groups of 4
 
@@ -479,7 +479,7 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   sampler1.stop.set()  # its thread that follows the asks
   admitted = []
   for _ in range(5):
-    sampler1.admit(admitted.append)
+    sampler1.admit(lambda gid, again: admitted.append(gid))
   assert admitted == [5, 7, 9, 11, 13] and sampler1.ledger.groups_admitted == 3  # 5 and 7 were counted before
 
   counts = {"groups_admitted": 2, "samples_generated": 8, "tokens_generated": 40, "skipped_prompts": 1}

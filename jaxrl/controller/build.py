@@ -118,7 +118,9 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
                  max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
                  num_minibatches=c.rl.num_minibatches, filter_groups=c.rl.filter_groups,
-                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row, routing=_routing(model_config(c)))
+                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row, routing=_routing(model_config(c)),
+                 pass_rate_window=c.task.pass_rate_filter,
+                 pass_rate_aside_positions=c.task.pass_rate_aside_steps * c.rl.groups_per_step)
 
 
 def _routing(cfg: ModelConfig) -> tuple[int, int] | None:

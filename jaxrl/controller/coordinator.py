@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.ledger import Ledger
+from jaxrl.controller.pass_rate import SetAside
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
 from jaxrl.envs.guard import RewardsBroken
@@ -75,6 +76,9 @@ class Coordination:
     self._regenerate: list[int] = []
     self._unadmitted: list[int] = []
     self._skipped: dict[int, str] = {}  # prompts this sampler skipped, and why (settled: never admitted again)
+    # The pass-rate table resumed from: the record's own on the learner side (its table changes it in place, so the
+    # checkpoint holds it); a sampler process's comes with the learner's resume point (sampler_started)
+    self.resumed_pass_rate: dict = record.pass_rate
     self._wake = threading.Event()
     self.stop = threading.Event()  # set by any end: the last step, a stop request, an error
     self.abort = threading.Event()  # set by an error only
@@ -123,14 +127,17 @@ class Coordination:
     self._wake.wait(timeout_s)
     self._wake.clear()
 
-  def admit(self, start: Callable[[int], str | None]) -> bool:
+  def admit(self, start: Callable[[int, bool], str | None]) -> bool:
     with self._lock:
       gid, again = self._next_group()
-      skipped = start(gid)
+      skipped = start(gid, again)
       if skipped is not None:
         self.ledger.skipped_prompts += 1
         self._skipped[gid] = skipped
-        self._failures.failed("skipped_prompt")
+        if isinstance(skipped, SetAside):  # the filter working, not a prompt that cannot be used
+          self.ledger.prompts_set_aside += 1
+        else:
+          self._failures.failed("skipped_prompt")
         return False
       self._live.add(gid)
       self.ledger.groups_admitted += not again  # a regenerated group was counted when it was first admitted

@@ -61,6 +61,8 @@ class Coordinator(Protocol):
   any time holds the admitted groups not yet settled as pending, and its ledger counts the same moment."""
 
   stop: threading.Event  # set by any end of the run (the last step, a stop request, an error); channels wait on it
+  resumed_pass_rate: dict  # the pass-rate table's state the run resumed from (RunRecord.pass_rate; a sampler
+  #                          process: from the learner's resume point, once sampler_started returned)
   ledger: Ledger  # the run's counts: the verbs count what a checkpoint must see with the data position; each loop
   #                 adds what it alone sees (samples generated, reward failures, zero-advantage groups) and reads
   #                 the rest for its metrics
@@ -84,11 +86,13 @@ class Coordinator(Protocol):
   def skips_to_trace(self) -> list[tuple[int, str]]: ...  # (group, reason): prompts other processes skipped, once
 
   # sampler side
-  def admit(self, start: Callable[[int], str | None]) -> bool:
+  def admit(self, start: Callable[[int, bool], str | None]) -> bool:
     """Takes the next data position (a group pending at the checkpoint resumed from first, then a position no
-    sampler reached, then a new one) and calls start(group_id) on it under the lock, so that a checkpoint sees the
+    sampler reached, then a new one) and calls start(group_id, again) on it under the lock (again: a pending group
+    generated again), so that a checkpoint sees the
     position taken only with the group admitted: start returns None once the group is submitted, or the reason
-    its prompt is skipped (counted, settled for good, a failure). True if the group was admitted."""
+    its prompt is skipped (counted, settled for good, a failure unless a pass_rate.SetAside). True if the group
+    was admitted."""
   def progress(self) -> Asks: ...  # what the learner has told the samplers so far
   def sending(self, costs: dict) -> None: ...  # before finished groups leave: the sampler's cumulative costs
   def idle(self, timeout_s: float) -> None: ...  # nothing to do: wait for wake() (at most timeout_s)

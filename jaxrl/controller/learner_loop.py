@@ -15,6 +15,7 @@ import numpy as np
 from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import reject_reason
 from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
+from jaxrl.controller.pass_rate import make_table
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.metrics import sampler_metrics
 from jaxrl.rollout import Rollout, check_sampling
@@ -45,6 +46,8 @@ class LearnerLoop:
     self._batch_groups: list[list[Rollout]] = []  # taken, not yet trained
     self.leftover: list[list[Rollout]] = []  # groups still in the channel when the run stopped
     self._base_key = jax.random.key(spec.seed)
+    # task.pass_rate_filter: every settled group's outcome, in the run record itself (so the checkpoint holds it)
+    self.pass_rate = make_table(spec.pass_rate_window, spec.pass_rate_aside_positions, coord.resumed_pass_rate)
 
   @property
   def ledger(self):
@@ -113,11 +116,17 @@ class LearnerLoop:
       return True
     if reason == "reward_failed":
       self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
-    self.coord.settle([group], reason)
+    self._settle([group], reason)
     self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
     if reason != "surplus":  # surplus groups had signal: dynamic sampling's cost, not a failure to progress
       self.coord.fail(reason)
     return False
+
+  def _settle(self, groups: list[list[Rollout]], dropped: str | None = None) -> None:
+    if self.pass_rate is not None:
+      for g in groups:
+        self.pass_rate.observe(g)
+    self.coord.settle(groups, dropped)
 
   def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
     """One train step on the groups; an update the learner skipped (non-finite) drops them, counted."""
@@ -140,7 +149,7 @@ class LearnerLoop:
     metrics = dict(jax.device_get(metrics))
     # The new state and the fate of its groups change together (this thread takes the checkpoints).
     self.state = state
-    self.coord.settle(groups, None if applied else "update_skipped")
+    self._settle(groups, None if applied else "update_skipped")
     self._log("train", step=train_step, version=step, applied=applied,
               samples=[[r.group_id, r.sample_index, r.min_version, int(r.versions.max(initial=-1))]
                        for r in samples], lengths=[r.num_model_tokens for r in samples])

@@ -33,6 +33,7 @@ class Ledger:
   dropped_groups: int = 0
   reward_failures: int = 0
   skipped_prompts: int = 0
+  prompts_set_aside: int = 0  # of the skipped prompts, those the pass-rate filter set aside (task.pass_rate_filter)
   skipped_updates: int = 0  # non-finite updates the learner skipped; their samples are dropped as "update_skipped"
   # applied steps of which a non-finite update was skipped alone (rl.atomic_step=False): their samples are trained
   partial_steps: int = 0

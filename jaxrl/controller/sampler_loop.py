@@ -8,6 +8,7 @@ step's params, and handed over only once all have finished.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import time
@@ -17,6 +18,7 @@ import numpy as np
 
 from jaxrl.controller.assembly import DeadlineBook, over_ask, reject_reason
 from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
+from jaxrl.controller.pass_rate import PassRateTable, make_table
 from jaxrl.controller.rollouts import GroupAssembler
 from jaxrl.controller.spec import RunSpec, SkipPrompt
 from jaxrl.rollout import Rollout
@@ -39,6 +41,7 @@ class SamplerLoop:
     self.busy = 0.0
     self._outbox: list[list[Rollout]] = []  # complete groups not put on the channel yet
     self.finished_groups = self.rejected_groups = 0  # scored here, and of those not trainable (over_ask's rate)
+    self.pass_rate: PassRateTable | None = None  # task.pass_rate_filter: made when the loop starts
 
   @property
   def ledger(self):
@@ -46,6 +49,9 @@ class SamplerLoop:
 
   def run(self, poll_s: float = 0.05) -> None:
     spec, coord = self.spec, self.coord
+    # this sampler's own table of the groups it scores, from the one resumed from (known once the loop starts)
+    self.pass_rate = make_table(spec.pass_rate_window, spec.pass_rate_aside_positions,
+                                copy.deepcopy(coord.resumed_pass_rate))
     self.book = DeadlineBook(spec.max_staleness, self.share, self.sampler.version, spec.num_steps,
                              spec.queue_groups // self.num_samplers)
     skipped_at_start = coord.progress().updates_skipped
@@ -81,6 +87,8 @@ class SamplerLoop:
     """Finished, scored groups into the book, or (not trainable) on their own to the learner, which drops and counts
     them; with rl.filter_groups, the rate of the latter sets how far admission over-asks."""
     for g in groups:
+      if self.pass_rate is not None:
+        self.pass_rate.observe(g)
       if reject_reason(g, self.spec.seq_len, self.spec.filter_groups) is None:
         self.book.finish(g)
       else:
@@ -102,13 +110,19 @@ class SamplerLoop:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
     return self.coord.admit(self._start)
 
-  def _start(self, gid: int) -> str | None:
+  def _start(self, gid: int, again: bool) -> str | None:
     """Submits group `gid` (the coordinator's admit holds its lock); the reason its prompt is skipped, or None."""
     try:
       prompt, meta = self.prompts(gid)
       room = self.sampler.engine.max_len
       if len(prompt) >= room:
         raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
+      # A pending group is generated again as admitted (it was counted admitted before the filter could see it)
+      aside = self.pass_rate.aside(prompt, gid) if self.pass_rate is not None and not again else None
+      if aside is not None:
+        if self.trace is not None:
+          self.trace({"event": "skip_prompt", "group": gid, "reason": str(aside)})
+        return aside
     except SkipPrompt as e:
       print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
       if self.trace is not None:

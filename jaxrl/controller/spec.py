@@ -3,6 +3,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -27,15 +28,19 @@ class RunRecord:
   # Data positions below next_group_id that no sampler had admitted yet (the sampler processes of a job admit
   # interleaved positions at their own pace): a resume admits them first, as new groups.
   unadmitted_group_ids: list[int] = dataclasses.field(default_factory=list)
+  # The pass-rate filter's table as the learner side saw every settled group (controller.pass_rate; {}: off or empty)
+  pass_rate: dict = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
     return {"next_group_id": self.next_group_id, "pending_group_ids": sorted(self.pending_group_ids),
-            "unadmitted_group_ids": sorted(self.unadmitted_group_ids), "ledger": self.ledger.to_json()}
+            "unadmitted_group_ids": sorted(self.unadmitted_group_ids), "ledger": self.ledger.to_json(),
+            "pass_rate": copy.deepcopy(self.pass_rate)}
 
   @classmethod
   def from_json(cls, d: dict) -> RunRecord:
+    # unadmitted_group_ids and pass_rate are absent from checkpoints written before they existed
     return cls(d["next_group_id"], list(d["pending_group_ids"]), Ledger.from_json(d["ledger"]),
-               list(d.get("unadmitted_group_ids", [])))  # absent from checkpoints written before it existed
+               list(d.get("unadmitted_group_ids", [])), copy.deepcopy(d.get("pass_rate", {})))
 
 
 @dataclasses.dataclass
@@ -62,6 +67,8 @@ class RunSpec:
   # A mixture-of-experts model's (layers, experts per token): every batch carries Batch.experts_BxLxNxK
   routing: tuple[int, int] | None = None
   max_filtered_in_a_row: int = 1000  # filtered groups with no applied update before the run stops
+  pass_rate_window: int = 0  # task.pass_rate_filter (0: off)
+  pass_rate_aside_positions: int = 0  # task.pass_rate_aside_steps x groups_per_step
 
   @property
   def batch_size(self) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from jaxrl.controller.ledger import Ledger
 
 # Counts a sampler keeps (it admits and generates); every other count is the learner's.
-SAMPLER_COUNTS = ("groups_admitted", "samples_generated", "tokens_generated", "skipped_prompts")
+SAMPLER_COUNTS = ("groups_admitted", "samples_generated", "tokens_generated", "skipped_prompts", "prompts_set_aside")
 
 
 def merge_ledgers(learner: dict, samplers: Sequence[dict]) -> dict:
@@ -25,7 +25,7 @@ def merge_ledgers(learner: dict, samplers: Sequence[dict]) -> dict:
   those of the checkpoint resumed from (the samplers' counts then), the samplers add what they counted since."""
   ledger = dict(learner)
   for key in SAMPLER_COUNTS:
-    ledger[key] = learner[key] + sum(s[key] for s in samplers)
+    ledger[key] = learner.get(key, 0) + sum(s.get(key, 0) for s in samplers)  # a count newer than a post: 0
   return ledger
 
 

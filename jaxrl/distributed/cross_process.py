@@ -20,6 +20,7 @@ checkpoint together and end the job as at its last step.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -308,6 +309,7 @@ class StoreCoordinator(Coordination):
     unadmitted = sorted(record.unadmitted_group_ids) + list(range(record.next_group_id, base))
     self.ledger.samples_regenerated += len(record.pending_group_ids) * self.group_size
     self._resume = {"version": version, "fresh": fresh, "base": base, "admit_k": self._admit_k,
+                    "pass_rate": copy.deepcopy(record.pass_rate),
                     "regenerate": [sorted(g for g in record.pending_group_ids if g % num == r) for r in range(num)],
                     "unadmitted": [[g for g in unadmitted if g % num == r] for r in range(num)]}
     self.store.set("resume", self._resume)
@@ -372,6 +374,7 @@ class StoreCoordinator(Coordination):
     self._record.next_group_id = resume["base"] + rank
     self._regenerate, self._unadmitted = list(resume["regenerate"][rank]), list(resume["unadmitted"][rank])
     self._asks = Asks(0, 0, resume["admit_k"])
+    self.resumed_pass_rate = resume["pass_rate"]
     threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks", daemon=True).start()
     return resume
 

@@ -5,12 +5,15 @@ leaves nothing to train stops the run with one line instead of sampling for ever
 
 import json
 import threading
+import types
 
 import pytest
 from faults_util import NUM_STEPS, check_history, committed_steps, inject, read_trace, tiny_config, wait_for
 from test_faults_topologies import GROUP_SIZE, TOPOLOGIES, command, kill_job, start_job
 
 from jaxrl import train as train_lib
+from jaxrl.controller.data import make_prompt_source
+from jaxrl.controller.pass_rate import prompt_key
 
 FILTER = {"task__reward": "faults_rewards:rare", "rl__filter_groups": "zero_variance"}
 
@@ -83,3 +86,36 @@ def test_dynamic_sampling_resumes_exactly_and_the_ledger_balances_in_every_topol
   assert summary["steps"] == NUM_STEPS and summary["resumed_from"] is not None
   assert led["filtered_groups"] > 0 and led["dropped"]["filtered"] == GROUP_SIZE * led["filtered_groups"]
   check_history(read_trace(workdir / "trace.jsonl"), summary, group_size=GROUP_SIZE)
+
+
+# 16 prompts (2 ids of 4) seen again and again; about 90% of groups score alike: a prompt is set aside after one
+PASS_RATE = {"task__reward": "faults_rewards:rare", "task__kwargs": {"vocab_size": 4, "prompt_len": 2},
+             "task__pass_rate_filter": 1, "task__pass_rate_aside_steps": 8, "rl__max_failures_in_a_row": 2}
+
+
+def test_the_pass_rate_filter_sets_prompts_aside_counted_and_its_table_survives_resume(tmp_path):
+  """Set-aside prompts are skipped with their reason, counted, and no failure (two failures in a row would stop
+  the run); the table is in the checkpoint, and a resumed run skips every new position whose prompt it set aside."""
+  c = tiny_config("pipeline", **PASS_RATE)
+  first = train_lib.train(c, tmp_path)
+  led = first["ledger"]
+  events = read_trace(tmp_path / "trace.jsonl")
+  skips = [e for e in events if e["event"] == "skip_prompt"]
+  assert led["prompts_set_aside"] == led["skipped_prompts"] == len(skips) > 0
+  assert all("set aside by the pass-rate filter" in e["reason"] for e in skips)
+  check_history(events, first, group_size=GROUP_SIZE)
+  saved = json.loads((tmp_path / "checkpoints" / str(NUM_STEPS) / "record" / "metadata").read_text())
+  until = saved["pass_rate"]["until"]
+  assert until
+
+  second = train_lib.train(tiny_config("pipeline", **PASS_RATE, num_steps=NUM_STEPS + 2), tmp_path)
+  resumed = read_trace(tmp_path / "trace.jsonl")[len(events):]
+  assert second["resumed_from"] == NUM_STEPS
+  # the run's prompts as its sampler renders them (raw ids: a model vocabulary only bounds them)
+  _, prompts = make_prompt_source(c.task, c.seed, None, types.SimpleNamespace(vocab_size=4))
+  skipped = {e["group"] for e in resumed if e["event"] == "skip_prompt"}
+  regenerated = set(saved["pending_group_ids"])
+  due = [g for g in range(saved["next_group_id"], resumed[-1]["next_group_id"])
+         if g not in regenerated and until.get(prompt_key(prompts(g)[0]), 0) > g]
+  assert due and set(due) <= skipped  # the saved table decides from the first position on
+  check_history(read_trace(tmp_path / "trace.jsonl"), second, group_size=GROUP_SIZE)
