@@ -97,7 +97,7 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
         adaptive = AdaptiveStaleness(AutoStaleness(**run.config.rl.auto_staleness)) if k == "auto" else None
         ctl.state = _copy(init)
         history = [jax.tree.map(jnp.copy, ctl.state.params)]
-        sampler = Sampler(run.engine, history[0], 0, seed=1000 + seed)
+        sampler = Sampler(run.sampler_side.engine, history[0], 0, seed=1000 + seed)
         rewards = []
         start = time.perf_counter()
         used_ks = []

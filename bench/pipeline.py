@@ -83,7 +83,7 @@ def setup(c, workdir) -> Bench:
   from jaxrl.train import build
 
   run = build(c, workdir)
-  engine = run.engine  # the run's own engine: same executables as jaxrl-train's sampler
+  engine = run.sampler_side.engine  # the run's own engine: same executables as jaxrl-train's sampler
   b = c.bench
   prompt_len = len(run.controller.sampler_loop.prompts(0)[0])
   lengths = group_lengths(b.max_groups, b.median, b.p99_ratio, c.sampler.max_len - prompt_len, c.seed)
@@ -155,7 +155,7 @@ def sampler_alone(bench: Bench, groups: int) -> float:
 def prediction(bench: Bench, cal, measured_steps: int) -> Prediction:
   c = bench.config
   return predict(cal, RunDescription(
-      sampler_devices=bench.run.meshes.sampler.size, learner_devices=bench.run.meshes.learner.size,
+      sampler_devices=bench.engine.mesh.size, learner_devices=bench.run.learner_side.mesh.size,
       batch_size=c.rl.group_size * c.rl.groups_per_step, group_size=c.rl.group_size,
       lengths=Replay(bench.lengths, c.rl.group_size), max_staleness=c.rl.max_staleness, prompt_len=bench.prompt_len,
       steps=measured_steps, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
@@ -197,7 +197,7 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
     train_step = bench.run.controller.learner_loop.train_step
     m, details, _ = profile(bench.engine, train_step, jax.tree.map(jnp.copy, bench.state0),
                             batch_size=c.rl.group_size * gb, seq_len=c.rl.seq_len, group_size=c.rl.group_size,
-                            prompt_len=bench.prompt_len, learner_devices=bench.run.meshes.learner.size,
+                            prompt_len=bench.prompt_len, learner_devices=bench.run.learner_side.mesh.size,
                             decode_calls=c.bench.profile_decode_calls, train_reps=c.bench.profile_train_reps)
     phase("profile")
     return m, details
@@ -240,8 +240,8 @@ def run_benchmark(c, workdir) -> dict[str, Any]:
   sim = pred.pipeline.summary()
   train_s = details["train_alone_s"]
   return dict(
-      config=dict(model=c.model.tiny.to_dict(), sampler_devices=bench.run.meshes.sampler.size,
-                  learner_devices=bench.run.meshes.learner.size, max_slots=c.sampler.max_slots,
+      config=dict(model=c.model.tiny.to_dict(), sampler_devices=bench.engine.mesh.size,
+                  learner_devices=bench.run.learner_side.mesh.size, max_slots=c.sampler.max_slots,
                   max_len=c.sampler.max_len, steps_per_call=c.sampler.steps_per_call, group_size=c.rl.group_size,
                   groups_per_step=gb, seq_len=c.rl.seq_len, max_staleness=k, queue_groups=c.rl.queue_groups,
                   on_update=c.sampler.on_update, prompt_len=bench.prompt_len,

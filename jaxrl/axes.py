@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec as P
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
@@ -52,3 +53,16 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh,
     used.update(chosen)
     spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
   return P(*spec)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+  """x with its leading (row) axis split over the learner's batch axes (LEARNER_RULES) of the mesh in context, the
+  rest whole; unchanged without one. The learner's train step traces under its mesh (under_mesh), so a model's
+  activations stay row-sharded through the layer scan and FSDP gathers each layer's weights: left to itself,
+  XLA:TPU kept the weights sharded and all-reduced the whole batch's activations on every chip instead (5.8x FSDP's
+  collective bytes on Qwen2.5-7B; docs/TPU.md)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else tuple(a for a in dict(LEARNER_RULES)["batch"] if a in mesh.axis_names)
+  if not axes:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(axes, *([None] * (x.ndim - 1))))

@@ -38,19 +38,17 @@ from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
 from jaxrl.distributed import runtime
 from jaxrl.distributed.job import roles
+from jaxrl.kernels.train_attention import default_implementation
 from jaxrl.learner.step import batch_shardings, batch_shards, chunk_count, fixed_param_pass_count
-from jaxrl.models import ModelConfig, hf, lora, quant
+from jaxrl.models import hf, lora, quant
 from jaxrl.rollout import SamplingParams
 from jaxrl.settings import RunConfig
 from jaxrl.sim.hardware import GiB, Hardware, preset
 
 TPU_CHIPS = {"v5e": "tpu_v5e", "v5p": "tpu_v5p", "v6e": "tpu_v6e"}  # a topology's prefix -> sim.hardware's chip
-# The attention a TPU target compiles with while the Pallas kernels do not yet compile under Mosaic in shard_map
-# (issue 41, item 4): the learner's chunked XLA attention and the sampler's XLA decode attention. Once they do,
-# these become "auto" (the kernels), here and nowhere else.
-TPU_TRAIN_ATTENTION = "chunked"
+# The decode attention a TPU target compiles with while the Pallas paged kernel is not compiled for it (docs/TPU.md):
+# the XLA one. The learner's "auto" is compiled as is: splash, the Mosaic kernel in shard_map.
 TPU_DECODE_ATTENTION = "xla"
-
 
 class CompileError(ValueError):
   """A target or config that cannot be compiled, in one line."""
@@ -67,9 +65,9 @@ class Target:
 def target(name: str) -> Target:
   """The chips of a TPU topology ("v5e:2x2", "v5p:4x4x2", "v6e:4x4", ...) as libtpu describes them."""
   if name.startswith("gpu:"):
-    raise CompileError(f"--target={name}: compiling for a GPU without one needs a CUDA jaxlib plugin with a deviceless "
-                       "topology API, which this jax install lacks; compile on the GPU host (jaxrl-profile, "
-                       "bench/device) instead")
+    raise CompileError(f"--target={name}: a deviceless GPU compile needs a CUDA jaxlib plugin whose topology API "
+                       "works without a GPU; jax-cuda12-plugin 0.12.0.1's says 'No visible GPU devices' (docs/TPU.md), "
+                       "so compile on the GPU host (jaxrl-profile, bench/device) instead")
   generation, _, shape = name.partition(":")
   if generation not in TPU_CHIPS or not re.fullmatch(r"[0-9]+(x[0-9]+)*", shape):
     raise CompileError(f"--target={name!r}: a TPU topology like 'v5e:2x2', 'v5p:4x4x2' or 'v6e:4x4' "
@@ -85,17 +83,10 @@ def target(name: str) -> Target:
 
 
 def for_target(c: RunConfig, tgt: Target) -> RunConfig:
-  """The config as the target runs it: on TPU, "auto" attention is TPU_TRAIN_ATTENTION (the reference for rows of
-  one attention block or less, as "auto" picks on CPU: a block is computed whole) / TPU_DECODE_ATTENTION."""
-  if tgt.platform == "tpu":
-    if c.model.train_attention == "auto":
-      block = ModelConfig.attention_block
-      train = TPU_TRAIN_ATTENTION if c.rl.seq_len > block else "reference"
-      c = config_lib.replace(c, model__train_attention=train)
-    if c.sampler.attention == "auto":
-      c = config_lib.replace(c, sampler__attention=TPU_DECODE_ATTENTION)
+  """The config as the target runs it: on TPU, the sampler's "auto" attention is TPU_DECODE_ATTENTION."""
+  if tgt.platform == "tpu" and c.sampler.attention == "auto":
+    c = config_lib.replace(c, sampler__attention=TPU_DECODE_ATTENTION)
   return c
-
 
 def split(c: RunConfig, devices) -> sides.Roles:
   """The run's roles on the target's chips, as the run makes them: one process's split (jaxrl.train), or on a
@@ -360,16 +351,32 @@ def remedies(c: RunConfig, program: dict, chip: Hardware, learner_chips: int, sa
   return out
 
 
+def _prepare(c, target_name: str):
+  """The target, the config as it runs there, its roles, model config and (first) sampler engine."""
+  tgt = target(target_name)
+  c = for_target(config_lib.validate(c, num_devices=len(tgt.devices)), tgt)
+  roles = split(c, tgt.devices)
+  model_cfg = build_lib.model_config(c, platform=tgt.platform)
+  return tgt, c, roles, model_cfg, build_lib.build_engine(c, model_cfg, roles.sampler_meshes(c)[0])
+
+
+def compile_decode(c, target_name: str, log=print, hlo_dir: str | None = None) -> dict:
+  """Only the sampler's decode program of config c compiled for the target (a minute, where the whole run takes
+  many): its report entry and its bytes per step against its weights and KV read once (compile_efficiency)."""
+  tgt, c, _, _, engine = _prepare(c, target_name)
+  programs, sampled = sampler_programs(c, engine)
+  decode = compile_program(next(p for p in programs if p.name.startswith("decode")), tgt.chip, log, hlo_dir)
+  ideal = per_device_bytes(sampled["params"]) + per_device_bytes(sampled["state"].cache)
+  return dict(target=tgt.name, chip=tgt.chip.name, kv=engine.kv, decode_attention=getattr(engine, "attention", "xla"),
+              layout=getattr(engine, "layout", None), program=decode,
+              decode_bytes=compile_efficiency.decode_bytes(decode, ideal))
+
+
 def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> dict:
   """Every program of config c (a ConfigDict or RunConfig) compiled for `target_name`'s chips: the report (see the
   module doc). report["fits"] is False when one does not fit; report["over"] then names it."""
-  tgt = target(target_name)
-  c = config_lib.validate(c, num_devices=len(tgt.devices))
-  c = for_target(c, tgt)
-  roles = split(c, tgt.devices)
+  tgt, c, roles, model_cfg, engine = _prepare(c, target_name)
   learner_mesh, sampler_meshes = roles.learner_mesh(c), roles.sampler_meshes(c)
-  model_cfg = build_lib.model_config(c, platform=tgt.platform)
-  engine = build_lib.build_engine(c, model_cfg, sampler_meshes[0])
   learn, info = learner_programs(c, learner_mesh, model_cfg)
   sample, sampled = sampler_programs(c, engine)
   programs = [*learn, publish_program(c, learner_mesh, info["state"], engine), *sample]
@@ -383,7 +390,8 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
                  **{k: getattr(model_cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                                        "num_heads", "num_kv_heads", "head_dim", "tie_embeddings")},
                  dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype, sampler_dtype=str(jnp.dtype(engine.dtype)),
-                 sampler_weights=engine.weight_dtype, train_attention=model_cfg.train_attention,
+                 sampler_weights=engine.weight_dtype,
+                 train_attention=_train_attention(model_cfg, c.rl.seq_len, learner_mesh),
                  decode_attention=getattr(engine, "attention", "xla"), remat=model_cfg.remat,
                  lora=model_cfg.lora is not None),
       run=dict(batch_rows=info["spec"].batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
@@ -415,6 +423,14 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
   else:
     report["efficiency"] = compile_efficiency.efficiency(report)
   return report
+
+
+def _train_attention(model_cfg, seq_len: int, mesh) -> str:
+  """The learner's attention as its step traces it under `mesh` ("auto" picks by the mesh's platform)."""
+  if model_cfg.train_attention != "auto":
+    return model_cfg.train_attention
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return default_implementation(seq_len, model_cfg.dtype, model_cfg.attention_block)
 
 
 def _receive(sampled: dict, trained, engine, chip: Hardware) -> dict:

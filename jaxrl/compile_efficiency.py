@@ -53,21 +53,25 @@ def _verdict(ratio: float | None, target: float, top) -> dict:
   return out
 
 
+def decode_bytes(decode: dict, ideal: float) -> dict:
+  """A decode program's bytes per step against `ideal` (its weight shard and KV per chip; see the module doc)."""
+  per_step = decode["bytes_accessed"] / decode["steps_per_call"]
+  overhead = [(name, b) for name, b in decode["top_bytes"] if "dot_general" not in name]
+  return dict(_verdict(per_step / ideal, TARGETS["decode_bytes"], overhead), per_step=per_step, ideal=ideal,
+              seconds_per_step=decode["roofline"]["bound_s"] / decode["steps_per_call"])
+
+
 def efficiency(report: dict) -> dict:
   """The three ratios of a report whose programs all compiled (see the module doc)."""
   programs = report["programs"]
   decode = next(p for p in programs if p["name"].startswith("decode"))
   held = next(p for p in programs if p["name"] == "publish_receive")["memory"]
-  ideal = held["params"] + held["kv"]
-  per_step = decode["bytes_accessed"] / decode["steps_per_call"]
   train = max((p for p in programs if p["name"].startswith("train_step")), key=lambda p: p["flops"])
   model = model_train_flops(report) / report["split"]["learner"]
   fsdp = fsdp_collective_bytes(report)
   coll = sum(train["collective_bytes"].values())
-  overhead = [(name, b) for name, b in decode["top_bytes"] if "dot_general" not in name]
   return dict(
-      decode_bytes=dict(_verdict(per_step / ideal, TARGETS["decode_bytes"], overhead), per_step=per_step,
-                        ideal=ideal, seconds_per_step=decode["roofline"]["bound_s"] / decode["steps_per_call"]),
+      decode_bytes=decode_bytes(decode, held["params"] + held["kv"]),
       train_flops=dict(_verdict(train["flops"] / model, TARGETS["train_flops"], train["top_flops"]),
                        compiled=train["flops"], model=model),
       learner_collectives=dict(_verdict(coll / fsdp if fsdp else None, TARGETS["learner_collectives"],

@@ -27,7 +27,7 @@ from jaxrl.models.lora import LoRAConfig
 from jaxrl.models.presets import PRESETS
 from jaxrl.rollout import SamplingParams
 from jaxrl.settings import SETTINGS, RunConfig, from_tree, help_text, is_int, is_real
-from jaxrl.sharding import resolve_axis_sizes
+from jaxrl.sharding import resolve_axis_sizes, sampler_count
 from jaxrl.trackers import check_backends
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
@@ -236,7 +236,7 @@ def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
   n, s = c.mesh.num_devices, c.mesh.sampler_devices
   need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "
                          "to -1")
-  sampler = s if is_int(s) else max(1, round(s * total))
+  sampler = sampler_count(s, total)
   replicas = []
   while sum(replicas) < sampler and len(replicas) < len(devices_per_process):
     replicas.append(devices_per_process[-1 - len(replicas)])
@@ -354,7 +354,7 @@ def _validate_mesh(c, need, get, num_devices: int | None) -> None:
   pool = num_devices if n == -1 else n
   need(pool <= num_devices, f"mesh.num_devices={n} but {num_devices} devices exist")
   need(pool >= 2, f"a pool of {pool} device(s) cannot hold a sampler and a learner")
-  sampler = s if is_int(s) else max(1, round(s * pool))
+  sampler = sampler_count(s, pool)
   need(sampler < pool, f"mesh.sampler_devices={s} leaves no learner device in a pool of {pool}")
   sizes = {}
   for role, count in (("learner", pool - sampler), ("sampler", sampler)):

@@ -198,8 +198,7 @@ def _evaluate(c, policy, mesh, sizes) -> None:
   c = config_lib.replace(c, eval__num_examples=num, eval__max_new_tokens=_setting(_MAX_TOKENS, c.eval.max_new_tokens))
   params, base = _sampler_params(policy)
   try:
-    side = sides.sampler_side(c, None, mesh, (policy.model_cfg, policy.tokenizer, policy.source_dir), base=base,
-                              **sizes)
+    side = sides.sampler_side(c, mesh, (policy.model_cfg, policy.tokenizer, policy.source_dir), base=base, **sizes)
   except config_lib.ConfigError as e:
     _fail(str(e))
   start = time.perf_counter()

@@ -94,19 +94,33 @@ def _closing(text: str, start: int) -> int:
 
 
 def parse(text: str) -> tuple[dict[str, list[Op]], str]:
-  """{computation: its ops} of an HLO module's text, and the entry computation's name."""
-  computations, entry, current = {}, None, None
+  """{computation: its ops} of an HLO module's text, and the entry computation's name.
+
+  An instruction may span lines (a Mosaic kernel's backend_config holds its metadata's newlines, and a line of it
+  may start with "}}"): lines that open no instruction continue the one before, and only a lone "}" closes a
+  computation (closing at any "}" dropped the rest of a layer's ops after a splash call, and their FLOPs)."""
+  computations, entry, current, pending = {}, None, None, []
+
+  def flush():
+    op = _split_instruction(" ".join(pending)) if pending else None
+    if op is not None and current is not None:
+      current.append(op)
+    pending.clear()
+
   for line in text.splitlines():
     m = _COMPUTATION.match(line)
     if m:
+      flush()
       current = computations.setdefault(m.group(1), [])
       entry = m.group(1) if line.startswith("ENTRY") else entry
-    elif line.startswith("}"):
+    elif line.rstrip() == "}":
+      flush()
       current = None
     elif current is not None:
-      op = _split_instruction(line)
-      if op is not None:
-        current.append(op)
+      if line.lstrip().startswith(("%", "ROOT ")):
+        flush()
+      pending.append(line)
+  flush()
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return computations, entry

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 # Each module owns the values its options take; the settings offer them.
+from jaxrl.controller.adaptive import AutoStaleness
 from jaxrl.controller.assembly import FILTER_GROUPS
 from jaxrl.kernels.paged_attention import IMPLS as PAGED_ATTENTION
 from jaxrl.kernels.train_attention import IMPLEMENTATIONS as TRAIN_ATTENTION
@@ -280,8 +281,8 @@ class RL:
   # admission moves k within [auto_staleness.k_min, auto_staleness.k_max] from the measured drift
   # (jaxrl/controller/adaptive.py); k_max stays the hard bound
   max_staleness: int | str = Other(1, 'an int >= 0 or "auto"', any_type=True)
-  auto_staleness: Frozen = Other(dict(k_min=0, k_max=4, ess_low=0.7, ess_high=0.9, kl_high=0.05, window=3),
-                                 "see AutoStaleness")
+  auto_staleness: Frozen = Other(dataclasses.asdict(AutoStaleness()), "jaxrl.controller.adaptive.AutoStaleness's "
+                                 "options: k_min, k_max, ess_low, ess_high, kl_high, window")
   # Optimizer updates per learner step: the step's samples, shuffled by (seed, step), are dealt into
   # num_minibatches disjoint mini-batches by sample (packed or not); every epoch runs them all, in its own order.
   # A step makes one policy version however many updates it runs. With loss.proximal="recompute", updates after
@@ -299,15 +300,10 @@ class RL:
                                    "loudly, not for ever")
 
 
-# See LossConfig (each option's values are checked there). Default: decoupled PPO (clip-higher, dual clip for
-# A < 0) against the pre-step policy, corrected for staleness by truncated token IS weights prox / mu.
-LOSS = dict(advantage="grpo", aggregation="token_mean", policy_loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
-            proximal="recompute", is_level="token", is_cap=2.0, is_ess_min=None, kl_coef=0.0, kl_estimator="k2",
-            entropy_coef=0.0, routing="replay")
-
-
-def _default_loss():
-  return LossConfig(**LOSS)
+# The run's objective: LossConfig (which checks each option) with these four changed: decoupled PPO (clip-higher,
+# dual clip for A < 0) against the pre-step policy, corrected for staleness by truncated token IS weights prox / mu.
+RUN_LOSS = LossConfig(proximal="recompute", is_level="token", is_cap=2.0, dual_clip=3.0)
+LOSS = {f.name: getattr(RUN_LOSS, f.name) for f in dataclasses.fields(LossConfig) if f.name != "sampling"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +375,7 @@ class RunConfig:
   task: Task = Section(Task)
   sampler: Sampler = Section(Sampler)
   rl: RL = Section(RL)
-  loss: LossConfig = Other(LOSS, "the RL objective: LossConfig's options", factory=_default_loss)  # validated
+  loss: LossConfig = Other(LOSS, "the RL objective: LossConfig's options", factory=lambda: RUN_LOSS)  # validated
   optimizer: Optimizer = Section(Optimizer)
   checkpoint: Checkpoint = Section(Checkpoint)
   eval: Eval = Section(Eval)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 # The logical-axis rules live in jaxrl.axes (no model imports: the kernels read them too); imported from here as before.
 from jaxrl.axes import LEARNER_RULES as LEARNER_RULES
 from jaxrl.axes import SAMPLER_RULES as SAMPLER_RULES
+from jaxrl.axes import constrain_rows as constrain_rows
 from jaxrl.axes import logical_to_spec
 from jaxrl.models import quant
 
@@ -77,10 +78,10 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequ
   return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitMeshes:
-  learner: Mesh
-  sampler: Mesh
+def sampler_count(num_sampler: int | float, pool: int) -> int:
+  """The sampler's devices in a pool of `pool`: mesh.sampler_devices as a count, or a fraction of the pool (at
+  least one device)."""
+  return max(1, round(num_sampler * pool)) if isinstance(num_sampler, float) else num_sampler
 
 
 def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None = None,
@@ -95,7 +96,7 @@ def split_devices(num_sampler: int | float, devices: Sequence[jax.Device] | None
   if isinstance(num_sampler, float):
     if not 0 < num_sampler < 1:
       raise ValueError(f"sampler fraction must be in (0, 1), got {num_sampler}")
-    num_sampler = max(1, round(num_sampler * n))
+  num_sampler = sampler_count(num_sampler, n)
   if not isinstance(num_sampler, (int, np.integer)) or not 0 < num_sampler < n:
     raise ValueError(f"sampler devices must be in [1, {n - 1}] for a pool of {n} devices, got {num_sampler}")
   learner, sampler = devices[: n - num_sampler], devices[n - num_sampler :]

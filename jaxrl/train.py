@@ -22,67 +22,52 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, platforms, sharding
-from jaxrl.checkpoint import Checkpointer, IntegrityError, SaveError
+from jaxrl import hostmem, platforms
+from jaxrl.checkpoint import IntegrityError, SaveError
 from jaxrl.controller import auto, sides
-from jaxrl.controller import build as build_lib
 from jaxrl.controller import summary as summary_lib
-from jaxrl.controller.local import LocalController
-from jaxrl.controller.weights import WeightPublisher
+from jaxrl.controller.local import LocalChannels, LocalController
 from jaxrl.envs.guard import RewardsBroken
-from jaxrl.metrics import MetricsWriter, TraceWriter
-from jaxrl.models import ModelConfig, hf
-from jaxrl.sampler import Engine
+from jaxrl.models import hf
 
 
 @dataclasses.dataclass
 class Run:
-  """Everything a run is made of; `controller` drives it."""
+  """A run in this process: its two sides (controller.sides) and the `controller` that drives their loops."""
 
   config: config_lib.RunConfig
   workdir: Path
-  meshes: sharding.SplitMeshes
-  model_config: ModelConfig
-  graphdef: Any
-  tokenizer: Any
-  engine: Engine
   controller: LocalController
-  checkpointer: Checkpointer
-  metrics: MetricsWriter
-  task: Any
-  resumed_from: int | None
-  trace: TraceWriter | None = None
-  learner_side: sides.LearnerSide | None = None  # the parts above, as controller.sides built them
-  sampler_side: sides.SamplerSide | None = None
+  learner_side: sides.LearnerSide
+  sampler_side: sides.SamplerSide
+
+  @property
+  def checkpointer(self):
+    return self.learner_side.checkpointer
+
+  @property
+  def metrics(self):
+    return self.learner_side.metrics
+
+  @property
+  def trace(self):
+    return self.learner_side.trace
+
+  @property
+  def resumed_from(self) -> int | None:
+    return self.learner_side.resumed_from
 
 
 def build(c, workdir: str | Path) -> Run:
   """The run of config c (an ml_collections config or a RunConfig, validated here against this host's devices): from
-  here on every piece gets the typed RunConfig, or its own section of it. This process holds both sides of the run
-  (controller.sides), joined by the in-process channels of a LocalController."""
+  here on every piece gets the typed RunConfig, or its own section of it. This process holds both sides of the run,
+  made by the build of every topology (controller.sides.build) and joined by the in-process channels."""
   workdir = Path(workdir)
   c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))
   config_lib.validate_data_files(c)
-  source = build_lib.model_source(c)
-  model_cfg, tokenizer, _ = source
-  task = build_lib.build_task(c, tokenizer, model_cfg)  # before any params are loaded
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
-  roles = sides.Roles.single(c, devices)
-  meshes = sharding.SplitMeshes(learner=roles.learner_mesh(c), sampler=roles.sampler_meshes(c)[0])
-  learner = sides.learner_side(c, workdir, roles, meshes.learner, source, meshes.sampler)
-  state = learner.state
-  # LoRA: the sampler holds the learner's base once; publishes move the adapters
-  sampler = sides.sampler_side(c, roles, meshes.sampler, source, task=task, base=state.frozen)
-  engine = sampler.engine
-  publisher = WeightPublisher(engine.publish_shardings, engine.dtype, weight_dtype=engine.weight_dtype)
-  controller = LocalController(learner.spec, sampler=sampler.sampler(state.params, int(jax.device_get(state.version))),
-                               train_step=learner.train_step, state=state, publisher=publisher,
-                               prompts=sampler.prompts, score=sampler.score, record=learner.record,
-                               checkpointer=learner.checkpointer, metrics=learner.metrics, trace=learner.trace,
-                               resumed_from=learner.resumed_from, telemetry=learner.telemetry)
-  return Run(c, workdir, meshes, learner.learner.model_config, learner.learner.graphdef, tokenizer, engine,
-             controller, learner.checkpointer, learner.metrics, sampler.task, learner.resumed_from, learner.trace,
-             learner, sampler)
+  built = sides.build(c, workdir, sides.Roles.single(c, devices), LocalChannels())
+  return Run(c, workdir, built.runner, built.learner, built.sampler)
 
 
 def _close(run, *, score: bool) -> None:
@@ -151,8 +136,9 @@ def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evalua
                                     samples_in_flight=ctl.samples_in_flight(), busy=ctl.busy,
                                     resumed_from=run.resumed_from, stopped_by=ctl.stop_reason,
                                     train_seconds=train_seconds, **evals)
-  if getattr(run.task, "episodes", None) is not None:  # a multi-turn env task (the evals' episodes included)
-    summary["episodes"] = run.task.episodes.stats()
+  episodes = getattr(run.sampler_side.task, "episodes", None)
+  if episodes is not None:  # a multi-turn env task (the evals' episodes included)
+    summary["episodes"] = episodes.stats()
   return summary, ctl.learner_loop.trained_lengths
 
 

@@ -4,7 +4,7 @@ never trains a token over the bound, and trains exactly the lengths that were ge
 import numpy as np
 import pytest
 
-from jaxrl.controller.assembly import DeadlineBook, reject_reason
+from jaxrl.controller.assembly import MAX_OVER_ASK, DeadlineBook, over_ask, reject_reason
 from jaxrl.rollout import Rollout
 
 GROUP_SIZE, GROUPS_PER_STEP, SLOTS = 2, 4, 16
@@ -143,6 +143,87 @@ def test_finished_groups_waiting_for_the_learner_stop_admission():
   assert DeadlineBook(0, 4, max_finished=1).max_finished == 4  # never below a share
 
 
+def test_over_ask_is_the_inverse_kept_fraction_with_a_prior_within_bounds():
+  assert over_ask(0, 0) == over_ask(0, 50) == 1.0
+  assert over_ask(1, 1) == 2.0  # one filtered group of one: the prior keeps it from quadrupling admission
+  assert over_ask(10, 19) == 2.0 and over_ask(45, 99) == 100 / 55
+  assert over_ask(99, 100) == MAX_OVER_ASK == 4.0
+  with pytest.raises(ValueError, match=r"rejected=3 groups must be within \[0, finished=2\]"):
+    over_ask(3, 2)
+
+
+def test_over_asked_groups_beyond_the_places_are_surplus_at_their_deadline():
+  book = DeadlineBook(0, 2)
+  book.over_ask = 2.0
+  assert book.room(0) == 4
+  for gid in range(4):
+    book.admit(gid, 0)  # all due at step 0
+  book.finish(_group(2, 1, reward=1.0))
+  book.discard(0)  # filtered: gives its place back
+  assert book.take() is None
+  book.finish(_group(3, 1))
+  book.finish(_group(1, 1))
+  # Among finished groups due now, the first admitted are kept (not the first finished: that would favour short
+  # completions); the share lists them in completion order.
+  assert [g[0].group_id for g in book.take()] == [2, 1]
+  assert [g[0].group_id for g in book.surplus] == [3] and book.open_groups() == [] and book.doomed == set()
+  assert book.step == 1 and book.room(1) == 4  # nothing past its deadline holds a place
+
+
+def test_a_surplus_group_still_generating_is_surplus_when_it_finishes_unless_filtered():
+  book = DeadlineBook(0, 1)
+  book.over_ask = 3.0
+  for gid in range(3):
+    book.admit(gid, 0)
+  book.finish(_group(0, 1))
+  assert [g[0].group_id for g in book.take()] == [0]
+  assert book.doomed == {1, 2} and book.surplus == [] and book.room(1) == 3
+  book.finish(_group(1, 1))
+  book.discard(2)  # filtered after all: dropped for that, not as surplus
+  assert [g[0].group_id for g in book.surplus] == [1] and book.doomed == set()
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_over_asking_at_a_90_percent_filter_rate_keeps_the_bound_and_accounts_for_every_group(k):
+  """Groups of random lengths, 90% of them filtered when they finish: every step still trains a full share, no
+  trained group is staler than k, and each admitted group is trained, filtered or surplus, exactly once."""
+  rng = np.random.default_rng(k)
+  book = DeadlineBook(k, GROUPS_PER_STEP)
+  version, busy_until, left, admitted_at = 0, 0, {}, {}
+  trained, filtered, staleness, rejected, finished = [], [], [], 0, 0
+  t = 0
+  while version < 12:
+    while len(left) * GROUP_SIZE + GROUP_SIZE <= 4 * SLOTS and book.room(version):
+      gid = len(admitted_at)
+      book.admit(gid, version)
+      admitted_at[gid], left[gid] = version, int(rng.integers(1, 30))
+    for gid in list(left):
+      left[gid] -= 1
+      if left[gid] == 0:
+        del left[gid]
+        finished += 1
+        if rng.random() < 0.9:
+          book.discard(gid)
+          filtered.append(gid)
+          rejected += 1
+        else:
+          book.finish(_group(gid, 3, admitted_at[gid]))
+        book.over_ask = over_ask(rejected, finished)
+    if t >= busy_until and (share := book.take()) is not None:
+      assert len(share) == GROUPS_PER_STEP
+      trained += [g[0].group_id for g in share]
+      staleness += [version - admitted_at[g[0].group_id] for g in share]
+      version += 1
+      busy_until = t + 3
+    t += 1
+    assert t < 100_000, "stalled"
+  surplus = [g[0].group_id for g in book.surplus]
+  assert max(staleness) <= k and book.over_ask > 3
+  assert len(trained) == 12 * GROUPS_PER_STEP
+  accounted = trained + filtered + surplus + list(book.doomed) + book.open_groups()  # open: waiting or generating
+  assert sorted(accounted) == sorted(admitted_at)  # none twice, none lost
+
+
 def test_admission_without_room_and_unknown_groups_are_errors():
   book = DeadlineBook(0, 1)
   book.admit(0, 0)
@@ -162,3 +243,7 @@ def test_reject_reason_names_failed_rewards_and_overlong_groups():
   for bad in (float("nan"), float("inf"), -float("inf")):  # a reward fn's overflow is a failure too, not a score
     assert reject_reason(_group(0, 3, reward=bad), seq_len=4) == "reward_failed"
   assert reject_reason(_group(0, 4), seq_len=4) == "too_long"
+  surplus = _group(0, 3, reward=1.0)
+  for r in surplus:
+    r.left_out = "surplus"  # the sampler side's reason crosses with the group: the learner drops it for that
+  assert reject_reason(surplus, seq_len=4) == "surplus"

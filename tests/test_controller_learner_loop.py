@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.controller.interfaces import LocalCoordinator
+from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.rollout import Rollout, SamplingParams
@@ -63,9 +63,11 @@ def _loop(groups, *, version=0, num_steps=2, applies=None, max_staleness=1):
     return state.replace(params=state.params + applied, version=state.version + applied, step=state.step + 1), \
         {"updates_nonfinite": jnp.int32(not applied)}
 
-  record = RunRecord(next_group_id=len(groups))
-  coord = LocalCoordinator(record, num_steps, GROUP_SIZE, max_failures_in_a_row=100)
-  coord.live.update(g[0].group_id for g in groups)
+  coord = LocalCoordinator(RunRecord(), num_steps, GROUP_SIZE, max_failures_in_a_row=100)
+  admitted = []
+  while len(admitted) < len(groups):  # the groups' data positions, admitted (pending until settled)
+    coord.admit(admitted.append)
+  assert admitted == [g[0].group_id for g in groups]
   state = _State(jnp.float32(0.0), jnp.int32(version), jnp.int32(version))
   weights = _Weights()
   loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=_Rollouts(groups), weights=weights,
@@ -79,7 +81,7 @@ def test_an_applied_step_trains_its_samples_and_publishes_its_version():
   led = loop.ledger
   assert loop.version == 2 and weights.published == [(1.0, 1), (2.0, 2)]
   assert led.samples_trained == 2 * GROUP_SIZE and not led.dropped and led.skipped_updates == 0
-  assert loop.coord.live == set() and loop.trained_staleness == [0, 0, 1, 1]
+  assert loop.coord.checkpoint_record()["pending_group_ids"] == [] and loop.trained_staleness == [0, 0, 1, 1]
 
 
 def test_a_skipped_update_drops_its_groups_tells_the_samplers_and_publishes_nothing(capsys):
@@ -88,8 +90,9 @@ def test_a_skipped_update_drops_its_groups_tells_the_samplers_and_publishes_noth
   led = loop.ledger
   assert loop.version == 2 and weights.published == [(1.0, 1), (2.0, 2)]  # the skipped step published nothing
   assert led.skipped_updates == 1 and led.dropped == {"update_skipped": GROUP_SIZE} and led.dropped_groups == 1
-  assert led.samples_trained == 2 * GROUP_SIZE and loop.coord.updates_skipped() == 1
-  assert loop.coord.live == set()  # the skipped group is settled too: a checkpoint does not regenerate it
+  assert led.samples_trained == 2 * GROUP_SIZE and loop.coord.progress().updates_skipped == 1
+  # the skipped group is settled too: a checkpoint does not regenerate it
+  assert loop.coord.checkpoint_record()["pending_group_ids"] == []
   assert "update skipped at version 0" in capsys.readouterr().err
 
 

@@ -75,7 +75,7 @@ def _config():
 
 
 def _spy(monkeypatch):
-  """Records every side and engine built, per build."""
+  """Records every side and engine built, and the channels each build was given."""
   made = collections.defaultdict(list)
   for name in ("learner_side", "sampler_side"):
     real = getattr(sides, name)
@@ -85,6 +85,9 @@ def _spy(monkeypatch):
       return made[_name][-1]
 
     monkeypatch.setattr(sides, name, spy)
+  real_build = sides.build
+  monkeypatch.setattr(sides, "build", lambda c, workdir, roles, channels: made["channels"].append(
+      type(channels).__name__) or real_build(c, workdir, roles, channels))
   real_engine = build_lib.build_engine
   monkeypatch.setattr(build_lib, "build_engine", lambda c, cfg, mesh, **kw: made["engine"].append(
       (cfg, dict(mesh.shape), kw)) or real_engine(c, cfg, mesh, **kw))
@@ -114,6 +117,9 @@ def test_one_host_and_a_two_process_job_make_the_same_sides(tmp_path, monkeypatc
   job_sampler = collections.defaultdict(list, made)
   try:
     assert isinstance(learner, LearnerProcess) and isinstance(sampler, SamplerProcess)
+    # One build for both topologies; only the channels differ.
+    assert (single["channels"], job_learner["channels"], job_sampler["channels"]) == (
+        ["LocalChannels"], ["JobChannels"], ["JobChannels"])
     # Each process of the job builds its own side alone: the learner no engine, the sampler no learner.
     assert (len(single["learner_side"]), len(single["sampler_side"]), len(single["engine"])) == (1, 1, 1)
     assert (len(job_learner["learner_side"]), job_learner["sampler_side"], job_learner["engine"]) == (1, [], [])
@@ -152,12 +158,12 @@ def test_a_process_of_a_job_holds_the_side_of_its_topology_role():
   devices = jax.devices()
   topology = OneHostJob(1, tuple(devices[:4]), (tuple(devices[4:]),))
   assert dist_job.roles(topology) == sides.Roles(tuple(devices[:4]), (tuple(devices[4:]),), learner=False,
-                                                   sampler_rank=0, learner_processes=(0,), lead=False)
+                                                   sampler_rank=0, lead=False)
   lead = dist_job.roles(dataclasses.replace(topology, process_id=0))
-  assert (lead.learner, lead.sampler_rank, lead.lead, lead.multi_process) == (True, None, True, True)
+  assert (lead.learner, lead.sampler_rank, lead.lead) == (True, None, True)
   one = sides.Roles.single(config_lib.validate(_config()), devices)
-  assert (one.learner_devices, one.sampler_devices, one.multi_process) == (tuple(devices[:4]), (tuple(devices[4:]),),
-                                                                           False)
+  assert (one.learner_devices, one.sampler_devices, one.learner, one.sampler_rank, one.lead) == (
+      tuple(devices[:4]), (tuple(devices[4:]),), True, 0, True)
 
 
 PIECES = {"build_engine", "build_learner", "build_sampler", "build_task", "open_checkpointer", "open_metrics",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl.controller import summary
-from jaxrl.controller.interfaces import LocalCoordinator
+from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.ledger import Ledger
 from jaxrl.controller.spec import RunRecord
 
@@ -82,13 +82,14 @@ def test_local_coordinator_regenerates_pending_groups_first_and_checkpoints_them
   coord = LocalCoordinator(record, num_steps=5, group_size=4, max_failures_in_a_row=3)
   # Counted once when first admitted: a regenerated group is not admitted a second time (nothing is reset).
   assert record.ledger.samples_regenerated == 8 and record.ledger.groups_admitted == 12
-  with coord.lock:
-    first = coord.next_group(1)
-    coord.live.add(first[0])
-  assert first == (7, True) and coord.checkpoint_record()["pending_group_ids"] == [7, 8]  # 8 not admitted: still due
-  with coord.lock:
-    assert [coord.next_group(1), coord.next_group(1), coord.next_group(1)] == [(8, True), (10, False), (11, False)]
-  assert coord.checkpoint_record()["next_group_id"] == 12
+  admitted = []
+  assert coord.admit(admitted.append)
+  assert admitted == [7] and coord.checkpoint_record()["pending_group_ids"] == [7, 8]  # 8 not admitted: still due
+  assert coord.admit(lambda gid: "too long") is False  # 8, skipped: settled for good, counted
+  assert coord.admit(admitted.append) and coord.admit(admitted.append) and admitted == [7, 10, 11]
+  record = coord.checkpoint_record()
+  assert (record["next_group_id"], record["pending_group_ids"]) == (12, [7, 10, 11])
+  assert record["ledger"]["groups_admitted"] == 14 and record["ledger"]["skipped_prompts"] == 1
   assert coord.go_on(4) and not coord.go_on(5)
   coord.request_stop("test")
   assert not coord.go_on(0) and coord.stop_reason == "test"
@@ -96,13 +97,13 @@ def test_local_coordinator_regenerates_pending_groups_first_and_checkpoints_them
 
 def test_failures_in_a_row_stop_the_run_and_an_applied_update_resets_them():
   coord = LocalCoordinator(RunRecord(), num_steps=5, group_size=4, max_failures_in_a_row=3)
-  coord.progress.failed("too_long")
-  coord.progress.failed("too_long")
-  coord.progress.applied()
-  coord.progress.failed("skipped_prompt")
-  coord.progress.failed("skipped_prompt")
+  coord.fail("too_long")
+  coord.fail("too_long")
+  coord.update_done(applied=True)
+  coord.fail("skipped_prompt")
+  coord.update_done(applied=False)  # a skipped update is a failure too
   with pytest.raises(RuntimeError, match="3 failures in a row"):
-    coord.progress.failed("skipped_prompt")
+    coord.fail("skipped_prompt")
 
 
 @pytest.mark.parametrize("loop, other", [("sampler_loop", "learner_loop"), ("learner_loop", "sampler_loop")])
@@ -112,3 +113,36 @@ def test_a_role_loop_imports_neither_the_other_loop_nor_a_transport(loop, other)
   imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
   assert f"jaxrl.controller.{other}" not in imported and "jaxrl.controller.local" not in imported
   assert not any(m.startswith("jaxrl.distributed") or m == "threading" for m in imported), imported
+
+
+def _protocol_members() -> set[str]:
+  from jaxrl.controller.interfaces import Coordinator
+
+  return {n for n in vars(Coordinator) if not n.startswith("_")} | set(Coordinator.__annotations__)
+
+
+def test_both_coordinators_implement_every_verb_of_the_protocol_and_keep_their_lock_and_record_private():
+  from jaxrl.distributed.cross_process import StoreCoordinator
+
+  verbs = _protocol_members()
+  assert {"admit", "settle", "fail", "update_done", "checkpoint_record", "progress", "request_stop"} <= verbs
+  for impl in (LocalCoordinator, StoreCoordinator):
+    missing = [v for v in verbs if not hasattr(impl, v) and v not in ("stop", "ledger")]
+    assert not missing, (impl.__name__, missing)
+  local = LocalCoordinator(RunRecord(), num_steps=1, group_size=1, max_failures_in_a_row=1)
+  assert isinstance(local.ledger, Ledger)
+  # The lock, the record and the admission state are private: no loop can take them.
+  private = ("lock", "record", "live", "skipped", "regenerate", "unadmitted", "failures", "next_group")
+  assert not [name for name in private if hasattr(local, name)]
+
+
+@pytest.mark.parametrize("loop", ["sampler_loop", "learner_loop"])
+def test_a_role_loop_reaches_only_the_coordinator_protocol(loop):
+  tree = ast.parse((CONTROLLER / f"{loop}.py").read_text())
+  reached = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and (
+        isinstance(node.value, ast.Name) and node.value.id == "coord"
+        or isinstance(node.value, ast.Attribute) and node.value.attr == "coord"):
+      reached.add(node.attr)
+  assert reached and reached <= _protocol_members(), reached - _protocol_members()

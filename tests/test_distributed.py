@@ -55,7 +55,7 @@ def test_packet_round_trip_is_bitwise():
       [_rollout(7, 0, [1, 2, 3], [4, 5], 0.1 + 0.2, meta={"correct": True}),  # a reward with no exact float32
        _rollout(7, 1, [1, 2, 3], [], float("nan"), finish_reason="eos", meta={"correct": False})],
       [_rollout(2**31 - 1, 0, [9] * 10, list(range(22)), -0.0, finish_reason="stop",
-                sampling=SamplingParams(temperature=0.7, top_k=40, top_p=0.95))],
+                sampling=SamplingParams(temperature=0.7, top_k=40, top_p=0.95), left_out="surplus")],
   ]
   groups[0][0].logprobs[1] = np.float32(-1e-45)  # a denormal survives too
   packet = packets.encode(groups, max_len=32)
@@ -67,7 +67,8 @@ def test_packet_round_trip_is_bitwise():
       a, b = getattr(want, field), getattr(got, field)
       assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), field
     assert np.float64(want.reward).tobytes() == np.float64(got.reward).tobytes()
-    assert (want.finish_reason, want.sample_index) == (got.finish_reason, got.sample_index)
+    assert (want.finish_reason, want.sample_index, want.left_out) == (got.finish_reason, got.sample_index,
+                                                                      got.left_out)
     assert got.meta == {k: v for k, v in want.meta.items() if k == "correct"}
     assert got.sampling == want.sampling  # exactly: the learner refuses tokens drawn under other settings
 
@@ -89,7 +90,7 @@ def test_packet_carries_the_loss_mask_of_multi_turn_samples():
 def test_packet_errors_name_the_problem():
   with pytest.raises(ValueError, match="group 3 sample 0 has 9 tokens, more than max_len=8"):
     packets.encode([[_rollout(3, 0, [1] * 5, [2] * 4, 1.0)]], max_len=8)
-  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 38\]\)"):
+  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 39\]\)"):
     packets.decode(np.zeros((2, 5), np.int32), max_len=8)
   routed = _rollout(4, 1, [1, 2], [3], 1.0)
   routed.experts = np.zeros((1, 2, 2), np.int16)
@@ -318,6 +319,33 @@ def test_launcher_passes_a_sigterm_on_to_every_process(tmp_path, monkeypatch, ca
   assert signal.getsignal(signal.SIGTERM) is before  # the launcher's handler is gone with the job
 
 
+def test_processes_of_a_cpu_job_compile_their_programs_themselves(tmp_path, monkeypatch, capsys):
+  """The persistent compilation cache is off in a multi-process CPU job: with it, process 0 alone ran executables
+  loaded from the cache (its key holds each process's own CPU topology) beside the others' fresh compiles, whose
+  collectives XLA:CPU issued in another order, and a 2-learner-process job hung (runtime.initialize)."""
+  cache = tmp_path / "cache"
+  (tmp_path / "cross_process_sum.py").write_text(textwrap.dedent(f"""
+      import os
+      import jax, numpy as np
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from jaxrl.distributed import runtime
+      runtime.initialize()
+      jax.config.update("jax_compilation_cache_dir", {str(cache)!r})
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+      jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+      mesh = jax.make_mesh((2,), ("data",), devices=jax.devices())
+      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.full(3, jax.process_index() + 1.0))
+      total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+      entries = len(os.listdir({str(cache)!r})) if os.path.isdir({str(cache)!r}) else 0
+      print(f"process {{jax.process_index()}}: sum {{float(total)}}, cache entries {{entries}}", flush=True)
+  """))
+  monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
+  assert launch.main(["--num_processes=2", "--devices_per_process=1", "--module=cross_process_sum", "--"]) == 0
+  out = capsys.readouterr().out
+  for p in range(2):
+    assert f"] process {p}: sum 9.0, cache entries 0" in out, out[-2000:]
+
+
 def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):
   (tmp_path / "ok.py").write_text("print('hello')\n")
   monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -449,7 +477,10 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
                               group_size=4, max_failures_in_a_row=9, poll_s=0.01)
   sampler1.sampler_started()
   sampler1.stop.set()  # its thread that follows the asks
-  assert [sampler1.next_group(2) for _ in range(5)] == [(5, True), (7, True), (9, False), (11, False), (13, False)]
+  admitted = []
+  for _ in range(5):
+    sampler1.admit(admitted.append)
+  assert admitted == [5, 7, 9, 11, 13] and sampler1.ledger.groups_admitted == 3  # 5 and 7 were counted before
 
   counts = {"groups_admitted": 2, "samples_generated": 8, "tokens_generated": 40, "skipped_prompts": 1}
   store.set("sampler/0", {"costs": {}, "admitted": {"next": 14, "left": [], "skipped": [12],
@@ -457,9 +488,7 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   store.set("sampler/1", {"costs": {}, "admitted": {"next": 11, "left": [7, 9], "skipped": [], "skip_reasons": [],
                                                     "ledger": {
       "groups_admitted": 0, "samples_generated": 4, "tokens_generated": 20, "skipped_prompts": 0}}})
-  with lead.lock:
-    lead.settle(10)  # trained
-    lead.settle(5)
+  lead.settle([[_rollout(g, 0, [1], [2], 1.0)] for g in (10, 5)])  # trained
   saved = lead.checkpoint_record()
   # Admitted: 10 and 12 (sampler 0), 5 (regenerated; 7 is still due); 12 was skipped; 11 and 9 nobody reached.
   assert (saved["next_group_id"], saved["pending_group_ids"], saved["unadmitted_group_ids"]) == (13, [7], [9, 11])

@@ -138,7 +138,7 @@ def test_a_run_trains_on_the_shipped_jsonl_and_a_parquet_file_with_a_reward_per_
   assert summary["eval_before"]["num_examples"] == summary["eval_after"]["num_examples"] == 4
   runners = built["run"].controller.sampler_loop.score.runners
   assert sorted(runners) == ["exact_answer", "math_verify"]
-  task = built["run"].task
+  task = built["run"].sampler_side.task
   used = [task.prompt(g) for g in range(led["samples_generated"] // 4)]  # sync: positions 0.. in order
   math_rows = sum(e.meta.get("reward") == "math_verify" for e in used)
   evals = task.eval_examples(4)

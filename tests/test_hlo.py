@@ -118,3 +118,39 @@ ENTRY %main (x: f32[8,128]) -> (s32[], f32[8,128]) {
   costs = hlo.costs(text)
   assert costs.kernel_calls == 3 and costs.flops == 0 and costs.unknown_loops == 0
   assert costs.bytes >= 3 * 2 * 8 * 128 * 4  # each call's operand and result
+
+
+def test_the_ops_after_a_kernel_call_that_spans_lines_are_counted():
+  """XLA:TPU prints a splash kernel's metadata with its newlines: the call spans lines, one of them starting with
+  "}}". The layer's ops after it are still counted (they were dropped, and a splash train step's FLOPs with them)."""
+  text = """HloModule m
+%body (p: (s32[], f32[8,128], f32[128,128])) -> (s32[], f32[8,128], f32[128,128]) {
+  %p = (s32[], f32[8,128], f32[128,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %w = f32[128,128] get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %k = f32[8,128] custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{
+"xprof_metadata":"{\\"block_q\\": 128,
+}}, metadata={op_name="splash"}
+  %y = f32[8,128] dot(%k, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[8,128], f32[128,128]) tuple(%next, %y, %w)
+}
+%cond (p: (s32[], f32[8,128], f32[128,128])) -> pred[] {
+  %p = (s32[], f32[8,128], f32[128,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (x: f32[8,128], w: f32[128,128]) -> (s32[], f32[8,128], f32[128,128]) {
+  %x = f32[8,128] parameter(0)
+  %w = f32[128,128] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,128], f32[128,128]) tuple(%zero, %x, %w)
+  ROOT %loop = (s32[], f32[8,128], f32[128,128]) while(%init), condition=%cond, body=%body
+}
+"""
+  costs = hlo.costs(text)
+  assert costs.kernel_calls == 3 and costs.unknown_loops == 0
+  assert costs.flops == 3 * 2 * 8 * 128 * 128

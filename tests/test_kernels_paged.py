@@ -9,6 +9,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 
 from jaxrl.kernels import cached_attention, paged_attention
+from jaxrl.models import PagedKVCache
 from jaxrl.sharding import make_mesh
 
 N, P, Z, K, G, D = 2, 24, 4, 2, 3, 8
@@ -51,6 +52,28 @@ def test_reference_reads_only_the_live_blocks_of_pages():
 
 def _kernel_layout(x_NxPxZxKxD):
   return np.ascontiguousarray(np.moveaxis(np.asarray(x_NxPxZxKxD), 3, 0))  # [K, N, P, Z, D]
+
+
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_pool_writes_are_the_same_in_both_layouts(num_queries):
+  """A decode step's writes (one position per row: whole [Z, D] page blocks in the kernels' layout) and a chunk's,
+  rows whose page is past the pool dropped, land where the XLA layout's writes do, bit for bit."""
+  rng = np.random.default_rng(num_queries)
+  k, v = (rng.standard_normal((N, P, Z, K, D)).astype(np.float32) for _ in range(2))
+  page_SxC = np.array([[3] * num_queries, [P] * num_queries, [17] * num_queries], np.int32)  # row 1: dropped
+  offset_SxC = np.array([np.arange(num_queries) + o for o in (0, 1, 4 - num_queries)], np.int32)
+  new_k, new_v = (rng.standard_normal((3, num_queries, K, D)).astype(np.float32) for _ in range(2))
+  table, ends = np.zeros((3, 1), np.int32), np.zeros(3, np.int32)
+
+  def write(layout, pool_k, pool_v):
+    cache = PagedKVCache(jnp.asarray(pool_k), jnp.asarray(pool_v), table, ends, layout=layout)
+    return jax.jit(lambda c, n: c.write(n, page_SxC, offset_SxC, new_k, new_v))(cache, 1)
+
+  xla = write("NPZKD", k, v)
+  kernels = write("KNPZD", _kernel_layout(k), _kernel_layout(v))
+  np.testing.assert_array_equal(np.asarray(kernels.k_pages), _kernel_layout(xla.k_pages))
+  np.testing.assert_array_equal(np.asarray(kernels.v_pages), _kernel_layout(xla.v_pages))
+  assert not np.array_equal(np.asarray(xla.k_pages), k)  # rows 0 and 2 wrote
 
 
 @pytest.mark.parametrize("num_queries, rows", [(1, 3), (2, 6), (3, 16)])

@@ -35,7 +35,7 @@ def test_resume_on_a_different_split(tmp_path):
     leaf = state.params["blocks"]["mlp"]["up_proj"][...]
     assert len(leaf.sharding.device_set) == 6 and leaf.sharding.mesh.shape == {"fsdp": 2, "tensor": 3}
     assert run.controller.sampler_loop.sampler.version == 2
-    assert run.controller.coord.record.next_group_id == 2 * c.rl.groups_per_step  # data position restored
+    assert run.controller.record.next_group_id == 2 * c.rl.groups_per_step  # data position restored
     run.controller.run()  # sync mode: the loop at max_staleness 0
     assert run.controller.version == 3
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(run.controller.learner_loop.state.params))

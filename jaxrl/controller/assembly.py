@@ -9,11 +9,18 @@ generated lengths.
 
 The book lives on the sampler side, which alone knows every group it admitted: it hands the learner one step's
 share of groups at a time, and nothing about it has to cross a thread or a process boundary.
+
+Dynamic sampling (rl.filter_groups): a finished group the learner would not train (all rewards equal) gives its
+place back, so a new prompt is admitted in its stead. To fill a step in one round rather than in several, the book
+over-asks: it admits `over_ask` groups per place, 1 / the fraction of groups kept so far. Deadlines still bound
+staleness: a share holds `groups_per_step` groups, and a group that survived filtering beyond its step's places is
+left out at its deadline as "surplus" (counted, never trained late), as DAPO discards its surplus groups.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +29,26 @@ import numpy as np
 from jaxrl.rollout import Rollout
 
 FILTER_GROUPS = ("none", "zero_variance")  # rl.filter_groups: which scored groups are not trained (reject_reason)
+# At most this many groups admitted per place: at a 90% filter rate a step fills in ~3 rounds rather than ~10,
+# while the surplus a lucky round leaves (generated, not trained) stays bounded.
+MAX_OVER_ASK = 4.0
+
+
+def over_ask(rejected: int, finished: int) -> float:
+  """Groups to admit per place: 1 / the fraction of finished groups kept so far, with one kept group of prior (a
+  first filtered group does not quadruple admission), within [1, MAX_OVER_ASK]."""
+  if not 0 <= rejected <= finished:
+    raise ValueError(f"rejected={rejected} groups must be within [0, finished={finished}]")
+  return min(MAX_OVER_ASK, (finished + 1) / (finished - rejected + 1))
 
 
 def reject_reason(group: list[Rollout], seq_len: int, filter_groups: str = "none") -> str | None:
-  """Why a finished group is not trained ("reward_failed", "too_long", or "filtered": rl.filter_groups), or None.
-  The sampler side leaves such a group out of every step's share (its place goes to a new prompt); the learner side
-  drops and counts it; both ask this one function, so they agree in every topology."""
+  """Why a finished group is not trained ("reward_failed", "too_long", "filtered": rl.filter_groups, or the reason
+  the sampler side left it out with, Rollout.left_out: "surplus"), or None. The sampler side leaves such a group out
+  of every step's share (its place goes to a new prompt); the learner side drops and counts it; both ask this one
+  function, so they agree in every topology."""
+  if group[0].left_out is not None:
+    return group[0].left_out
   if any(not np.isfinite(r.reward) for r in group):
     return "reward_failed"
   if any(r.num_tokens > seq_len for r in group):
@@ -65,6 +86,9 @@ class DeadlineBook:
     self.finished: list = []  # open and finished groups, in completion order
     self.shares = 0  # shares handed out
     self.skipped = 0  # learner updates skipped so far (known to this side)
+    self.over_ask = 1.0  # groups admitted per place (dynamic sampling: over_ask(); 1 admits exactly the places)
+    self.surplus: list = []  # finished groups no share took by their deadline: to be dropped, counted
+    self.doomed: set[int] = set()  # groups past their deadline still generating: surplus once they finish
 
   @property
   def admit_bound(self) -> int:
@@ -81,7 +105,8 @@ class DeadlineBook:
       return 0
     k = self.admit_bound
     last = version + k if self.end is None else min(version + k, self.end - 1)
-    return max(0, (last - self.step + 1) * self.gb - len(self.deadline))
+    places = max(0, last - self.step + 1) * self.gb
+    return max(0, math.ceil(places * self.over_ask - 1e-9) - len(self.deadline))
 
   def admit(self, group_id: int, version: int) -> int:
     """Opens a group admitted at sampler version `version`; returns its deadline."""
@@ -94,13 +119,20 @@ class DeadlineBook:
     return self.deadline[group_id]
 
   def finish(self, group) -> None:
-    """A group whose samples are all done (and scored), ready for a share."""
+    """A group whose samples are all done (and scored), ready for a share (or surplus, past its deadline)."""
+    if self.group_id(group) in self.doomed:
+      self.doomed.remove(self.group_id(group))
+      self.surplus.append(group)
+      return
     if self.group_id(group) not in self.deadline:
       raise KeyError(f"finished group {self.group_id(group)} was never admitted")
     self.finished.append(group)
 
   def discard(self, group_id: int) -> None:
-    """A group that will not be trained (its reward failed, it is too long): it stops holding a place."""
+    """A group that will not be trained (its reward failed, it is too long, filtered): it stops holding a place."""
+    if group_id in self.doomed:
+      self.doomed.remove(group_id)
+      return
     del self.deadline[group_id]
     self.finished = [g for g in self.finished if self.group_id(g) != group_id]
 
@@ -123,7 +155,8 @@ class DeadlineBook:
     group it must hold is still generating, or too few groups have finished."""
     if len(self.finished) < self.gb:
       return None
-    need = self.due_count()
+    step = self.step
+    need = min(self.due_count(), self.gb)  # more only when over-asked: the rest is surplus at its deadline
     done = {self.group_id(g) for g in self.finished}
     # Earliest deadlines first; within one deadline, finished groups first (then by admission order).
     order = sorted(self.deadline, key=lambda gid: (self.deadline[gid], gid not in done, gid))
@@ -137,7 +170,20 @@ class DeadlineBook:
     for gid in chosen:
       del self.deadline[gid]
     self.shares += 1
+    self._leave_out_past(step, done - chosen)
     return share
+
+  def _leave_out_past(self, step: int, done: set[int]) -> None:
+    """Groups due by `step` that its share did not take can no longer be trained within their bound (there are
+    only more than places when over-asked): surplus now if finished, once they finish otherwise."""
+    past = [gid for gid, d in self.deadline.items() if d <= step]
+    for gid in past:
+      del self.deadline[gid]
+      if gid not in done:
+        self.doomed.add(gid)
+    past_done = set(past) & done
+    self.surplus += [g for g in self.finished if self.group_id(g) in past_done]
+    self.finished = [g for g in self.finished if self.group_id(g) not in past_done]
 
   def open_groups(self) -> list[int]:
     return sorted(self.deadline)

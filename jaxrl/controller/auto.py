@@ -190,15 +190,8 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
   c = config_lib.validate(c)
   log = AutoLog(workdir)
   warmup = c.auto.warmup_steps
-  summary, predicted, step_pred, before = None, {}, {}, None
-  done = log.segments[-1].end if log.segments else 0
-  if log.segments and log.segments[-1].measured_tokens_per_s is None:
-    # A segment cut short: decided again from the same predictions, and run from the newest checkpoint on (its
-    # start, or later: its steps before the cut are not trained again)
-    cut = log.segments.pop()
-    done, predicted, step_pred = cut.start, cut.predicted, cut.predicted_step_s
-  elif log.segments:
-    predicted, step_pred = log.segments[-1].predicted, log.segments[-1].predicted_step_s
+  summary, before = None, None
+  done, predicted, step_pred = _resume_point(log)
   sync_lengths = None  # the lengths a sync segment trained: every generated sample, no length bias
   shapes = None  # context(), once
   cands = {name(x): x for x in candidates(c.auto.k_max, c.auto.splits)}
@@ -239,6 +232,24 @@ def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any],
       seg.measured_tokens_per_s = 0.0  # nothing to measure: recorded as run, never preferred
     log.write()
     done = end
+  return _auto_summary(summary, before, log)
+
+
+def _resume_point(log: AutoLog) -> tuple[int, dict, dict]:
+  """(the step the next segment starts at, the predictions it decides from) of an auto run's log."""
+  if not log.segments:
+    return 0, {}, {}
+  if log.segments[-1].measured_tokens_per_s is None:
+    # A segment cut short: decided again from the same predictions, and run from the newest checkpoint on (its
+    # start, or later: its steps before the cut are not trained again)
+    cut = log.segments.pop()
+    return cut.start, cut.predicted, cut.predicted_step_s
+  last = log.segments[-1]
+  return last.end, last.predicted, last.predicted_step_s
+
+
+def _auto_summary(summary: dict | None, before: dict | None, log: AutoLog) -> dict[str, Any]:
+  """The last segment's summary, with the first one's eval and every segment's decision (`auto`)."""
   summary = dict(summary or {})
   summary["mode"] = "auto"
   if before is not None:

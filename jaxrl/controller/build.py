@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import config as config_lib
-from jaxrl import sharding
+from jaxrl import settings, sharding
 from jaxrl.assets import smollm2_path
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
@@ -26,7 +26,7 @@ from jaxrl.learner.step import batch_shards
 from jaxrl.metrics import MetricsWriter
 from jaxrl.models import Decoder, ModelConfig, hf, init_params, lora, presets
 from jaxrl.models.lora import LoRAConfig
-from jaxrl.rollout import SamplingParams, make_batch, with_routing
+from jaxrl.rollout import make_batch, with_routing
 from jaxrl.sampler import Engine, Sampler, make_engine
 from jaxrl.sampler.forced import ForcedLengths, LognormalLengths
 from jaxrl.settings import RunConfig
@@ -108,7 +108,7 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
   """The loop sizes of a config (sync mode is the pipeline with max_staleness 0); packed row counts are multiples
   of rows_unit (the learner's batch devices, rows_unit(learner mesh)) times rl.num_minibatches, so that every
   mini-batch of a packed batch splits evenly over those devices too."""
-  sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
+  sampling = c.loss.sampling  # the sampler settings' SamplingParams, made once by config.validate
   batch_size = c.rl.group_size * c.rl.groups_per_step
   unit = rows_unit * c.rl.num_minibatches
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
@@ -202,8 +202,7 @@ def learner_step(c: RunConfig, mesh, graphdef, params, spec: RunSpec, frozen=Non
                                    frozen=frozen, frozen_shardings=frozen_sh)
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
   rl = c.rl
-  loss = dataclasses.replace(c.loss, sampling=spec.sampling)  # the same as validated; spec's, to be sure
-  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=loss, batch_size=spec.batch_size,
+  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=c.loss, batch_size=spec.batch_size,
                            seq_len=rl.seq_len, num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
                            batch_sharding=rows, row_buckets=spec.row_buckets, logprob_chunk=rl.logprob_chunk,
                            atomic=rl.atomic_step, microbatch_rows=rl.microbatch_rows)
@@ -236,12 +235,13 @@ def build_engine(c: RunConfig, model_cfg: ModelConfig, mesh, **overrides) -> Eng
   return make_engine(model_cfg, mesh, **{**config_lib.engine_kwargs(c.sampler), **overrides})
 
 
-def build_sampler(c: RunConfig, engine: Engine, params, version: int, tokenizer) -> Sampler:
+def build_sampler(s: settings.Sampler, seed: int, engine: Engine, params, version: int, tokenizer) -> Sampler:
+  """The host-side Sampler of a run's sampler settings over `engine`, from `params` at `version`."""
   detok = tokenizer.decode if tokenizer is not None else None
-  kw = dict(seed=c.seed, on_update=c.sampler.on_update, detokenize=detok)
-  forced = c.sampler.forced_lengths
+  kw = dict(seed=seed, on_update=s.on_update, detokenize=detok)
+  forced = s.forced_lengths
   if forced.median > 0:  # benchmarks: long-tailed lengths whatever the model generates
-    lengths = LognormalLengths(forced.median, forced.p99_ratio, c.sampler.max_new_tokens, c.seed)
+    lengths = LognormalLengths(forced.median, forced.p99_ratio, s.max_new_tokens, seed)
     return ForcedLengths(lengths, engine, params, version, **kw)
   return Sampler(engine, params, version, **kw)
 

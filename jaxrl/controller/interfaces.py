@@ -1,28 +1,25 @@
-"""The three interfaces the sampler loop and the learner loop talk through, and the in-process coordinator.
+"""The three interfaces the sampler loop and the learner loop talk through; the loops reach nothing else of the
+other side.
 
   rollouts     put (sampler; blocks while the learner is behind), get(rank) (learner: the next group of sampler
                `rank`), drain (what is left at the end), depth, unsent
   weights      publish (learner), take_newer (sampler, between decode calls)
-  coordinator  stop, the admission room (shares asked, updates skipped, the admission bound), the data position
-               and the counts (the run record, failures in a row), each sampler's cost counters (posted by the
-               sampler, logged by the learner with every step for jaxrl-profile --from-run)
+  coordinator  stop; the data positions (admit, settle), the counts (fail, update_done, the ledger), the checkpoint
+               record; what the learner tells the samplers (ask, bound, update_done -> progress) and what they
+               tell it (sending -> sampler_costs, skips_to_trace)
 
-In one process: `rollouts.RolloutQueue`, `weights.WeightPublisher` and `LocalCoordinator` below, the two loops in two
-threads (`controller.local`). Across processes: `jaxrl.distributed.cross_process` (JAX cross-host copies and the
-coordination store), one loop per process.
+In one process: `rollouts.RolloutQueue`, `weights.WeightPublisher` and `coordinator.LocalCoordinator`, the two loops
+in two threads (`controller.local`). Across processes: `jaxrl.distributed.cross_process` (JAX cross-host copies and
+the coordination store), one loop per process.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
-import traceback
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from jaxrl.controller.rollouts import Stopped
-from jaxrl.controller.spec import RunRecord
-from jaxrl.envs.guard import RewardsBroken
+from jaxrl.controller.ledger import Ledger
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned
 
@@ -44,182 +41,55 @@ class Weights(Protocol):
   def take_newer(self, version: int) -> Versioned | None: ...
 
 
-class Progress:
-  """Failures (skipped prompts, dropped groups, skipped updates) since the last applied update; too many in a row
-  stop the run, blaming the checkpoint just resumed from if not one update has applied since. Groups filtered for
-  having no signal (rl.filter_groups) are counted apart, against their own, larger bound: many are expected."""
+class Asks(NamedTuple):
+  """What the learner has told the samplers so far (Coordinator.progress): the shares it asked for, the updates it
+  skipped (a skipped update trains no version: the shares after it count one step earlier) and the admission bound
+  it chose (rl.max_staleness="auto"; None: the hard bound)."""
 
-  def __init__(self, max_in_a_row: int, resumed_from: int | None = None, max_filtered_in_a_row: int = 1000):
-    self.max_in_a_row, self.resumed_from = max_in_a_row, resumed_from
-    self.max_filtered_in_a_row = max_filtered_in_a_row
-    self.counts: collections.Counter[str] = collections.Counter()
-    self.applied_since_start = False
-
-  def failed(self, reason: str) -> None:
-    self.counts[reason] += 1
-    filtered = self.counts["filtered"]
-    if filtered >= self.max_filtered_in_a_row:
-      raise RuntimeError(f"no progress: {filtered} groups in a row filtered out (all their rewards equal) without "
-                         "an applied update: every prompt is always solved or always failed by this policy, or the "
-                         "reward is constant (rl.max_filtered_in_a_row)")
-    if sum(self.counts.values()) - filtered >= self.max_in_a_row:
-      raise RuntimeError(f"no progress: {sum(self.counts.values()) - filtered} failures in a row without an applied "
-                         f"update ({dict(self.counts)}); {self.suspect()}")
-
-  def applied(self) -> None:
-    self.counts.clear()
-    self.applied_since_start = True
-
-  def just_resumed(self) -> bool:
-    return self.resumed_from is not None and not self.applied_since_start
-
-  def suspect(self) -> str:
-    if self.just_resumed():
-      return (f"no update has applied since the run resumed from checkpoint {self.resumed_from}: that checkpoint's "
-              "state (params or optimizer) is likely broken; resume from an earlier one")
-    return "the data, the rewards or the model are broken"
+  shares: int
+  updates_skipped: int
+  admit_k: int | None
 
 
-class Coordination:
-  """What every coordinator holds: the stop flag and its reason, the errors of this process's threads, the run
-  record (data position and ledger) with the lock that changes it, the groups admitted and not yet settled, and
-  the failures in a row."""
+class Coordinator(Protocol):
+  """Everything the loops share besides rollouts and weights. An implementation keeps its lock and run record
+  (data position, ledger, groups admitted and not settled) private; these members are all a loop may reach, and all
+  a new topology has to provide (`coordinator.Coordination` has the bookkeeping that does not depend on where the
+  other side runs: admit, settle, fail, checkpoint_record, idle / wake, request_stop).
 
-  def __init__(self, record: RunRecord, max_failures_in_a_row: int, resumed_from: int | None = None,
-               max_filtered_in_a_row: int = 1000):
-    self.record = record
-    self.lock = threading.Lock()  # data position, live groups and ledger change together (sampler vs checkpoint)
-    self.live: set[int] = set()  # admitted, not yet trained or dropped
-    self.progress = Progress(max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
-    self.stop = threading.Event()  # set by any end: the last step, a stop request, an error
-    self.abort = threading.Event()  # set by an error only
-    self.stop_reason: str | None = None
-    self.errors: list[tuple[str, BaseException, str]] = []
-    self.admit_k: int | None = None  # rl.max_staleness="auto": the admission bound the learner last chose
-    # Sampler side: what it admits before new data positions: groups pending at the checkpoint resumed from
-    # (generated again, not counted as admitted twice), then positions no sampler had admitted yet.
-    self.regenerate: list[int] = []
-    self.unadmitted: list[int] = []
-    self.skipped: dict[int, str] = {}  # prompts this sampler skipped, and why (settled: never admitted again)
-    self._wake = threading.Event()
+  Every admitted group is settled exactly once (trained, or dropped with its reason); a checkpoint record taken at
+  any time holds the admitted groups not yet settled as pending, and its ledger counts the same moment."""
 
-  @property
-  def ledger(self):
-    return self.record.ledger
+  stop: threading.Event  # set by any end of the run (the last step, a stop request, an error); channels wait on it
+  ledger: Ledger  # the run's counts: the verbs count what a checkpoint must see with the data position; each loop
+  #                 adds what it alone sees (samples generated, reward failures, zero-advantage groups) and reads
+  #                 the rest for its metrics
 
-  def request_stop(self, reason: str) -> None:
-    """Ends the run after the current step (a signal handler may call it): the loops return without an error and
-    the last trained state is checkpointed; a resume regenerates what was in flight."""
-    if self.stop_reason is None:
-      self.stop_reason = reason
-    self.stop.set()
-
-  def guarded(self, name: str, loop: Callable, *args) -> None:
-    """Runs a loop; any failure stops the whole run, with its traceback kept."""
-    try:
-      loop(*args)
-    except Stopped:
-      pass
-    except BaseException as e:  # noqa: BLE001 - reraised by raise_errors, in the thread that runs the job
-      self.errors.append((name, e, traceback.format_exc()))
-      self.abort.set()
-    finally:
-      self.stop.set()
-
-  def raise_errors(self) -> None:
-    if self.errors:
-      where, err, tb = self.errors[0]
-      if isinstance(err, RewardsBroken):  # one line: the reward and its error say what is wrong
-        raise err
-      msg = f"jaxrl {where} failed: {type(err).__name__}: {err}\n--- original traceback ---\n{tb}"
-      raise RuntimeError(msg) from err
-
-  def wake(self) -> None:
-    """Something changed for the sampler (a share asked, a step trained, weights arrived)."""
-    self._wake.set()
-
-  def idle(self, timeout_s: float) -> None:
-    """The sampler has nothing to do: waits for wake() (at most timeout_s)."""
-    self._wake.wait(timeout_s)
-    self._wake.clear()
-
-  def pending(self) -> list[int]:
-    """Groups a checkpoint taken now must generate again (call under the lock)."""
-    return sorted(self.live)
-
-  def settle(self, group_id: int) -> None:
-    """The learner trained or dropped the group (call under the lock)."""
-    self.live.discard(group_id)
-
-  def next_group(self, stride: int) -> tuple[int, bool]:
-    """(the next data position to admit, whether it is a group generated again); a regenerated group first, then a
-    position no sampler had admitted, then this sampler's next new one (call under the lock)."""
-    if self.regenerate:
-      return self.regenerate.pop(0), True
-    if self.unadmitted:
-      return self.unadmitted.pop(0), False
-    gid = self.record.next_group_id
-    self.record.next_group_id += stride
-    return gid, False
-
-  def sending(self, costs: dict) -> None:
-    """The sampler is about to put finished groups on the rollout channel; `costs` are its cumulative costs so far
-    (jaxrl-profile --from-run reads them from the learner's step records)."""
-    self.post_sampler_costs(costs)
-
-  def checkpoint_record(self) -> dict:
-    with self.lock:
-      self.record.pending_group_ids = self.pending()
-      return self.record.to_json()
-
-  def skips_to_trace(self) -> list[tuple[int, str]]:
-    """(group, reason) of the prompts samplers in other processes skipped that this process has not traced yet,
-    as of its last checkpoint record or sampler costs; none in one process, whose sampler loop traces its own."""
-    return []
-
-
-class LocalCoordinator(Coordination):
-  """Both loops in one process: the counters are plain ints, the data position is the record's own. The groups in
-  flight at the checkpoint resumed from are generated again first."""
-
-  def __init__(self, record: RunRecord, num_steps: int, group_size: int, max_failures_in_a_row: int,
-               resumed_from: int | None = None, max_filtered_in_a_row: int = 1000):
-    super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
-    self.num_steps = num_steps
-    self.regenerate = list(record.pending_group_ids)
-    self.unadmitted = list(record.unadmitted_group_ids)
-    self.ledger.samples_regenerated += len(self.regenerate) * group_size
-    self._asked = self._skipped = 0
-    self._costs: dict | None = None  # the sampler's last posted costs (post_sampler_costs)
+  def request_stop(self, reason: str) -> None: ...  # ends the run after the current step, with a checkpoint
 
   # learner side
-  def go_on(self, version: int) -> bool:
-    return version < self.num_steps and not self.stop.is_set()
-
-  def ask(self) -> None:
-    self._asked += 1
-    self.wake()
-
-  def update_skipped(self) -> None:
-    self._skipped += 1
-
-  def sampler_costs(self) -> list[dict]:
-    return [self._costs] if self._costs is not None else []
+  def go_on(self, version: int) -> bool: ...  # train another step? (num_steps, a stop request)
+  def ask(self) -> None: ...  # every sampler: assemble and send your next share
+  def bound(self, admit_k: int | None) -> None: ...  # the admission bound for new groups (rl.max_staleness="auto")
+  def settle(self, groups: list[list[Rollout]], dropped: str | None = None) -> None:
+    """The groups were trained (dropped None) or dropped for that reason: they leave the pending set, counted."""
+  def fail(self, reason: str) -> None:
+    """One more failure without an applied update (a dropped group, ...); too many in a row raise."""
+  def update_done(self, applied: bool, partial: bool = False) -> None:
+    """A train step ended: applied (failures in a row reset; partial: part of it skipped as non-finite) or skipped
+    (counted, a failure; the samplers' next shares count one step earlier)."""
+  def just_resumed_from(self) -> int | None: ...  # the checkpoint resumed from while no update has applied since
+  def checkpoint_record(self) -> dict: ...  # the run record to save with the state now (RunRecord.to_json)
+  def sampler_costs(self) -> list[dict]: ...  # every sampler's last posted costs (jaxrl-profile --from-run)
+  def skips_to_trace(self) -> list[tuple[int, str]]: ...  # (group, reason): prompts other processes skipped, once
 
   # sampler side
-  def shares_asked(self) -> int:
-    return self._asked
-
-  def post_sampler_costs(self, costs: dict) -> None:
-    self._costs = costs
-
-  def updates_skipped(self) -> int:
-    return self._skipped
-
-  def pending(self) -> list[int]:
-    return sorted(self.live | set(self.regenerate))
-
-  def checkpoint_record(self) -> dict:
-    with self.lock:
-      self.record.unadmitted_group_ids = list(self.unadmitted)
-    return super().checkpoint_record()
+  def admit(self, start: Callable[[int], str | None]) -> bool:
+    """Takes the next data position (a group pending at the checkpoint resumed from first, then a position no
+    sampler reached, then a new one) and calls start(group_id) on it under the lock, so that a checkpoint sees the
+    position taken only with the group admitted: start returns None once the group is submitted, or the reason
+    its prompt is skipped (counted, settled for good, a failure). True if the group was admitted."""
+  def progress(self) -> Asks: ...  # what the learner has told the samplers so far
+  def sending(self, costs: dict) -> None: ...  # before finished groups leave: the sampler's cumulative costs
+  def idle(self, timeout_s: float) -> None: ...  # nothing to do: wait for wake() (at most timeout_s)
+  def wake(self) -> None: ...  # something changed for the sampler (a share asked, a step trained, weights arrived)

@@ -14,8 +14,8 @@ import numpy as np
 
 from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.controller.assembly import reject_reason
-from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
-from jaxrl.controller.spec import RunSpec
+from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
+from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.metrics import sampler_metrics
 from jaxrl.rollout import Rollout, check_sampling
 
@@ -24,7 +24,7 @@ class LearnerLoop:
   """One run's learner: the train state and what it needs to take, train, publish and save."""
 
   def __init__(self, spec: RunSpec, *, train_step: Callable, state, rollouts: Rollouts, weights: Weights,
-               coord: Coordination, num_samplers: int = 1, checkpointer=None, metrics=None,
+               coord: Coordinator, num_samplers: int = 1, checkpointer=None, metrics=None,
                on_step: Callable[[int, dict], None] | None = None, trace: Callable[[dict], None] | None = None,
                telemetry: Callable[[dict], dict] | None = None):
     self.spec, self.train_step, self.state = spec, train_step, state
@@ -37,7 +37,7 @@ class LearnerLoop:
     # (spec.max_staleness) stays the hard bound checked at every train step.
     self.adaptive = None if spec.auto_staleness is None else AdaptiveStaleness(spec.auto_staleness)
     if self.adaptive is not None:
-      coord.admit_k = self.adaptive.k
+      coord.bound(self.adaptive.k)
     self.trained_staleness: list[int] = []  # per trained sample, for tests and histograms
     self.trained_lengths: list[int] = []  # model tokens per trained sample (mode="auto" calibrates on them)
     self.busy = 0.0
@@ -113,12 +113,10 @@ class LearnerLoop:
       return True
     if reason == "reward_failed":
       self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
-    with self.coord.lock:
-      self.ledger.drop(group, reason)
-      self.ledger.filtered_groups += reason == "filtered"
-      self.coord.settle(group[0].group_id)
-      self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
-      self.coord.progress.failed(reason)
+    self.coord.settle([group], reason)
+    self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
+    if reason != "surplus":  # surplus groups had signal: dynamic sampling's cost, not a failure to progress
+      self.coord.fail(reason)
     return False
 
   def _train(self, groups: list[list[Rollout]]) -> dict[str, Any]:
@@ -140,46 +138,28 @@ class LearnerLoop:
     state, metrics = self.train_step(self.state, batch, jax.random.fold_in(self._base_key, train_step))
     applied = int(jax.device_get(state.version)) > step
     metrics = dict(jax.device_get(metrics))
-    # The new state and the fate of its groups change together: a checkpoint never sees one without the other.
-    with self.coord.lock:
-      self.state = state
-      for g in groups:
-        self.coord.settle(g[0].group_id)
-        if not applied:
-          self.ledger.drop(g, "update_skipped")
-      if applied:
-        self.ledger.trained(samples)
-        self.ledger.partial_steps += bool(metrics["updates_nonfinite"] > 0)
-        self.coord.progress.applied()
-      else:
-        self.ledger.skipped_updates += 1
-        self.coord.update_skipped()  # the samplers' next shares come a step earlier
-      self._log("train", step=train_step, version=step, applied=applied,
-                samples=[[r.group_id, r.sample_index, r.min_version, int(r.versions.max(initial=-1))]
-                         for r in samples], lengths=[r.num_model_tokens for r in samples])
-      if not applied:
-        self.coord.progress.failed("update_skipped")
+    # The new state and the fate of its groups change together (this thread takes the checkpoints).
+    self.state = state
+    self.coord.settle(groups, None if applied else "update_skipped")
+    self._log("train", step=train_step, version=step, applied=applied,
+              samples=[[r.group_id, r.sample_index, r.min_version, int(r.versions.max(initial=-1))]
+                       for r in samples], lengths=[r.num_model_tokens for r in samples])
+    # A skipped update is a failure; the samplers' next shares come a step earlier.
+    self.coord.update_done(applied, partial=bool(metrics["updates_nonfinite"] > 0))
     if applied:
       self.trained_staleness += [step - r.min_version for r in samples]
       self.trained_lengths += [r.num_model_tokens for r in samples]
     self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
-    metrics["applied"] = applied
-    # Per sample (learner step - its oldest token's version), beside the step's per-token staleness_mean/max.
-    staleness = [step - r.min_version for r in samples]
-    metrics.update(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
-                   sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)),
+    metrics.update(sample_metrics(samples, step), applied=applied,
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
-    accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
-    if accuracy:
-      metrics["accuracy"] = float(np.mean(accuracy))
     return metrics
 
   def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
     if not metrics.pop("applied"):
       # Same version, same params: nothing to publish, log under this version, or checkpoint.
       reasons = [k for k in ("skip/reward", "skip/empty", "skip/nonfinite") if metrics.get(k)]
-      progress = self.coord.progress
-      after = f", right after resuming from checkpoint {progress.resumed_from}" if progress.just_resumed() else ""
+      resumed = self.coord.just_resumed_from()
+      after = f", right after resuming from checkpoint {resumed}" if resumed is not None else ""
       print(f"jaxrl: update skipped at version {self.version} ({', '.join(reasons)}){after}; its groups are dropped",
             file=sys.stderr)
       return
@@ -193,8 +173,8 @@ class LearnerLoop:
       metrics.update(self.telemetry(metrics))
     self.step_times.append(step_time)
     if self.adaptive is not None:  # the adaptive-staleness hook: measured drift in, admission bound out
-      self.coord.admit_k = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
-      metrics["admit_staleness"] = self.coord.admit_k
+      metrics["admit_staleness"] = self.adaptive.observe(metrics["ess_applied_frac"], metrics["kl_behavior"])
+      self.coord.bound(metrics["admit_staleness"])
     led = self.ledger
     metrics.update(step_time_s=step_time, version=version, samples_generated=led.samples_generated,
                    samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
@@ -227,9 +207,9 @@ class LearnerLoop:
     self._log("end", version=self.version, next_group_id=record["next_group_id"], pending=record["pending_group_ids"],
               unadmitted=record["unadmitted_group_ids"], ledger=record["ledger"])
 
-  def log_start(self, mode: str) -> None:
-    """The trace's first event of a run (or of each resume): where it starts and what it generates again."""
-    record = self.coord.record
+  def log_start(self, mode: str, record: RunRecord) -> None:
+    """The trace's first event of a run (or of each resume): where it starts (the record resumed from) and what it
+    generates again."""
     self._log("start", mode=mode, version=self.version, next_group_id=record.next_group_id,
               regenerate=sorted(record.pending_group_ids), unadmitted=sorted(record.unadmitted_group_ids))
 
@@ -239,3 +219,15 @@ class LearnerLoop:
 
   def samples_in_flight(self) -> int:
     return sum(len(g) for g in self.leftover + self._batch_groups)
+
+
+def sample_metrics(samples: list[Rollout], step: int) -> dict[str, float]:
+  """The host's per-sample metrics of a step's samples: completion length, staleness (learner step - the sample's
+  oldest token's version, beside the step's per-token staleness_mean/max) and, where the reward says, accuracy."""
+  staleness = [step - r.min_version for r in samples]
+  out = dict(completion_len=float(np.mean([r.num_model_tokens for r in samples])),
+             sample_staleness_mean=float(np.mean(staleness)), sample_staleness_max=float(max(staleness)))
+  accuracy = [r.meta["correct"] for r in samples if "correct" in r.meta]
+  if accuracy:
+    out["accuracy"] = float(np.mean(accuracy))
+  return out

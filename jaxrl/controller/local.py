@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import threading
 
-from jaxrl.controller.interfaces import LocalCoordinator
+import jax
+
+from jaxrl.controller import sides
+from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import RolloutQueue
 from jaxrl.controller.sampler_loop import SamplerLoop
@@ -19,8 +22,8 @@ class LocalController:
   def __init__(self, spec: RunSpec, *, sampler, train_step, state, publisher: WeightPublisher, prompts, score,
                record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
                resumed_from: int | None = None, poll_s: float = 0.05, telemetry=None):
-    self.spec, self.poll_s = spec, poll_s
-    self.coord = LocalCoordinator(record or RunRecord(), spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
+    self.spec, self.poll_s, self.record = spec, poll_s, record or RunRecord()
+    self.coord = LocalCoordinator(self.record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
                                   resumed_from, spec.max_filtered_in_a_row)
     self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
     self.learner_loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=self.rollouts,
@@ -57,7 +60,7 @@ class LocalController:
 
   def run(self, join_timeout_s: float = 60.0) -> None:
     coord = self.coord
-    self.learner_loop.log_start("sync" if self.spec.max_staleness == 0 else "pipeline")
+    self.learner_loop.log_start("sync" if self.spec.max_staleness == 0 else "pipeline", self.record)
     threads = [threading.Thread(target=coord.guarded, args=("sampler", self.sampler_loop.run, self.poll_s),
                                 name="jaxrl-sampler", daemon=True),
                threading.Thread(target=coord.guarded, args=("learner", self.learner_loop.run), name="jaxrl-learner",
@@ -76,3 +79,27 @@ class LocalController:
       if hung:
         coord.errors.append(("controller", TimeoutError(f"threads did not stop within {join_timeout_s}s: {hung}"), ""))
     coord.raise_errors()
+
+
+class LocalChannels:
+  """The channels of one process holding both sides (controller.sides.Channels): nothing is compiled ahead unless
+  rl.compile_ahead asks, a batch goes to the train step as it is, one checkpointer saves everything, and the
+  publisher casts (or quantizes, for an int8 sampler) each version for the engine as it moves it."""
+
+  compile_ahead = False
+
+  def checkpointer_options(self) -> dict:
+    return {}
+
+  def place(self, batch_shardings):
+    return lambda batch: batch
+
+  def wire(self, built: sides.Built) -> LocalController:
+    learner, sampler = built.learner, built.sampler
+    state, engine = learner.state, sampler.engine
+    publisher = WeightPublisher(engine.publish_shardings, engine.dtype, weight_dtype=engine.weight_dtype)
+    return LocalController(learner.spec, sampler=sampler.sampler(state.params, int(jax.device_get(state.version))),
+                           train_step=learner.train_step, state=state, publisher=publisher, prompts=sampler.prompts,
+                           score=sampler.score, record=learner.record, checkpointer=learner.checkpointer,
+                           metrics=learner.metrics, trace=learner.trace, resumed_from=learner.resumed_from,
+                           telemetry=learner.telemetry)

@@ -15,19 +15,20 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrl.controller.assembly import DeadlineBook, reject_reason
-from jaxrl.controller.interfaces import Coordination, Rollouts, Weights
+from jaxrl.controller.assembly import DeadlineBook, over_ask, reject_reason
+from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
 from jaxrl.controller.rollouts import GroupAssembler
 from jaxrl.controller.spec import RunSpec, SkipPrompt
 from jaxrl.rollout import Rollout
 
 
 class SamplerLoop:
-  """One sampler replica (`rank` of `num_samplers`): it admits data positions rank, rank + num_samplers, ... and
-  assembles its share (groups_per_step / num_samplers) of every step from its own groups."""
+  """One sampler replica (`rank` of `num_samplers`): it admits the data positions its coordinator hands it (rank,
+  rank + num_samplers, ...) and assembles its share (groups_per_step / num_samplers) of every step from its own
+  groups."""
 
   def __init__(self, spec: RunSpec, *, sampler, prompts: Callable[[int], tuple[np.ndarray, dict]],
-               score: Callable[[list[Rollout]], None], rollouts: Rollouts, weights: Weights, coord: Coordination,
+               score: Callable[[list[Rollout]], None], rollouts: Rollouts, weights: Weights, coord: Coordinator,
                num_samplers: int = 1, trace: Callable[[dict], None] | None = None):
     self.spec, self.sampler, self.prompts, self.score = spec, sampler, prompts, score
     self.rollouts, self.weights, self.coord = rollouts, weights, coord
@@ -37,6 +38,7 @@ class SamplerLoop:
     self.assembler = GroupAssembler()
     self.busy = 0.0
     self._outbox: list[list[Rollout]] = []  # complete groups not put on the channel yet
+    self.finished_groups = self.rejected_groups = 0  # scored here, and of those not trainable (over_ask's rate)
 
   @property
   def ledger(self):
@@ -46,29 +48,26 @@ class SamplerLoop:
     spec, coord = self.spec, self.coord
     self.book = DeadlineBook(spec.max_staleness, self.share, self.sampler.version, spec.num_steps,
                              spec.queue_groups // self.num_samplers)
-    skipped_at_start = coord.updates_skipped()
+    skipped_at_start = coord.progress().updates_skipped
     while not coord.stop.is_set():
       t0 = time.perf_counter()
       newer = self.weights.take_newer(self.sampler.version)
       if newer is not None:
         self.sampler.update_params(newer.params, newer.version)
-      self.book.skipped = coord.updates_skipped() - skipped_at_start
-      self.book.admit_k = coord.admit_k
+      asks = coord.progress()
+      self.book.skipped = asks.updates_skipped - skipped_at_start
+      self.book.admit_k = asks.admit_k
       # Admit while every deadline stays feasible; keep the waiting list short so new versions are used soon.
       while self.sampler.num_waiting < self.sampler.engine.max_slots and self.book.room(self.sampler.version):
         self._admit_one()
       if self.sampler.num_active or self.sampler.num_waiting:
-        for g in self._complete_groups(self.sampler.step()):
-          if reject_reason(g, spec.seq_len, spec.filter_groups) is None:
-            self.book.finish(g)
-          else:  # sent on its own: the learner drops and counts it
-            self.book.discard(g[0].group_id)
-            self._outbox.append(g)
-      while self.book.shares < coord.shares_asked():
+        self._finish(self._complete_groups(self.sampler.step()))
+      while self.book.shares < coord.progress().shares:
         share = self.book.take()
         if share is None:
           break
         self._outbox += share
+      self._outbox += self._surplus()
       self.busy += time.perf_counter() - t0
       if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
         coord.idle(poll_s)  # no room, or finished groups the learner has not asked for: no spinning
@@ -78,31 +77,48 @@ class SamplerLoop:
         self.rollouts.put_all(self._outbox)  # blocks when the learner is behind (back-pressure)
         self.busy += self.rollouts.send_s - sent  # sending is the loop's work (a packet's encoding and copy-out)
 
+  def _finish(self, groups: list[list[Rollout]]) -> None:
+    """Finished, scored groups into the book, or (not trainable) on their own to the learner, which drops and counts
+    them; with rl.filter_groups, the rate of the latter sets how far admission over-asks."""
+    for g in groups:
+      if reject_reason(g, self.spec.seq_len, self.spec.filter_groups) is None:
+        self.book.finish(g)
+      else:
+        self.book.discard(g[0].group_id)
+        self._outbox.append(g)
+        self.rejected_groups += 1
+      self.finished_groups += 1
+    if self.spec.filter_groups != "none":
+      self.book.over_ask = over_ask(self.rejected_groups, self.finished_groups)
+
+  def _surplus(self) -> list[list[Rollout]]:
+    """Groups over-asked beyond their step's places, past their deadline: marked, for the learner to drop."""
+    groups, self.book.surplus = self.book.surplus, []
+    for r in (r for g in groups for r in g):
+      r.left_out = "surplus"
+    return groups
+
   def _admit_one(self) -> bool:
     """Submits the next group (a regenerated one first); False if the prompt was skipped."""
-    coord = self.coord
-    with coord.lock:
-      gid, again = coord.next_group(self.num_samplers)
-      try:
-        prompt, meta = self.prompts(gid)
-        room = self.sampler.engine.max_len
-        if len(prompt) >= room:
-          raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
-      except SkipPrompt as e:
-        self.ledger.skipped_prompts += 1
-        coord.skipped[gid] = str(e)
-        print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
-        if self.trace is not None:
-          self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
-        coord.progress.failed("skipped_prompt")
-        return False
-      self.book.admit(gid, self.sampler.version)
-      self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
-                          max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
-      self.assembler.expect(gid, self.spec.group_size)
-      coord.live.add(gid)
-      self.ledger.groups_admitted += not again  # a regenerated group was counted when it was first admitted
-      return True
+    return self.coord.admit(self._start)
+
+  def _start(self, gid: int) -> str | None:
+    """Submits group `gid` (the coordinator's admit holds its lock); the reason its prompt is skipped, or None."""
+    try:
+      prompt, meta = self.prompts(gid)
+      room = self.sampler.engine.max_len
+      if len(prompt) >= room:
+        raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
+    except SkipPrompt as e:
+      print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
+      if self.trace is not None:
+        self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
+      return str(e)
+    self.book.admit(gid, self.sampler.version)
+    self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
+                        max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
+    self.assembler.expect(gid, self.spec.group_size)
+    return None
 
   def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
     """Counts finished samples, releases complete groups with their rewards computed."""
@@ -123,5 +139,5 @@ class SamplerLoop:
     """Finished samples neither trained nor dropped on this side: in open groups, waiting for a share, not yet on
     the channel, or on the channel's sending end."""
     partial = sum(len(v) for v in self.assembler._open.values())
-    waiting = self._outbox + (self.book.finished if self.book else [])
+    waiting = self._outbox + (self.book.finished + self.book.surplus if self.book else [])
     return partial + sum(len(g) for g in waiting) + self.rollouts.unsent()

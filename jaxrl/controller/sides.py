@@ -1,26 +1,29 @@
-"""The two sides of a run, built the same way in every topology.
+"""One build for every topology: `build(c, workdir, roles, channels)` makes the sides this process holds and hands
+them to its channels, which join them into the loops.
 
 `learner_side` makes the learner's parts: its state restored from the newest checkpoint, the run record, the train
-step (compiled ahead for every batch shape when asked, and always in a multi-process job), the checkpointer and, on
-the process that writes them, the metrics writer, trace and roofline telemetry. `sampler_side` makes one sampler
+step (compiled ahead for every batch shape when asked, or when the channels need it), the checkpointer and, on the
+process that writes them, the metrics writer, trace and roofline telemetry. `sampler_side` makes one sampler
 replica's: the engine (a LoRA model's base held once, int8 weights as configured), the task with its prompts and
 reward, the sampler factory and the held-out evaluation.
 
-`Roles` says which sides this process holds and the devices of each. jaxrl.train (one process holding both sides)
-and jaxrl.distributed.job (one side per process) make the meshes, call these builders and wire their own channels
-(in-process queue and publisher, or the coordination store and cross-process transfers): the channels are all that
-differs between topologies. jaxrl-generate builds its engine and evaluation here too, and jaxrl-profile profiles
-what jaxrl.train.build makes.
+`Roles` says which sides this process holds and the devices of each; `Channels` is everything that differs between
+topologies: controller.local.LocalChannels (both loops in this process: a queue, a publisher, a LocalCoordinator)
+and distributed.job.JobChannels (one loop per process of a jax.distributed job: the coordination store and
+cross-host copies). jaxrl-generate builds its engine and evaluation here too, and jaxrl-profile profiles what
+jaxrl.train.build makes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 
+from jaxrl import settings as settings_lib
 from jaxrl import sharding, telemetry
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller import build as build_lib
@@ -39,15 +42,13 @@ class Roles:
   """Which sides of a run this process holds, and the devices of each.
 
   learner_devices: the learner mesh's (over one or more processes); sampler_devices: one tuple per sampler replica.
-  learner: this process holds the learner (or its share of it); sampler_rank: the replica it holds (None: none).
-  learner_processes: a multi-process job's learner processes, each saving its own shards, the first one the lead
-  (None: one process holds every side); lead: this process writes the run's metrics, trace and telemetry."""
+  learner: this process holds the learner (or its share of it); sampler_rank: the replica it holds (None: none);
+  lead: this process writes the run's metrics, trace and telemetry."""
 
   learner_devices: tuple
   sampler_devices: tuple[tuple, ...]
   learner: bool = True
   sampler_rank: int | None = 0
-  learner_processes: tuple[int, ...] | None = None
   lead: bool = True
 
   @classmethod
@@ -56,10 +57,6 @@ class Roles:
     mesh.sampler_devices of them."""
     learner, sampler = sharding.split_devices(c.mesh.sampler_devices, devices)
     return cls(tuple(learner), (tuple(sampler),))
-
-  @property
-  def multi_process(self) -> bool:
-    return self.learner_processes is not None
 
   def learner_mesh(self, c: RunConfig):
     return sharding.make_mesh(c.mesh.learner_axes.to_dict(), self.learner_devices)
@@ -87,23 +84,53 @@ class LearnerSide:
   telemetry: telemetry.Telemetry | None = None
 
 
-def learner_side(c: RunConfig, workdir: Path, roles: Roles, mesh, source, sampler_mesh) -> LearnerSide:
+class Channels(Protocol):
+  """What a topology adds to the build: the channels between the loops and what they need of the sides. Nothing
+  else in the build depends on where the other side runs."""
+
+  compile_ahead: bool  # compile every program before running any (a job: a peer late to a collective fails it)
+
+  def checkpointer_options(self) -> dict: ...  # the Checkpointer's saving processes (build.open_checkpointer)
+  def place(self, batch_shardings) -> Callable: ...  # puts a host batch where the train step takes it
+
+  def wire(self, built: Built) -> Any:
+    """What runs this process's loops: both, joined in-process (LocalController), or this process's role."""
+
+
+def build(c: RunConfig, workdir: Path, roles: Roles, channels: Channels) -> Built:
+  """The sides this process holds, made the same way in every topology, joined by `channels` (Built.runner).
+  The task comes first, so that bad data fails before any params load; a sampler beside the learner holds the
+  learner's LoRA base (publishes move the adapters alone)."""
+  source = build_lib.model_source(c)
+  model_cfg, tokenizer, _ = source
+  sampler_meshes = roles.sampler_meshes(c)
+  rank = roles.sampler_rank
+  task = build_lib.build_task(c, tokenizer, model_cfg) if rank is not None else None
+  learner = sampler = None
+  if roles.learner:
+    learner = learner_side(c, workdir, roles, roles.learner_mesh(c), source, sampler_meshes[0], channels)
+  if rank is not None:
+    sampler = sampler_side(c, sampler_meshes[rank], source, task=task,
+                           base=learner.state.frozen if learner is not None else None,
+                           compile_rebuilds=channels.compile_ahead)
+  built = Built(c, learner, sampler)
+  built.runner = channels.wire(built)
+  return built
+
+
+def learner_side(c: RunConfig, workdir: Path, roles: Roles, mesh, source, sampler_mesh,
+                 channels: Channels) -> LearnerSide:
   """The learner's parts on `mesh`. source: build.model_source(c); sampler_mesh: one replica's (the telemetry's
   sampler rates and dtype)."""
   model_cfg, _, path = source
   spec = build_lib.run_spec(c, build_lib.rows_unit(mesh))  # the learner's packed row buckets
   learner = build_lib.build_learner(c, mesh, model_cfg, path, spec)
-  # In a multi-process job every learner process saves its own shards (the lead also the run record).
-  saving = dict(processes=roles.learner_processes, primary=roles.learner_processes[0]) if roles.multi_process else {}
-  checkpointer = build_lib.open_checkpointer(c, workdir, **saving)
+  checkpointer = build_lib.open_checkpointer(c, workdir, **channels.checkpointer_options())
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
   resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
   train_step = learner.train_step
-  if c.rl.compile_ahead or roles.multi_process:
-    # A multi-process job compiles what has collectives before running any of it: gloo gives up on a peer that
-    # reaches the first collective 30 s late (e.g. still compiling while another process found a cached binary).
-    # Every learner process holds the whole (identical) numpy batch there; device_put keeps each one's rows.
-    place = _placer(batch_shardings(learner.batch_sharding)) if roles.multi_process else (lambda batch: batch)
+  if c.rl.compile_ahead or channels.compile_ahead:
+    place = channels.place(batch_shardings(learner.batch_sharding))
     train_step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed), place)
   side = LearnerSide(spec, mesh, learner, state, record, resumed_from, train_step, checkpointer)
   if roles.lead:  # the lead's loop sees every step, drop and checkpoint of the run
@@ -116,40 +143,37 @@ def learner_side(c: RunConfig, workdir: Path, roles: Roles, mesh, source, sample
   return side
 
 
-def _placer(batch_sh):
-  return lambda batch: jax.device_put(batch, batch_sh)
-
-
 @dataclasses.dataclass
 class SamplerSide:
-  """One sampler replica's parts: its engine, the task with its prompts and reward; `sampler` makes the Sampler a
-  SamplerLoop runs, `evaluate` scores a policy on the task's held-out examples."""
+  """One sampler replica's parts: its engine, the task with its prompts and reward, and its sections' settings
+  (sampler, eval); `sampler` makes the Sampler a SamplerLoop runs, `evaluate` scores a policy on the task's held-out
+  examples."""
 
-  c: RunConfig
+  settings: settings_lib.Sampler
+  eval_settings: settings_lib.Eval
+  seed: int
   engine: Engine
   tokenizer: Any
   task: Any
   prompts: Any
   score: Any
-  compile_rebuilds: bool = False  # compile the dense KV recompute of an in-flight update before the first step
+  # the dense KV recompute of an in-flight update compiled before the first step (a job's pipeline: at its first
+  # use mid-run every learner would wait on it)
+  compile_rebuilds: bool = False
 
   def sampler(self, params, version: int) -> Sampler:
-    """The replica's Sampler from `params` at `version`. In a multi-process job a pipeline run's dense KV recompute
-    (sampler.on_update="recompute") is compiled first, not at its first use mid-run, where every learner would wait
-    on it."""
-    c, engine = self.c, self.engine
-    if self.compile_rebuilds and build_lib.max_staleness(c) and c.sampler.on_update == "recompute" and \
-        engine.kv == "dense":
-      build_lib.compile_rebuilds(engine, engine.place(params, version))
-    return build_lib.build_sampler(c, engine, params, version, self.tokenizer)
+    """The replica's Sampler from `params` at `version`."""
+    if self.compile_rebuilds:
+      build_lib.compile_rebuilds(self.engine, self.engine.place(params, version))
+    return build_lib.build_sampler(self.settings, self.seed, self.engine, params, version, self.tokenizer)
 
   def evaluate(self, params, version: int) -> tuple[dict[str, float], list]:
     """(summary, rollouts): greedy completions of the task's first eval.num_examples held-out examples (at most
     eval.max_new_tokens each), scored by the run's reward (controller.data.evaluate_policy)."""
-    c = self.c
+    e = self.eval_settings
     detokenize = self.tokenizer.decode if self.tokenizer is not None else None
-    return evaluate_policy(self.engine, self.task, self.score, params, version, num_examples=c.eval.num_examples,
-                           max_new_tokens=c.eval.max_new_tokens, seed=c.seed, detokenize=detokenize)
+    return evaluate_policy(self.engine, self.task, self.score, params, version, num_examples=e.num_examples,
+                           max_new_tokens=e.max_new_tokens, seed=self.seed, detokenize=detokenize)
 
 
 def sampler_engine(c: RunConfig, model_cfg: ModelConfig, mesh, path: Path | None = None, *, base=None,
@@ -167,13 +191,24 @@ def sampler_engine(c: RunConfig, model_cfg: ModelConfig, mesh, path: Path | None
   return engine
 
 
-def sampler_side(c: RunConfig, roles: Roles | None, mesh, source, *, task=None, base=None,
+def sampler_side(c: RunConfig, mesh, source, *, task=None, base=None, compile_rebuilds: bool = False,
                  **overrides) -> SamplerSide:
-  """A sampler replica's parts on `mesh`. roles: this process's (None outside a run: jaxrl-generate); source:
-  build.model_source(c); task: (task, prompts, score) when already built (jaxrl.train builds it first, so that bad
-  data fails before any params load), else built here; base and overrides: as sampler_engine's."""
+  """A sampler replica's parts on `mesh`. source: build.model_source(c); task: (task, prompts, score) when already
+  built (build makes it first, so that bad data fails before any params load), else built here; base and
+  overrides: as sampler_engine's; compile_rebuilds: compile a pipeline's dense KV recompute ahead (the channels')."""
   model_cfg, tokenizer, path = source
   task, prompts, score = task or build_lib.build_task(c, tokenizer, model_cfg)
   engine = sampler_engine(c, model_cfg, mesh, path, base=base, **overrides)
-  multi_process = roles is not None and roles.multi_process
-  return SamplerSide(c, engine, tokenizer, task, prompts, score, compile_rebuilds=multi_process)
+  rebuilds = build_lib.max_staleness(c) > 0 and c.sampler.on_update == "recompute" and engine.kv == "dense"
+  return SamplerSide(c.sampler, c.eval, c.seed, engine, tokenizer, task, prompts, score,
+                     compile_rebuilds=compile_rebuilds and rebuilds)
+
+
+@dataclasses.dataclass
+class Built:
+  """What build made for this process: the sides it holds (None: held by another process) and what runs them."""
+
+  config: RunConfig
+  learner: LearnerSide | None
+  sampler: SamplerSide | None
+  runner: Any = None  # channels.wire's

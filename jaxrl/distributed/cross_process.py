@@ -28,7 +28,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxrl.controller.interfaces import Coordination
+from jaxrl.controller.coordinator import Coordination
+from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord
 from jaxrl.controller.summary import SAMPLER_COUNTS, merge_ledgers
@@ -226,19 +227,22 @@ class StoreCoordinator(Coordination):
   def __init__(self, store, topology, record: RunRecord, num_steps: int, group_size: int,
                max_failures_in_a_row: int, resumed_from: int | None = None, poll_s: float = 0.05,
                max_filtered_in_a_row: int = 1000):
-    super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
+    num_samplers = len(topology.sampler_processes)
+    super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row, stride=num_samplers)
     self.store, self.topology, self.num_steps, self.poll_s = store, topology, num_steps, poll_s
     self.group_size = group_size
     self.is_lead = topology.process_id == topology.lead
-    self.num_samplers = len(topology.sampler_processes)
+    self.num_samplers = num_samplers
     self._rounds = 0  # learner loop iterations: the same on every learner process (they run in lock step)
     self._asks_made = 0  # the lead's asks so far (a job's asks start at 1, a resumed job's too: a new store)
     self.settled: set[int] = set()  # lead: groups trained or dropped since this job started
     self._skips_seen: set[int] = set()  # lead: prompts the samplers skipped, as their posts said
     self._skips_untraced: list[tuple[int, str]] = []
     self._resume: dict | None = None  # lead: where the samplers started (learner_started)
+    self._admit_k: int | None = None  # lead: the admission bound its learner loop chose last (bound)
+    self._skipped_total = 0  # lead: updates skipped so far
     # Sampler side: the lead's asks as the watcher thread last saw them (no store call in the sampler loop).
-    self._asked = self._skipped = self._skipped_total = 0
+    self._asks = Asks(0, 0, None)
 
   # learner side
   def go_on(self, version: int) -> bool:
@@ -274,15 +278,24 @@ class StoreCoordinator(Coordination):
     learner's core time, so one call an ask."""
     if self.is_lead:
       self._asks_made += 1
-      self.store.set(f"asked/{self._asks_made}", {"skipped": self._skipped_total, "admit_k": self.admit_k})
+      self.store.set(f"asked/{self._asks_made}", {"skipped": self._skipped_total, "admit_k": self._admit_k})
 
-  def update_skipped(self) -> None:
+  def bound(self, admit_k: int | None) -> None:
+    self._admit_k = admit_k  # sent with the next ask
+
+  def update_done(self, applied: bool, partial: bool = False) -> None:
+    if applied:
+      self._applied(partial)
+      return
+    self.ledger.skipped_updates += 1
     if self.is_lead:
       self._skipped_total = self.store.incr("updates_skipped")
+    self.fail("update_skipped")
 
-  def settle(self, group_id: int) -> None:
-    super().settle(group_id)
-    self.settled.add(group_id)
+  def settle(self, groups: list[list[Rollout]], dropped: str | None = None) -> None:
+    super().settle(groups, dropped)
+    with self._lock:
+      self.settled.update(g[0].group_id for g in groups)
 
   def learner_started(self, version: int, fresh: bool) -> None:
     """Where the samplers start: each first generates again its part of the groups pending at the checkpoint
@@ -290,11 +303,11 @@ class StoreCoordinator(Coordination):
     base + rank + samplers, ... (base: the record's data position rounded up to a multiple of the samplers)."""
     if not self.is_lead:
       return
-    num, record = self.num_samplers, self.record
+    num, record = self.num_samplers, self._record
     base = -(-record.next_group_id // num) * num
     unadmitted = sorted(record.unadmitted_group_ids) + list(range(record.next_group_id, base))
     self.ledger.samples_regenerated += len(record.pending_group_ids) * self.group_size
-    self._resume = {"version": version, "fresh": fresh, "base": base, "admit_k": self.admit_k,
+    self._resume = {"version": version, "fresh": fresh, "base": base, "admit_k": self._admit_k,
                     "regenerate": [sorted(g for g in record.pending_group_ids if g % num == r) for r in range(num)],
                     "unadmitted": [[g for g in unadmitted if g % num == r] for r in range(num)]}
     self.store.set("resume", self._resume)
@@ -307,7 +320,7 @@ class StoreCoordinator(Coordination):
 
   def _note_skips(self, posts: list[dict]) -> None:
     """Keeps the skips of these posts that the lead has not seen yet, for its trace (skips_to_trace)."""
-    with self.lock:
+    with self._lock:
       for post in posts:
         for gid, reason in zip(post["skipped"], post["skip_reasons"], strict=True):
           if gid not in self._skips_seen:
@@ -315,7 +328,7 @@ class StoreCoordinator(Coordination):
             self._skips_untraced.append((gid, reason))
 
   def skips_to_trace(self) -> list[tuple[int, str]]:
-    with self.lock:
+    with self._lock:
       out, self._skips_untraced = self._skips_untraced, []
     return out
 
@@ -329,7 +342,7 @@ class StoreCoordinator(Coordination):
     num, resume = self.num_samplers, self._resume
     posts = [(self.store.try_get(f"sampler/{r}") or {}).get("admitted") for r in range(num)]
     self._note_skips([post for post in posts if post is not None])  # traced before the record that counts them
-    with self.lock:
+    with self._lock:
       admitted, left, skipped, ends = set(), set(), set(), [resume["base"]]
       for rank, post in enumerate(posts):
         if post is None:  # admitted nothing yet
@@ -342,12 +355,12 @@ class StoreCoordinator(Coordination):
       regenerated = {g for part in resume["regenerate"] for g in part}
       unadmitted = {g for part in resume["unadmitted"] for g in part}
       admitted |= regenerated | (unadmitted - left)
-      self.record.next_group_id = max(ends)
-      gaps = (unadmitted & left) | (set(range(resume["base"], self.record.next_group_id)) - admitted)
+      self._record.next_group_id = max(ends)
+      gaps = (unadmitted & left) | (set(range(resume["base"], self._record.next_group_id)) - admitted)
       done = self.settled | skipped
-      self.record.pending_group_ids = sorted(admitted - done)
-      self.record.unadmitted_group_ids = sorted(gaps - done)
-      out = self.record.to_json()
+      self._record.pending_group_ids = sorted(admitted - done)
+      self._record.unadmitted_group_ids = sorted(gaps - done)
+      out = self._record.to_json()
     out["ledger"] = merge_ledgers(out["ledger"], [post["ledger"] for post in posts if post is not None])
     return out
 
@@ -356,9 +369,9 @@ class StoreCoordinator(Coordination):
     """Waits for the learners' resume point (learner_started): what this sampler admits first, and from where."""
     resume = self.store.get("resume", timeout_s=60.0)  # set before the first weights were published
     rank = self.topology.sampler_rank
-    self.record.next_group_id = resume["base"] + rank
-    self.regenerate, self.unadmitted = list(resume["regenerate"][rank]), list(resume["unadmitted"][rank])
-    self.admit_k = resume["admit_k"]
+    self._record.next_group_id = resume["base"] + rank
+    self._regenerate, self._unadmitted = list(resume["regenerate"][rank]), list(resume["unadmitted"][rank])
+    self._asks = Asks(0, 0, resume["admit_k"])
     threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks", daemon=True).start()
     return resume
 
@@ -368,29 +381,25 @@ class StoreCoordinator(Coordination):
     (each a round trip on a core the decode shares)."""
     while not self.stop.is_set():
       try:
-        ask = self.store.get(f"asked/{self._asked + 1}", timeout_s=20 * self.poll_s)
+        ask = self.store.get(f"asked/{self._asks.shares + 1}", timeout_s=20 * self.poll_s)
       except TimeoutError:
         continue
       except Exception:
         if self.stop.is_set():  # the job is ending: the coordination service may already be gone
           return
         raise
-      # skipped and the bound first: they go with the ask they came with
-      self._skipped, self.admit_k, self._asked = ask["skipped"], ask["admit_k"], self._asked + 1
+      self._asks = Asks(self._asks.shares + 1, ask["skipped"], ask["admit_k"])  # one snapshot: read whole
       self.wake()
 
-  def shares_asked(self) -> int:
-    return self._asked
-
-  def updates_skipped(self) -> int:
-    return self._skipped
+  def progress(self) -> Asks:
+    return self._asks
 
   def sending(self, costs: dict) -> None:
     """Before any group leaves this sampler, one post (a store call is a round trip): its costs, and what it
     has admitted (its next new position, what it has yet to regenerate or admit, the prompts it skipped) with its
     counts, one consistent snapshot (the sampler loop's thread admits, counts and sends): checkpoint_record."""
-    admitted = {"next": self.record.next_group_id, "left": self.regenerate + self.unadmitted,
-                "skipped": list(self.skipped), "skip_reasons": list(self.skipped.values()),
+    admitted = {"next": self._record.next_group_id, "left": self._regenerate + self._unadmitted,
+                "skipped": list(self._skipped), "skip_reasons": list(self._skipped.values()),
                 "ledger": {k: getattr(self.ledger, k) for k in SAMPLER_COUNTS}}
     self.store.set(f"sampler/{self.topology.sampler_rank}", {"costs": costs, "admitted": admitted})
 

@@ -20,7 +20,6 @@ the default handler (the process dies; the others stop as on any failure).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import sys
@@ -85,99 +84,102 @@ def roles(topology: runtime.Topology) -> sides.Roles:
   mesh) or one sampler replica."""
   sampler = topology.role == "sampler"
   return sides.Roles(topology.learner_devices, topology.sampler_devices, learner=not sampler,
-                     sampler_rank=topology.sampler_rank if sampler else None,
-                     learner_processes=topology.learner_processes, lead=topology.process_id == topology.lead)
+                     sampler_rank=topology.sampler_rank if sampler else None, lead=topology.process_id == topology.lead)
 
 
 def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
           poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
-  """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task), each
-  made by the side builders every topology uses (controller.sides), joined by the store's channels."""
+  """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task), made by
+  the build of every topology (controller.sides.build) and joined by the store's channels."""
   workdir = Path(workdir)
   held = roles(topology)
   # A config, or a RunConfig checked again here; the typed RunConfig from here on. One writer probes workdir.
   c = config_lib.validate(c, workdir if held.lead else None, num_devices=len(jax.devices()))
   config_lib.validate_job(c, topology.devices_per_process())
-  source = build_lib.model_source(c)
-  model_cfg = source[0]
-  abstract = hf.abstract_params(model_cfg)[1]
-  if model_cfg.lora is not None:  # a publish moves the adapters alone; each sampler holds the base
-    abstract = lora.split(abstract)[0]
-  replicas = held.sampler_meshes(c)
-  # An int8 sampler gets int8 bytes: the learner quantizes each version once, before it is cut and sent
-  prepare, sent = sampler_weights(c.sampler, abstract, model_cfg, replicas[0])
-  try:
-    routes = [WeightRoute(sent, _sampler_shardings(c.sampler, abstract, mesh),
-                          source_devices(topology.learner_devices, mesh.size, rank))
-              for rank, mesh in enumerate(replicas)]
-  except ValueError as e:
-    raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
-  job = _Job(topology, store, TransferLog(store), routes, prepare, c.sampler.max_len, dump_dir, poll_s)
-  if held.learner:
-    return _learner_process(c, workdir, held, source, replicas, job)
-  return _sampler_process(c, held, source, replicas, job)
+  return sides.build(c, workdir, held, JobChannels(c, topology, store, dump_dir=dump_dir, poll_s=poll_s)).runner
 
 
-@dataclasses.dataclass
-class _Job:
-  """What either side of a job is wired with: the store, its transfer log, the weight routes (one per sampler
-  replica) and what the learner applies to a version before it is cut for them."""
+class JobChannels:
+  """The channels of one process of a job (controller.sides.Channels): the coordination store and cross-host
+  copies (distributed.cross_process). Every program is compiled before any runs (gloo gives up on a peer that
+  reaches the first collective 30 s late, e.g. still compiling while another process found a cached binary); every
+  learner process holds the whole (identical) host batch, which device_put cuts to its rows, and saves its own
+  checkpoint shards; the learner quantizes each version once for an int8 sampler, before it is cut and sent."""
 
-  topology: runtime.Topology
-  store: Any
-  log: TransferLog
-  routes: list[WeightRoute]
-  prepare: Any
-  max_len: int
-  dump_dir: Path | None
-  poll_s: float
+  compile_ahead = True
 
-  def ferry(self, coord: StoreCoordinator, **channels) -> Ferry:
-    return Ferry(self.topology, self.store, self.log, self.routes, self.max_len, coord, dump_dir=self.dump_dir,
+  def __init__(self, c: settings.RunConfig, topology: runtime.Topology, store, *, dump_dir: Path | None = None,
+               poll_s: float = 0.05):
+    self.topology, self.store, self.dump_dir, self.poll_s = topology, store, dump_dir, poll_s
+    self.roles = roles(topology)
+    self.log = TransferLog(store)
+    model_cfg = build_lib.model_config(c)
+    abstract = hf.abstract_params(model_cfg)[1]
+    if model_cfg.lora is not None:  # a publish moves the adapters alone; each sampler holds the base
+      abstract = lora.split(abstract)[0]
+    self.replicas = self.roles.sampler_meshes(c)
+    self.prepare, sent = sampler_weights(c.sampler, abstract, model_cfg, self.replicas[0])
+    try:
+      self.routes = [WeightRoute(sent, _sampler_shardings(c.sampler, abstract, mesh),
+                                 source_devices(topology.learner_devices, mesh.size, rank))
+                     for rank, mesh in enumerate(self.replicas)]
+    except ValueError as e:
+      raise config_lib.ConfigError(f"config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}") from None
+
+  def checkpointer_options(self) -> dict:
+    learners = self.topology.learner_processes
+    return dict(processes=learners, primary=learners[0])  # the lead also saves the run record
+
+  def place(self, batch_shardings):
+    return lambda batch: jax.device_put(batch, batch_shardings)
+
+  def wire(self, built: sides.Built) -> LearnerProcess | SamplerProcess:
+    if built.learner is not None:
+      return self._learner(built.config, built.learner)
+    return self._sampler(built.config, built.sampler)
+
+  def _ferry(self, coord: StoreCoordinator, max_len: int, **channels) -> Ferry:
+    return Ferry(self.topology, self.store, self.log, self.routes, max_len, coord, dump_dir=self.dump_dir,
                  **channels)
 
+  def _sampler(self, c: settings.RunConfig, side: sides.SamplerSide) -> SamplerProcess:
+    rank, num_samplers = self.roles.sampler_rank, len(self.replicas)
+    spec = build_lib.run_spec(c)
+    coord = StoreCoordinator(self.store, self.topology, RunRecord(), spec.num_steps, spec.group_size,
+                             spec.max_failures_in_a_row, poll_s=self.poll_s)
+    outbox = Outbox(self.store, self.log, rank, spec.queue_groups, c.sampler.max_len,
+                    self.topology.sampler_devices[rank][0], coord.stop, self.poll_s)
+    received = ReceivedWeights()
 
-def _sampler_process(c, held: sides.Roles, source, replicas, job: _Job) -> SamplerProcess:
-  rank = held.sampler_rank
-  side = sides.sampler_side(c, held, replicas[rank], source)
-  spec = build_lib.run_spec(c)
-  coord = StoreCoordinator(job.store, job.topology, RunRecord(), spec.num_steps, spec.group_size,
-                           spec.max_failures_in_a_row, poll_s=job.poll_s)
-  outbox = Outbox(job.store, job.log, rank, spec.queue_groups, c.sampler.max_len, held.sampler_devices[rank][0],
-                  coord.stop, job.poll_s)
-  received = ReceivedWeights()
+    def make_loop(first):
+      return SamplerLoop(spec, sampler=side.sampler(first.params, first.version), prompts=side.prompts,
+                         score=side.score, rollouts=outbox, weights=received, coord=coord, num_samplers=num_samplers)
 
-  def make_loop(first):
-    return SamplerLoop(spec, sampler=side.sampler(first.params, first.version), prompts=side.prompts,
-                       score=side.score, rollouts=outbox, weights=received, coord=coord, num_samplers=len(replicas))
+    evaluate = None
+    if c.eval.num_examples and rank == 0:  # the first replica scores the held-out examples
 
-  evaluate = None
-  if c.eval.num_examples and rank == 0:  # the first replica scores the held-out examples
+      def evaluate(params, version):
+        return side.evaluate(params, version)[0]
 
-    def evaluate(params, version):
-      return side.evaluate(params, version)[0]
+    ferry = self._ferry(coord, c.sampler.max_len, outbox=outbox, received=received)
+    return SamplerProcess(make_loop, coord, ferry, received, side.score, evaluate, self.poll_s)
 
-  ferry = job.ferry(coord, outbox=outbox, received=received)
-  return SamplerProcess(make_loop, coord, ferry, received, side.score, evaluate, job.poll_s)
-
-
-def _learner_process(c, workdir: Path, held: sides.Roles, source, replicas, job: _Job) -> LearnerProcess:
-  mesh = held.learner_mesh(c)
-  side = sides.learner_side(c, workdir, held, mesh, source, replicas[0])  # its train step compiled ahead
-  publisher = LearnerPublisher(job.routes, NamedSharding(mesh, P()), job.log if held.lead else None, job.dump_dir,
-                               job.prepare)
-  # Compile what has collectives before running any of it, then start together (learner_side compiled the step).
-  publisher.compile(side.state.params)
-  job.store.barrier("learners_compiled", held.learner_processes)
-  spec = side.spec
-  coord = StoreCoordinator(job.store, job.topology, side.record, spec.num_steps, spec.group_size,
-                           spec.max_failures_in_a_row, side.resumed_from, job.poll_s, spec.max_filtered_in_a_row)
-  inbox = Inbox(len(replicas), coord.stop, job.store if held.lead else None, job.poll_s)
-  loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
-                     coord=coord, num_samplers=len(replicas), checkpointer=side.checkpointer, metrics=side.metrics,
-                     trace=side.trace, telemetry=side.telemetry)
-  ferry = job.ferry(coord, inbox=inbox, publisher=publisher)
-  return LearnerProcess(loop, coord, ferry, job.log)
+  def _learner(self, c: settings.RunConfig, side: sides.LearnerSide) -> LearnerProcess:
+    lead, learners = self.roles.lead, self.topology.learner_processes
+    publisher = LearnerPublisher(self.routes, NamedSharding(side.mesh, P()), self.log if lead else None,
+                                 self.dump_dir, self.prepare)
+    # Compile what has collectives before running any of it, then start together (the build compiled the step).
+    publisher.compile(side.state.params)
+    self.store.barrier("learners_compiled", learners)
+    spec = side.spec
+    coord = StoreCoordinator(self.store, self.topology, side.record, spec.num_steps, spec.group_size,
+                             spec.max_failures_in_a_row, side.resumed_from, self.poll_s, spec.max_filtered_in_a_row)
+    inbox = Inbox(len(self.replicas), coord.stop, self.store if lead else None, self.poll_s)
+    loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
+                       coord=coord, num_samplers=len(self.replicas), checkpointer=side.checkpointer,
+                       metrics=side.metrics, trace=side.trace, telemetry=side.telemetry)
+    ferry = self._ferry(coord, c.sampler.max_len, inbox=inbox, publisher=publisher)
+    return LearnerProcess(loop, coord, ferry, self.log, side.record)
 
 
 def summarize(c, parts: dict[int, dict], topology: runtime.Topology) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Row layout, one row per sample, T = the sampler's max_len:
   [prompt_len, completion_len, group_id, sample_index, finish_reason, correct, reward (float64 as 2 int32),
    temperature and top_p (float64 as 2 int32 each), top_k, greedy (the distribution the tokens were drawn from,
-   which the learner checks against its own), tokens[T] (prompt then completion), logprobs[T] (float32 bits, on
+   which the learner checks against its own), left_out (LEFT_OUT index: the sampler side's reason to leave the group
+   out), tokens[T] (prompt then completion), logprobs[T] (float32 bits, on
    completion positions), versions[T]]
 An environment's observation tokens (loss mask 0) carry version -1, which is how their mask crosses.
 Only what the learner reads crosses: the prompt text and reward metadata stay on the sampler.
@@ -16,7 +17,8 @@ import numpy as np
 from jaxrl.rollout import Rollout, SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length")
-_HEAD = 14  # columns before tokens
+LEFT_OUT = (None, "surplus")  # Rollout.left_out
+_HEAD = 15  # columns before tokens
 
 
 def packet_width(max_len: int) -> int:
@@ -43,7 +45,7 @@ def encode(groups: list[list[Rollout]], max_len: int) -> np.ndarray:
     out[i, 6:8] = np.array([r.reward], np.float64).view(np.int32)
     sp = r.sampling
     out[i, 8:12] = np.array([sp.temperature, sp.top_p], np.float64).view(np.int32)
-    out[i, 12:14] = (sp.top_k, int(sp.greedy))
+    out[i, 12:15] = (sp.top_k, int(sp.greedy), LEFT_OUT.index(r.left_out))
     out[i, tok : tok + p] = r.prompt_tokens
     out[i, tok + p : tok + p + c] = r.completion_tokens
     out[i, lp + p : lp + p + c] = np.asarray(r.logprobs, np.float32).view(np.int32)
@@ -72,7 +74,7 @@ def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
                 reward=float(row[6:8].copy().view(np.float64)[0]), meta=meta,
                 loss_mask=(~observed).astype(np.float32) if observed.any() else None,
                 sampling=SamplingParams(temperature=float(temperature), top_k=int(row[12]), top_p=float(top_p),
-                                        greedy=bool(row[13])))
+                                        greedy=bool(row[13])), left_out=LEFT_OUT[int(row[14])])
     if groups and groups[-1][0].group_id == gid:
       groups[-1].append(r)
     else:

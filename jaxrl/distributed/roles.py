@@ -10,6 +10,7 @@ from typing import Any
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.sampler_loop import SamplerLoop
+from jaxrl.controller.spec import RunRecord
 from jaxrl.distributed.cross_process import Ferry, ReceivedWeights, StoreCoordinator
 from jaxrl.distributed.transfer import TransferLog
 from jaxrl.sharding import Versioned
@@ -27,16 +28,16 @@ def _run(coord: StoreCoordinator, ferry: Ferry, body: Callable[[], None]) -> Non
 class LearnerProcess:
   """A learner process: SPMD over the learner mesh, in lock step with the other learner processes."""
 
-  def __init__(self, loop: LearnerLoop, coord: StoreCoordinator, ferry: Ferry, log: TransferLog):
-    self.loop, self.coord, self.ferry, self.log = loop, coord, ferry, log
+  def __init__(self, loop: LearnerLoop, coord: StoreCoordinator, ferry: Ferry, log: TransferLog, record: RunRecord):
+    self.loop, self.coord, self.ferry, self.log, self.record = loop, coord, ferry, log, record
 
   def run(self) -> None:
     _run(self.coord, self.ferry, self._learn)
 
   def _learn(self) -> None:
     loop, coord = self.loop, self.coord
-    loop.log_start("sync" if loop.spec.max_staleness == 0 else "pipeline")
-    coord.learner_started(loop.version, fresh=coord.progress.resumed_from is None)
+    loop.log_start("sync" if loop.spec.max_staleness == 0 else "pipeline", self.record)
+    coord.learner_started(loop.version, fresh=coord.resumed_from is None)
     loop.weights.publish(loop.state.params, loop.version)
     coord.guarded("learner", loop.run)
     if not coord.errors:
@@ -58,7 +59,7 @@ class LearnerProcess:
     return {"process": coord.topology.process_id, "role": coord.topology.name(coord.topology.process_id),
             "ledger": coord.ledger.to_json(), "samples_in_flight": loop.samples_in_flight(),
             "busy": {"learner": loop.busy}, "stopped_by": coord.store.try_get("stopped_by"), "version": loop.version,
-            "trained_staleness": loop.trained_staleness, "resumed_from": coord.progress.resumed_from}
+            "trained_staleness": loop.trained_staleness, "resumed_from": coord.resumed_from}
 
 
 class SamplerProcess:

@@ -48,6 +48,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              heartbeat_timeout_seconds=heartbeat_timeout_s,
                              shutdown_timeout_seconds=shutdown_timeout_s)
+  if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    # A persistent compilation cache would make the processes of a CPU job run different executables of one
+    # program: each process's own CPU topology enters its cache key, so only process 0, the one that writes, ever
+    # finds an entry, and it runs the executable loaded from the cache while the others compile theirs. XLA:CPU's
+    # loaded executable does not issue its collectives in a fresh compile's order: with the learner's layer scan
+    # gathering weights (axes.constrain_rows), process 0 waited in an all-gather inside the scan and process 1 in
+    # an all-reduce outside it, and the job trained no step. (TPU and GPU processes share one key.)
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 @dataclasses.dataclass(frozen=True)

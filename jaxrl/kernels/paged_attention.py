@@ -37,9 +37,13 @@ LAYOUTS = ("NPZKD", "KNPZD")  # of the pool: [N, P, Z, K, D] (XLA's), [K, N, P, 
 
 
 def _pages(x, layer, pages_SxW, layout):
-  """Keys (or values) of these pages of one layer: [S, W, Z, K, D]."""
+  """Keys (or values) of these pages of one layer: [S, W, Z, K, D]. KNPZD: gathered as [Z, D] blocks of each head
+  (as a decode step writes them, models.PagedKVCache): [K, Z, D] blocks made XLA:TPU copy the pool to K, Z, D
+  innermost for the read, after every layer of every decode step."""
   x = jnp.asarray(x)
-  return x[layer, pages_SxW] if layout == "NPZKD" else jnp.moveaxis(x[:, layer, pages_SxW], 0, 3)
+  if layout == "NPZKD":
+    return x[layer, pages_SxW]
+  return jnp.moveaxis(x[jnp.arange(x.shape[0])[:, None, None], layer, pages_SxW[None]], 0, 3)
 
 
 def _reference(q_SxCxKxGxD, k_pages, v_pages, layer, table_SxM, positions_SxC, block, layout="NPZKD"):

@@ -26,8 +26,8 @@ ROUTINGS = ("replay", "recompute")
 class LossConfig:
   """The RL objective. Defaults: GRPO advantages, token-mean PPO-clip with clip-higher against the behavior.
 
-  The run config's default (jaxrl/config.py c.loss) is decoupled PPO instead: proximal="recompute",
-  is_level="token", is_cap=2, dual_clip=3, with rl.num_minibatches=2 so that the clip acts.
+  The run config's default (jaxrl.settings.RUN_LOSS) is this with four options changed, decoupled PPO:
+  proximal="recompute", is_level="token", is_cap=2, dual_clip=3, with rl.num_minibatches=2 so that the clip acts.
   """
 
   # Advantage of sample i from the rewards of its group (samples sharing a group id):

@@ -224,7 +224,8 @@ def jit_train_step(config: StepConfig, shardings: TrainState | None = None):
   if shardings is None:
     return jax.jit(step, donate_argnums=0)
   replicated = NamedSharding(config.batch_sharding.mesh, P())
-  # Under the mesh: its attention kernel runs in shard_map over it
+  # Under the mesh: its attention kernel runs in shard_map over it, and the model keeps its activations row-sharded
+  # (sharding.constrain_rows)
   step = under_mesh(step, config.batch_sharding.mesh)
   return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch_shardings(config.batch_sharding), replicated),
                  out_shardings=(shardings, replicated))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.axes import constrain_rows
 from jaxrl.kernels import cached_attention, paged_attention
 from jaxrl.kernels.paged_attention import LAYOUTS as PAGED_LAYOUTS
 from jaxrl.kernels.train_attention import attention
@@ -64,7 +65,8 @@ class PagedKVCache:
 
   def write(self, layer, page_SxC, offset_SxC, k_SxCxKxD, v_SxCxKxD) -> PagedKVCache:
     """This layer's keys/values of each row's queries at (page, offset); page ids >= P are dropped."""
-    # KNPZD: the advanced indices are adjacent, so the [S, C] block stays in place after the leading K.
+    if self.layout == "KNPZD" and page_SxC.shape[1] == 1:
+      return self._write_steps(layer, page_SxC[:, 0], offset_SxC[:, 0], k_SxCxKxD[:, 0], v_SxCxKxD[:, 0])
     return self._set((layer, page_SxC, offset_SxC), 2, k_SxCxKxD, v_SxCxKxD)
 
   def write_pages(self, dest_W, k_NxWxZxKxD, v_NxWxZxKxD) -> PagedKVCache:
@@ -79,6 +81,21 @@ class PagedKVCache:
       put = lambda x: x
     return self.replace(k_pages=self.k_pages.at[at].set(put(k).astype(self.k_pages.dtype), mode="drop"),
                         v_pages=self.v_pages.at[at].set(put(v).astype(self.v_pages.dtype), mode="drop"))
+
+  def _write_steps(self, layer, page_S, offset_S, k_SxKxD, v_SxKxD) -> PagedKVCache:
+    """KNPZD, one position per row (a decode step; rows write distinct pages): each row's page of this layer read
+    whole, its position replaced, and written back whole, as [Z, D] blocks: the layout that reading pages wants.
+    Written as [K, D] entries instead, XLA:TPU laid the scatter out with K and D innermost and copied the whole pool
+    to Z and D innermost after every layer of every decode step (docs/TPU.md)."""
+    kh, _, p, _, _ = self.k_pages.shape
+    heads_Kx1, rows_S = jnp.arange(kh)[:, None], jnp.arange(page_S.shape[0])
+
+    def put(pool, x_SxKxD):
+      blocks_KxSxZxD = pool[heads_Kx1, layer, jnp.minimum(page_S, p - 1)[None]]
+      blocks_KxSxZxD = blocks_KxSxZxD.at[:, rows_S, offset_S].set(jnp.moveaxis(x_SxKxD, 1, 0).astype(pool.dtype))
+      return pool.at[heads_Kx1, layer, page_S[None]].set(blocks_KxSxZxD, mode="drop")
+
+    return self.replace(k_pages=put(self.k_pages, k_SxKxD), v_pages=put(self.v_pages, v_SxKxD))
 
 
 def init_paged_cache(cfg: ModelConfig, batch: int, num_pages: int, page_size: int, pages_per_row: int,
@@ -349,12 +366,13 @@ class Decoder(nnx.Module):
     if cache is None:
       def body(x, xs):
         state, layer_in = xs
-        x, _, layer_routing = run(state, x, layer_in, segment_ids=segment_ids_BxT)
+        x, _, layer_routing = run(state, constrain_rows(x), layer_in, segment_ids=segment_ids_BxT)
         return x, layer_routing
 
       if cfg.remat:
         body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
       x, per_layer_routing = jax.lax.scan(body, x, (stacked, per_layer), unroll=unroll)
+      x = constrain_rows(x)
     else:
       # The whole cache is carried through the layer loop (not passed as xs -> ys), so each layer's update is
       # in place and no second cache-sized buffer exists.

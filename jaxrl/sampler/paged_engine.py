@@ -121,8 +121,10 @@ class PagedEngine(SlotEngine):
 
   @property
   def layout(self) -> str:
-    """Of the pool: the Pallas kernels' [K, N, P, Z, D] when one runs, [N, P, Z, K, D] for XLA."""
-    return "NPZKD" if self.attention == "xla" else "KNPZD"
+    """Of the pool: [K, N, P, Z, D] for a Pallas kernel and on TPU (XLA:TPU reads and writes its pages as [Z, D]
+    tiles in place; in [N, P, Z, K, D] it copied the pool every layer of every decode step: docs/TPU.md), [N, P, Z,
+    K, D] for XLA on CPU and GPU."""
+    return "NPZKD" if self.attention == "xla" and self.mesh.devices.flat[0].platform != "tpu" else "KNPZD"
 
   @property
   def _paging(self) -> dict:

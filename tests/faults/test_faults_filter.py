@@ -15,7 +15,8 @@ from jaxrl import train as train_lib
 FILTER = {"task__reward": "faults_rewards:rare", "rl__filter_groups": "zero_variance"}
 
 
-def test_only_groups_with_signal_are_trained_and_every_filtered_group_is_counted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["pipeline", "sync"])
+def test_only_groups_with_signal_are_trained_and_every_filtered_group_is_counted(mode, tmp_path, monkeypatch):
   trained_rewards = []
 
   def record(run):
@@ -29,7 +30,7 @@ def test_only_groups_with_signal_are_trained_and_every_filtered_group_is_counted
     loop._train = train
 
   inject(monkeypatch, record)
-  summary = train_lib.train(tiny_config("pipeline", **FILTER), tmp_path)
+  summary = train_lib.train(tiny_config(mode, **FILTER), tmp_path)
   led = summary["ledger"]
   assert summary["steps"] == NUM_STEPS and led["samples_trained"] == NUM_STEPS * 16
   assert len(trained_rewards) == NUM_STEPS * 4 and all(len(set(g)) > 1 for g in trained_rewards)
@@ -38,7 +39,10 @@ def test_only_groups_with_signal_are_trained_and_every_filtered_group_is_counted
   assert led["filtered_groups"] >= 4 * NUM_STEPS * 4 and led["dropped"]["filtered"] == GROUP_SIZE * led[
       "filtered_groups"]
   assert led["dropped_tokens"]["filtered"] > 0 and "dropped_filtered_mean_len" in summary["length_bias"]
-  assert summary["staleness_max"] <= 1  # k = 1: nothing trained staler (the learner also asserts it every step)
+  # k = 1 (sync: 0): nothing trained staler (the learner also asserts it every step), over-asked groups that came
+  # out with signal beyond their step's places included: those are dropped as "surplus", counted
+  assert summary["staleness_max"] <= (mode == "pipeline")
+  assert led["dropped"].get("surplus", 0) % GROUP_SIZE == 0
   counts = check_history(read_trace(tmp_path / "trace.jsonl"), summary, group_size=GROUP_SIZE)
   assert counts["trained"] == NUM_STEPS * 16
 

@@ -223,7 +223,7 @@ def test_a_tokenizer_without_chat_template_is_a_clear_error_before_work(data_dir
 def test_skipped_lines_and_prompts_over_the_context_are_counted_and_the_run_goes_on(data_dir, tmp_path, monkeypatch):
   built = inject(monkeypatch)
   summary = train_lib.train(_text_config(data_dir, on_error="skip"), tmp_path)
-  assert [n for n, _ in built["run"].task.skipped] == sorted(BAD_LINES)
+  assert [n for n, _ in built["run"].sampler_side.task.skipped] == sorted(BAD_LINES)
   led = summary["ledger"]
   assert summary["steps"] == NUM_STEPS and led["samples_trained"] == NUM_STEPS * 16
   events = read_trace(tmp_path / "trace.jsonl")

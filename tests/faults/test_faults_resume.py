@@ -126,7 +126,7 @@ def test_a_run_stopped_with_a_full_admission_window_resumes(tmp_path, monkeypatc
     def train_step(state, batch, key):
       calls.append(1)
       if len(calls) == 3:  # version 2: the sampler may admit groups up to (2 + 1 + 1) * 4 = 16
-        wait_for(lambda: ctl.coord.record.next_group_id >= 16, timeout=60, what="a full admission window")
+        wait_for(lambda: run.controller.record.next_group_id >= 16, timeout=60, what="a full admission window")
         raise Stop("window full")
       return real_step(state, batch, key)
 
