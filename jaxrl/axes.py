@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None). An axis missing from the mesh is replicated.
 LEARNER_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # rows over the expert axis too: only the experts' matmuls gather them
     ("layers", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),

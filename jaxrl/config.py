@@ -363,7 +363,7 @@ def _validate_mesh(c, need, get, num_devices: int | None) -> None:
       sizes[role] = resolve_axis_sizes(axes.to_dict() if hasattr(axes, "to_dict") else axes, count)
     except (TypeError, ValueError) as e:
       raise ConfigError(f"config: mesh.{role}_axes on {count} {role} device(s): {e}") from None
-  shards = sizes["learner"].get("data", 1) * sizes["learner"].get("fsdp", 1)
+  shards = sizes["learner"].get("data", 1) * sizes["learner"].get("fsdp", 1) * sizes["learner"].get("expert", 1)
   batch = c.rl.group_size * c.rl.groups_per_step
   need(batch % shards == 0, f"the batch of rl.group_size * rl.groups_per_step = {batch} rows is not divisible by "
                             f"the {shards} learner devices it is split over (mesh.learner_axes)")

@@ -38,22 +38,28 @@ def experts_mlp(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF, down_XxFxE)
 
   Expert parallel under a mesh with an "expert" axis (the mesh in scope: jaxrl.sharding.under_mesh): in shard_map,
   each device holds X / n experts (whole: their fsdp / tensor shards are gathered at the boundary, as FSDP gathers a
-  dense weight) and runs them on its rows of tokens (rows over the "data" / "fsdp" axes, every token on each device
-  of the expert axis: no all-to-all), and the partial outputs are summed over the expert axis (psum)."""
+  dense weight). Token rows are split over the "data", "fsdp" and "expert" axes (the learner's batch rule); each
+  device gathers the rows of its expert group (all-gather over the expert axis), runs its experts on them, and the
+  partial outputs are summed and split back to their rows (reduce-scatter): no all-to-all."""
   mesh = jax.sharding.get_abstract_mesh()
   n = 1 if mesh.empty else dict(mesh.shape).get("expert", 1)
   if n == 1:
     return _local_experts(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF, down_XxFxE)
   if gate_XxExF.shape[0] % n:
     raise ValueError(f"{gate_XxExF.shape[0]} experts do not split over the mesh's expert axis of {n} devices")
-  rows = tuple(a for a in ("data", "fsdp") if dict(mesh.shape).get(a, 1) > 1)
-  if x_MxE.shape[0] % math.prod(mesh.shape[a] for a in rows):
-    rows = ()
+  rows = tuple(a for a in ("data", "fsdp", "expert") if dict(mesh.shape).get(a, 1) > 1)
+  while rows and x_MxE.shape[0] % math.prod(mesh.shape[a] for a in rows):
+    rows = rows[:-1]  # as logical_to_spec: what does not divide stays whole (then every expert device has them all)
   tokens = P(rows or None, None)
+  split = "expert" in rows
 
   def local(x, experts, gates, gate, up, down):
     first = jax.lax.axis_index("expert") * gate.shape[0]
-    return jax.lax.psum(_local_experts(x, experts - first, gates, gate, up, down), "expert")
+    if not split:
+      return jax.lax.psum(_local_experts(x, experts - first, gates, gate, up, down), "expert")
+    group = [jax.lax.all_gather(a, "expert", tiled=True) for a in (x, experts, gates)]
+    y = _local_experts(group[0], group[1] - first, group[2], gate, up, down)
+    return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, P("expert"), P("expert"), P("expert")),
                        out_specs=tokens, check_vma=False)(x_MxE, experts_MxK, gates_MxK, gate_XxExF, up_XxExF,
