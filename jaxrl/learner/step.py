@@ -289,7 +289,8 @@ def scores_and_router_loss(config: StepConfig, params, x: dict[str, jax.Array], 
     params = lora.merge(frozen, params)
   params = _cast_floats(params, config.compute_dtype)
   decoder = nnx.merge(config.model, params) if isinstance(config.model, nnx.GraphDef) else None
-  moe = decoder is not None and decoder.cfg.is_moe
+  # A user's own nnx model (the importable train step) need not be jaxrl's Decoder: only the Decoder routes experts
+  moe = decoder is not None and getattr(getattr(decoder, "cfg", None), "is_moe", False)
   if not (moe or config.logprob_chunk):
     logits = config.logits_fn(params, x["tokens"], x["positions"], x["segments"])
     return token_logprobs(logits, x["tokens"], config.loss.sampling), {}
