@@ -365,7 +365,7 @@ GUARD = (
              "errors = [e for e in self._recent if e is not None] + [None] * (self.failures - 1)",
              (GUARD_T + "the_failure_window_forgets_old_failures_and_passes_scattered_ones",)),
     Mutation("dynamic sampling: zero-variance groups trained", "jaxrl/controller/assembly.py",
-             'if filter_groups == "zero_variance" and len({r.reward for r in group}) == 1:', "if False:",
+             'if filter_groups == "zero_variance" and scored_alike(group):', "if False:",
              (FILTER_T + "only_groups_with_signal_are_trained_and_every_filtered_group_is_counted",)),
     Mutation("dynamic sampling: filtered groups never bounded", "jaxrl/controller/coordinator.py",
              "if filtered >= self.max_filtered_in_a_row:", "if False:",

@@ -42,6 +42,12 @@ def over_ask(rejected: int, finished: int) -> float:
   return min(MAX_OVER_ASK, (finished + 1) / (finished - rejected + 1))
 
 
+def scored_alike(group: list[Rollout]) -> bool:
+  """Every reward of the scored group is equal: its advantages are all zero, it carries no policy gradient (what
+  rl.filter_groups="zero_variance" filters, the pass-rate filter counts and the ledger's zero_advantage_groups)."""
+  return len({r.reward for r in group}) == 1
+
+
 def reject_reason(group: list[Rollout], seq_len: int, filter_groups: str = "none") -> str | None:
   """Why a finished group is not trained ("reward_failed", "too_long", "filtered": rl.filter_groups, or the reason
   the sampler side left it out with, Rollout.left_out: "surplus"), or None. The sampler side leaves such a group out
@@ -53,7 +59,7 @@ def reject_reason(group: list[Rollout], seq_len: int, filter_groups: str = "none
     return "reward_failed"
   if any(r.num_tokens > seq_len for r in group):
     return "too_long"
-  if filter_groups == "zero_variance" and len({r.reward for r in group}) == 1:
+  if filter_groups == "zero_variance" and scored_alike(group):
     return "filtered"
   return None
 

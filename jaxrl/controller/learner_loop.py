@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxrl.controller.adaptive import AdaptiveStaleness
-from jaxrl.controller.assembly import reject_reason
+from jaxrl.controller.assembly import reject_reason, scored_alike
 from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
 from jaxrl.controller.pass_rate import make_table
 from jaxrl.controller.spec import RunRecord, RunSpec
@@ -158,7 +158,7 @@ class LearnerLoop:
     if applied:
       self.trained_staleness += [step - r.min_version for r in samples]
       self.trained_lengths += [r.num_model_tokens for r in samples]
-    self.ledger.zero_advantage_groups += sum(len({r.reward for r in g}) == 1 for g in groups)
+    self.ledger.zero_advantage_groups += sum(map(scored_alike, groups))
     metrics.update(sample_metrics(samples, step), applied=applied,
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
     return metrics

@@ -22,6 +22,7 @@ import hashlib
 
 import numpy as np
 
+from jaxrl.controller.assembly import scored_alike
 from jaxrl.rollout import Rollout
 
 
@@ -49,11 +50,10 @@ class PassRateTable:
 
   def observe(self, group: list[Rollout]) -> None:
     """A scored group of one prompt; failed rewards (NaN) say nothing about it."""
-    rewards = [r.reward for r in group]
-    if not all(np.isfinite(rewards)):
+    if not all(np.isfinite([r.reward for r in group])):
       return
     key, gid = prompt_key(group[0].prompt_tokens), group[0].group_id
-    if len(set(rewards)) > 1:  # signal: the streak is broken
+    if not scored_alike(group):  # signal: the streak is broken
       self.alike.pop(key, None)
       return
     self.alike[key] = self.alike.get(key, 0) + 1
@@ -68,7 +68,6 @@ class PassRateTable:
       return None
     return SetAside(f"set aside by the pass-rate filter until data position {until}: its last {self.window} "
                     "group(s) all scored alike (task.pass_rate_filter)")
-
 
 
 def make_table(window: int, aside_positions: int, state: dict) -> PassRateTable | None:

@@ -118,16 +118,14 @@ class SamplerLoop:
       if len(prompt) >= room:
         raise SkipPrompt(f"prompt of {len(prompt)} tokens leaves no room to generate in sampler.max_len={room}")
       # A pending group is generated again as admitted (it was counted admitted before the filter could see it)
-      aside = self.pass_rate.aside(prompt, gid) if self.pass_rate is not None and not again else None
-      if aside is not None:
-        if self.trace is not None:
-          self.trace({"event": "skip_prompt", "group": gid, "reason": str(aside)})
-        return aside
+      skip = self.pass_rate.aside(prompt, gid) if self.pass_rate is not None and not again else None
     except SkipPrompt as e:
       print(f"jaxrl: skipping prompt {gid}: {e}", file=sys.stderr)
+      skip = str(e)
+    if skip is not None:
       if self.trace is not None:
-        self.trace({"event": "skip_prompt", "group": gid, "reason": str(e)})
-      return str(e)
+        self.trace({"event": "skip_prompt", "group": gid, "reason": str(skip)})
+      return skip
     self.book.admit(gid, self.sampler.version)
     self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
                         max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
