@@ -58,8 +58,11 @@ def get_config(arg: str | None = None):
   c.rl.group_size = 8
   c.rl.groups_per_step = 2
   c.rl.max_staleness = 1
-  # Dynamic sampling (rl.filter_groups) is on in configs/default.py from its time-to-accuracy measurement; here it
-  # stays off until it is measured on this workload, whose thoughts make every generated group cost more.
+  # Dynamic sampling: about half the groups here score alike (every thought right, or every one wrong) and carry no
+  # policy gradient; training only groups with signal and generating replacements reached higher held-out accuracy
+  # in both modes, at no slower steps, even though each generated thought costs more here than the main job's answer
+  # (docs/BENCHMARKS.md, "Time to accuracy", the chain-of-thought workload).
+  c.rl.filter_groups = "zero_variance"
   c.optimizer.learning_rate = 1e-5  # at 2e-5 the policy grew verbose within 6 steps (above)
   c.checkpoint.every_steps = 10
   c.eval.num_examples = 128
