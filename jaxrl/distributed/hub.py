@@ -107,6 +107,12 @@ class Hub(Coordination):
       self._record.pending_group_ids = sorted(self._live | set(self._regenerate))
       return self._record.to_json()
 
+  def registered(self) -> int:
+    """Samplers holding a lease now."""
+    with self._lock:
+      self._expire()
+      return len(self._seen)
+
   def finish(self) -> None:
     """The run is over: heartbeats answer done, so that every sampler ends."""
     with self._changed:
