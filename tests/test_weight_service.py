@@ -19,7 +19,7 @@ from jax.sharding import SingleDeviceSharding
 from sampling_util import random_params
 
 from jaxrl.controller.weights import WeightPublisher
-from jaxrl.distributed.weight_service import ChecksumError, WeightClient, WeightServer
+from jaxrl.distributed.weight_service import ChecksumError, WeightClient, WeightServer, checksums
 from jaxrl.models import ModelConfig, init_params, lora
 from jaxrl.sampler import make_engine
 from jaxrl.sharding import make_mesh
@@ -64,6 +64,15 @@ def test_a_newer_version_arrives_exactly_once_with_its_tag():
     server.publish(_params(), 7)
 
 
+def test_the_learner_may_donate_its_params_once_published():
+  server = WeightServer()
+  params = _params()
+  server.publish(params, 1)
+  jax.jit(lambda tree: jax.tree.map(lambda x: (x + 1).astype(x.dtype), tree), donate_argnums=0)(params)  # a step
+  assert all(x.is_deleted() for x in jax.tree.leaves(params))
+  _assert_same(WeightClient(server.describe, _on_one(params), timeout_s=30).take_newer(-1).params, _params())
+
+
 def test_two_samplers_pull_the_same_version_each_by_its_own_uuid():
   server = WeightServer()
   server.publish(_params(2), 3)
@@ -75,6 +84,20 @@ def test_two_samplers_pull_the_same_version_each_by_its_own_uuid():
     assert got.version == 3
     _assert_same(got.params, _params(2))
   assert replies[0]["uuid"] != replies[1]["uuid"]
+
+
+@pytest.mark.parametrize("x", [jnp.arange(-3, 4, dtype=jnp.int8), jnp.linspace(-1, 1, 5, dtype=jnp.bfloat16),
+                               jnp.array([True, False, False]), jnp.arange(6, dtype=jnp.float32).reshape(2, 3)])
+def test_the_checksum_sees_every_element_and_its_place(x):
+  """Narrow dtypes are packed 4 bytes a word with a widened partial last word: a changed element anywhere, the tail
+  included, or two elements swapped, change the checksum."""
+  flat = x.reshape(-1)
+  want = checksums([x])
+  for i in range(flat.size):
+    changed = flat.at[i].set(~flat[i] if x.dtype == jnp.bool_ else flat[i] + 1)
+    assert checksums([changed.reshape(x.shape)]) != want, i
+  swapped = flat.at[0].set(flat[1]).at[1].set(flat[0])
+  assert checksums([swapped.reshape(x.shape)]) != want
 
 
 def test_corrupt_checksums_or_bytes_are_refused_naming_the_version():

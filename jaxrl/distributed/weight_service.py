@@ -21,6 +21,7 @@ import datetime
 import functools
 import secrets
 import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -36,21 +37,30 @@ class ChecksumError(ValueError):
   """Pulled weights whose bytes differ from what the learner published."""
 
 
+# Bytes per transferred piece: the server's default (256 MiB) moves a large array as one piece over one stream;
+# smaller pieces go max_num_parallel_copies (8) at a time (bench/weight_pull.py --chunk_mib compares).
+CHUNK_BYTES = 16 << 20
+
+
 @functools.cache
-def transfer_server(host: str = "127.0.0.1") -> jax_transfer.TransferServer:
+def transfer_server(host: str = "127.0.0.1", chunk_bytes: int = CHUNK_BYTES) -> jax_transfer.TransferServer:
   """This process's transfer server, listening on host (a free port)."""
-  return jax_transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
+  return jax_transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"],
+                                            transfer_size=chunk_bytes)
 
 
 def _words(x: jax.Array) -> jax.Array:
-  """x's bytes as uint32 words, one per element (narrower dtypes widened, 8-byte dtypes as two words)."""
+  """x's bytes as uint32 words: 4 bytes a word (a last partial word widened), 8-byte elements as two."""
   x = x.reshape(-1)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
   size = x.dtype.itemsize
   if size >= 4:
     return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+  x, per = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")), 4 // size
+  whole = x.size - x.size % per
+  packed = jax.lax.bitcast_convert_type(x[:whole].reshape(-1, per), jnp.uint32)
+  return jnp.concatenate([packed, x[whole:].astype(jnp.uint32)]) if whole < x.size else packed
 
 
 @jax.jit
@@ -101,23 +111,29 @@ class WeightServer:
   checksums; describe() serves the newest to one sampler pull. A LoRA learner publishes its adapters alone."""
 
   def __init__(self, *, dtype=None, weight_dtype: str = "float", host: str = "127.0.0.1", device=None,
-               serve_s: float = 120.0):
+               serve_s: float = 120.0, chunk_bytes: int = CHUNK_BYTES):
     """serve_s: how long a described pull stays registered (then the transfer server drops it and its references)."""
     self._dtype, self._weight_dtype, self._serve_s = dtype, weight_dtype, serve_s
     self._where = SingleDeviceSharding(device or jax.local_devices()[0])
-    self._server = transfer_server(host)
+    self._server = transfer_server(host, chunk_bytes)
     self.address = self._server.address()
     self._lock = threading.Lock()
     self._newest: tuple[int, list[jax.Array], dict] | None = None
     self.published = 0
+    self.timings: dict[str, float] = {}  # the last publish's seconds: staging (cast, quantize, copy), checksums
 
   def publish(self, params, version: int) -> None:
+    start = time.perf_counter()
     staged = transfer(params, version, self._where, self._dtype, self._weight_dtype).params
-    inputs = {id(x) for x in jax.tree.leaves(params)}
-    # The learner donates its params to the next step: what is served must not be those very buffers.
-    leaves = [jnp.copy(x) if id(x) in inputs else x for x in jax.tree.leaves(staged)]
+    # The learner donates its params to the next step: what is served must not share their buffers (a leaf that
+    # needed no cast nor move, already on this device, does).
+    held = {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(params) for s in x.addressable_shards}
+    leaves = jax.block_until_ready([jnp.copy(x) if x.unsafe_buffer_pointer() in held else x
+                                    for x in jax.tree.leaves(staged)])
+    staged_at = time.perf_counter()
     info = {"checksums": checksums(leaves), "names": _names(staged),
             "leaves": [[list(x.shape), str(x.dtype)] for x in leaves]}
+    self.timings = {"stage_s": staged_at - start, "checksum_s": time.perf_counter() - staged_at}
     with self._lock:
       if self._newest is not None and version <= self._newest[0]:
         raise ValueError(f"published version {version} is not newer than {self._newest[0]}")
@@ -150,27 +166,29 @@ class WeightClient:
   engine's place() then takes it unchanged)."""
 
   def __init__(self, describe: Callable[[dict], dict], shardings, *, sampler: str = "0", timeout_s: float = 60.0,
-               host: str = "127.0.0.1"):
+               host: str = "127.0.0.1", chunk_bytes: int = CHUNK_BYTES):
     self._describe, self._sampler, self.timeout_s = describe, str(sampler), timeout_s
     self._dst, self._treedef = jax.tree.flatten(shardings)
     self._names = _names(shardings)
     device = min(self._dst[0].device_set, key=lambda d: d.id)
     self._one = SingleDeviceSharding(device)
-    self._server = transfer_server(host)
+    self._server = transfer_server(host, chunk_bytes)
     self._connections: dict[str, object] = {}
     self.pulled = 0
+    self.timings: dict[str, float] = {}  # the last pull's seconds: describe, pull, check, place
 
   def take_newer(self, version: int) -> Versioned | None:
     """The learner's newest params if newer than `version`, else None; TimeoutError (one line: the peer, the
     version, what was waited for) when the learner does not answer or the pull does not complete in timeout_s;
     ChecksumError when the bytes differ from the learner's."""
+    start = time.perf_counter()
     reply = _bounded(lambda: self._describe({"sampler": self._sampler, "have": int(version)}), self.timeout_s,
                      f"weights: no answer to describe (have v{version}) from the learner within {self.timeout_s}s")
     if "uuid" not in reply or reply["version"] <= version:
       return None
-    return self._pull(reply)
+    return self._pull(reply, time.perf_counter() - start)
 
-  def _pull(self, reply: dict) -> Versioned:
+  def _pull(self, reply: dict, describe_s: float) -> Versioned:
     version, address = int(reply["version"]), reply["address"]
     if reply["names"] != self._names:
       diff = next((f"{a} != {b}" for a, b in zip(reply["names"], self._names, strict=False) if a != b),
@@ -183,13 +201,19 @@ class WeightClient:
     conn = self._connections[address]
     # The pull's own timeout is not enforced by this jaxlib (module docstring); passed for builds that do.
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
+    start = time.perf_counter()
     pulled = _bounded(lambda: jax.block_until_ready(conn.pull(reply["uuid"], specs, timeout=deadline)),
                       self.timeout_s, f"weights: pull of v{version} from {address} (uuid {reply['uuid']}, "
                       f"{len(specs)} arrays) not complete within {self.timeout_s}s")
+    pulled_at = time.perf_counter()
     got = checksums(pulled)
+    checked_at = time.perf_counter()
     if got != reply["checksums"]:
       bad = next(n for n, a, b in zip(self._names, got, reply["checksums"], strict=True) if a != b)
       raise ChecksumError(f"weights v{version} from {address}: checksum of {bad} is {got[self._names.index(bad)]}, "
                           f"the learner's {reply['checksums'][self._names.index(bad)]}")
+    placed = jax.block_until_ready(jax.device_put(pulled, self._dst))
     self.pulled += 1
-    return Versioned(jax.tree.unflatten(self._treedef, jax.device_put(pulled, self._dst)), version)
+    self.timings = {"describe_s": describe_s, "pull_s": pulled_at - start, "check_s": checked_at - pulled_at,
+                    "place_s": time.perf_counter() - checked_at}
+    return Versioned(jax.tree.unflatten(self._treedef, placed), version)
