@@ -61,8 +61,12 @@ class Hub(Coordination):
     self._costs: dict[str, dict] = {}
     self._skips: list[tuple[int, str]] = []
     self._alone_since = time.monotonic()  # when the last sampler was lost (or the hub started)
+    # A lease counts only the time the hub itself ran: a learner process that did not run its threads for a while
+    # (a long compile holding the GIL, a stopped host) would otherwise drop every sampler whose calls were waiting.
+    self._tick = time.monotonic()
     self.samplers = {"joined": 0, "lost": 0, "left": 0}
     self.done = False  # the learner trained its last step: samplers are told to end
+    threading.Thread(target=self._ticking, name="jaxrl-hub-tick", daemon=True).start()
 
   def handlers(self) -> dict:
     return {"register": self._register, "heartbeat": self._heartbeat, "admit": self._admit,
@@ -269,9 +273,18 @@ class Hub(Coordination):
       return {}
 
   # leases
+  def _ticking(self, every_s: float = 0.25) -> None:
+    while not (self.done or self.abort.is_set()):
+      with self._lock:
+        self._expire()
+      time.sleep(every_s)
+
   def _expire(self) -> None:
-    """Drops the samplers silent for lease_s (call under the lock)."""
+    """Drops the samplers silent for lease_s of the hub's own running time (call under the lock)."""
     now = time.monotonic()
+    paused, self._tick = now - self._tick, now
+    if paused > 1.0:  # the ticker runs every 0.25 s: this process was not running; nobody could call it
+      self._seen = {sid: seen + paused for sid, seen in self._seen.items()}
     for sid in [s for s, seen in self._seen.items() if now - seen > self.lease_s]:
       self._drop(sid, "sampler_lost")
 

@@ -45,8 +45,8 @@ class PulledWeights:
   def take_newer(self, version: int) -> Versioned | None:
     try:
       return self.client.take_newer(version)
-    except TimeoutError as e:
-      self.coord.end("lost", str(e))
+    except (TimeoutError, jax.errors.JaxRuntimeError) as e:  # the learner went away, or closed the pull's socket
+      self.coord.end("lost", f"weights from {self.coord.address}: {(str(e).splitlines() or [''])[0]}")
       raise Stopped from None
 
   def first(self, timeout_s: float) -> Versioned:
