@@ -283,7 +283,9 @@ class Hub(Coordination):
     """Drops the samplers silent for lease_s of the hub's own running time (call under the lock)."""
     now = time.monotonic()
     paused, self._tick = now - self._tick, now
-    if paused > 1.0:  # the ticker runs every 0.25 s: this process was not running; nobody could call it
+    # The ticker runs every 0.25 s: a gap of half a lease is this process not running (not a loaded machine's
+    # scheduling, under which the samplers are as late as the hub), and nobody could call it meanwhile.
+    if paused > self.lease_s / 2:
       self._seen = {sid: seen + paused for sid, seen in self._seen.items()}
     for sid in [s for s, seen in self._seen.items() if now - seen > self.lease_s]:
       self._drop(sid, "sampler_lost")

@@ -1,6 +1,11 @@
 """Local launcher: N CPU processes of one jax.distributed job on loopback, for tests and demos.
 
   python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
+  python -m jaxrl.distributed.launch --independent_samplers=2 -- --config=configs/tiny.py \
+      --config.mesh.num_devices=2 --config.mesh.sampler_devices=1 --workdir=/tmp/jaxrl-ind
+
+--independent_samplers=N starts no jax.distributed job: a jaxrl-learner and N jaxrl-sampler programs
+(distributed.learner_main, distributed.sampler_main), each with its own JAX runtime, on loopback (launch_independent).
 
 Every process runs `python -m jaxrl.distributed.job` (or --module) with the arguments after `--`, with
 JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; its output is prefixed by
