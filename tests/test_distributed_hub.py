@@ -144,3 +144,30 @@ def test_no_sampler_and_no_learner_are_bounded_waits_with_one_line(hub):
   with pytest.raises(rpc.RpcError, match=r"rpc 'register' to 127.0.0.1:1: the learner did not take a registration "
                      r"for 0.3s"):
     remote.register("127.0.0.1:1", timeout_s=1, reconnect_s=0.3)
+
+
+def test_a_sampler_behind_the_learner_gets_a_tighter_bound_and_none_admits_while_a_step_waits(hub):
+  a = _join(hub)
+  hub.go_on(5)
+  bound = lambda book_step: a.call("heartbeat", seen=None, book_step=book_step)["asks"][2]  # noqa: E731
+  assert (bound(None), bound(6), bound(5), bound(2)) == (1, 1, 1, 1 - 3)  # k=1, less the steps others trained
+  _admit(a, 2)
+  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 5), _group(1, 4)])  # a whole step (2 groups) waits
+  assert bound(5) == hub_lib.PAUSED
+  hub.go_on(6)  # group 1 (version 4) is now too old to train: one trainable group, admission resumes
+  assert bound(5) == 0
+
+
+def test_once_the_learner_loop_stopped_nothing_changes_the_final_record(hub):
+  a = _join(hub)
+  _admit(a, 2)
+  hub.stop.set()  # the learner loop ended: its last checkpoint's record is taken now
+  final = hub.checkpoint_record()
+  with pytest.raises(Stopped):
+    remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0)])
+  assert a.ended == "expired"
+  a.call("goodbye", allow_expired=True)
+  assert rpc.call(hub.address, "register", {}, timeout_s=5) == {"stopping": True}
+  assert hub.checkpoint_record() == final and hub.registered() == 0
+  hub.finish()  # the run is over: a late sampler is told so
+  assert rpc.call(hub.address, "register", {}, timeout_s=5)["done"]

@@ -37,6 +37,8 @@ from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.distributed import packets
 from jaxrl.rollout import Rollout
 
+PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
+
 
 class Hub(Coordination):
   """The coordinator (controller.interfaces.Coordinator, learner side) and the learner's Rollouts of a run with
@@ -59,6 +61,7 @@ class Hub(Coordination):
     self._tokens = 0
     self._pool: list[list[Rollout]] = []  # accepted, waiting for the learner
     self._costs: dict[str, dict] = {}
+    self._book_steps: dict[str, int | None] = {}  # the step each sampler's deadline book counts in (heartbeat)
     self._skips: list[tuple[int, str]] = []
     self._alone_since = time.monotonic()  # when the last sampler was lost (or the hub started)
     # A lease counts only the time the hub itself ran: a learner process that did not run its threads for a while
@@ -179,6 +182,8 @@ class Hub(Coordination):
   # the samplers' calls (rpc handlers)
   def _register(self, request: dict) -> dict:
     with self._changed:
+      if self.stop.is_set() and not self.done:  # saving its last checkpoint: the sampler tries again
+        return {"stopping": True}
       sid = f"s{self.samplers['joined']}-{uuid.uuid4().hex[:6]}"
       self.samplers["joined"] += 1
       self._seen[sid] = time.monotonic()
@@ -189,8 +194,11 @@ class Hub(Coordination):
               "pass_rate": self._record.pass_rate, "asks": list(self._asks), "done": self.done}
 
   def _known(self, request: dict) -> str | None:
-    """The calling sampler's id if it still holds a lease with this learner (renewed now), else None."""
+    """The calling sampler's id if it still holds a lease with this learner (renewed now), else None. Once the
+    learner loop has stopped, none does: the run record (and ledger) of its last checkpoint is final."""
     sid = request.get("sampler")
+    if self.stop.is_set():
+      return None
     self._expire()
     if request.get("incarnation") != self.incarnation or sid not in self._seen:
       return None
@@ -198,14 +206,33 @@ class Hub(Coordination):
     return sid
 
   def _heartbeat(self, request: dict) -> dict:
+    """Holds the call up to hold_s until the sampler's asks change (request "seen": the asks it has), then answers
+    them. request "book_step": the step its deadline book counts in (controller.assembly), for its admission bound."""
     with self._changed:
-      if self._known(request) is None:
-        return {"expired": True}
+      sid = self._known(request)
+      if sid is None:
+        return {"expired": not self.done, "done": self.done}
+      self._book_steps[sid] = request.get("book_step")
       deadline = time.monotonic() + self.hold_s
-      while self._asks.shares <= request.get("shares_seen", -1) and not self.done and time.monotonic() < deadline:
+      while (self._asks_of(sid) == request.get("seen") and not self.done and not self.stop.is_set()
+             and time.monotonic() < deadline):
         self._changed.wait(deadline - time.monotonic())
       sid = self._known(request)  # renewed again at the answer: a long wait is no silence
-      return {"expired": sid is None, "asks": list(self._asks), "done": self.done}
+      return {"expired": sid is None, "asks": self._asks_of(sid) if sid else None, "done": self.done}
+
+  def _asks_of(self, sid: str) -> list:
+    """What this sampler is told (call under the lock): the learner's asks, with an admission bound of its own.
+    Every sampler hears every ask and counts its deadlines in steps of its own shares (its book step); one that
+    fell behind the learner's step by L (others trained the steps between) is told k - L, which makes its room and
+    deadlines in its own count those of the learner's steps. While a whole step of trainable groups waits in the
+    pool, no sampler admits (bound PAUSED): more would only be refused as late."""
+    k = self.spec.max_staleness if self._asks.admit_k is None else min(self._asks.admit_k, self.spec.max_staleness)
+    trainable = sum(self._version - self._oldest(g) <= self.spec.max_staleness for g in self._pool)
+    if trainable >= self.spec.groups_per_step:
+      k = PAUSED
+    elif self._book_steps.get(sid) is not None:
+      k -= max(0, self._version - self._book_steps[sid])
+    return [self._asks.shares, self._asks.updates_skipped, k]
 
   def _admit(self, request: dict) -> dict:
     with self._lock:
@@ -241,6 +268,8 @@ class Hub(Coordination):
     groups = packets.decode(np.asarray(request["packet"]), self.max_len)
     tokens = dict(request["tokens"])  # [[group, token], ...]
     with self._changed:
+      if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
+        return {"expired": True, "full": False}
       sid = self._known(request)
       mine = [g for g in groups if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
           g[0].group_id))]
@@ -267,6 +296,10 @@ class Hub(Coordination):
 
   def _goodbye(self, request: dict) -> dict:
     with self._changed:
+      if self.stop.is_set():  # the final record is taken: nothing to hand back, nothing counted
+        if request.get("incarnation") == self.incarnation:
+          self._seen.pop(request.get("sampler"), None)
+        return {}
       sid = self._known(request)
       if sid is not None:
         self._drop(sid, "sampler_left")
@@ -274,7 +307,7 @@ class Hub(Coordination):
 
   # leases
   def _ticking(self, every_s: float = 0.25) -> None:
-    while not (self.done or self.abort.is_set()):
+    while not self.stop.is_set():
       with self._lock:
         self._expire()
       time.sleep(every_s)

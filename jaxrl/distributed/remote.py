@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jaxrl.controller.coordinator import Coordination
 from jaxrl.controller.interfaces import Asks
@@ -34,12 +35,15 @@ def register(address: str, *, timeout_s: float, reconnect_s: float, poll_s: floa
   while True:
     try:
       reply = rpc.call(address, "register", {"host": socket.gethostname()}, timeout_s=timeout_s)
-      return RemoteCoordinator(address, reply, timeout_s=timeout_s, poll_s=poll_s)
-    except rpc.RpcError as e:
-      if e.waited_for == "handler" or time.monotonic() - t0 > reconnect_s:
-        raise rpc.RpcError(address, "register", e.waited_for,
-                           f"the learner did not take a registration for {reconnect_s:g}s ({e})") from None
-      time.sleep(min(1.0, reconnect_s / 10))
+      if not reply.get("stopping"):
+        return RemoteCoordinator(address, reply, timeout_s=timeout_s, poll_s=poll_s)
+      e = rpc.RpcError(address, "register", "reply", "the learner is stopping")
+    except rpc.RpcError as error:
+      e = error
+    if e.waited_for == "handler" or time.monotonic() - t0 > reconnect_s:
+      raise rpc.RpcError(address, "register", e.waited_for,
+                         f"the learner did not take a registration for {reconnect_s:g}s ({e})") from None
+    time.sleep(min(1.0, reconnect_s / 10))
 
 
 class RemoteCoordinator(Coordination):
@@ -54,9 +58,11 @@ class RemoteCoordinator(Coordination):
     self.costs: dict = {}
     self.ended: str | None = "done" if registered["done"] else None  # "done", "expired" or "lost"
     # Every sampler hears every ask; one that joins late counts from the share the learner waits for now.
-    shares, skipped, admit_k = registered["asks"]
-    self._seen, self._offset = shares, shares - min(shares, 1)
+    self._seen = registered["asks"]
+    shares, skipped, admit_k = self._seen
+    self._offset = shares - min(shares, 1)
     self._asks = Asks(shares - self._offset, skipped, admit_k)
+    self.book_step: Callable[[], int | None] = lambda: None  # the sampler loop's deadline book's (sampler_main)
 
   def call(self, method: str, *, allow_expired: bool = False, **request) -> dict:
     """The hub's reply; a learner that cannot be reached or an expired lease ends this registration (Stopped)."""
@@ -83,12 +89,15 @@ class RemoteCoordinator(Coordination):
   def beat(self) -> None:
     """The heartbeat (a thread): renews the lease, follows the learner's asks (held by the hub until one comes)."""
     while not self.stop.is_set():
-      reply = self.call("heartbeat", shares_seen=self._seen)
+      reply = self.call("heartbeat", allow_expired=True, seen=self._seen, book_step=self.book_step())
       if reply["done"]:
         self.end("done")
         return
-      shares, skipped, admit_k = reply["asks"]
-      self._seen = shares
+      if reply["expired"]:
+        self.end("expired", f"the learner at {self.address} dropped sampler {self.sampler} (lease expired)")
+        return
+      self._seen = reply["asks"]
+      shares, skipped, admit_k = self._seen
       self._asks = Asks(shares - self._offset, skipped, admit_k)
       self.wake()
 

@@ -121,6 +121,7 @@ class SamplerProgram:
                        score=self.side.score, rollouts=remote.RemoteRollouts(coord, self.spec.queue_groups,
                                                                            self.c.sampler.max_len),
                        weights=weights, coord=coord, num_samplers=1)
+    coord.book_step = lambda: loop.book.step if loop.book is not None else None  # its admission bound
     print(f"jaxrl-sampler: sampler {coord.sampler} of {coord.address} from version {first.version}",
           file=sys.stderr, flush=True)
     coord.guarded("sampler", loop.run, ch.poll_s)

@@ -44,6 +44,15 @@ def _kill(proc: subprocess.Popen) -> None:
   proc.wait()
 
 
+def _training(workdir: Path, attempt: int) -> bool:
+  """The learner's attempt `attempt` (1, 2, ...) has started and trained a step (a kill before that would test its
+  start-up only)."""
+  path = workdir / "trace.jsonl"
+  events = read_trace(path) if path.exists() else []
+  starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+  return len(starts) == attempt and any(e["event"] == "train" for e in events[starts[-1]:])
+
+
 def check_run(workdir: Path) -> dict:
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["steps"] == STEPS, f"{workdir}: {summary['steps']} steps of {STEPS}"
@@ -77,10 +86,10 @@ def campaign(samplers: int, sampler_kills: int, learner_kills: int, out: Path, e
     learner = _start(learner_cmd, Path(f"{logs}.learner.log"), env, repo)
     fleet = [_start(sampler_cmd, Path(f"{logs}.s{i}.log"), env, repo) for i in range(samplers)]
     tally["samplers_started"] += samplers
-    started = time.monotonic()
-    next_at = started + rng.uniform(*gap_s) + 20.0  # the first kill once the programs have compiled
+    started, attempt = time.monotonic(), 1
+    next_at = started + rng.uniform(*gap_s)
     while learner.poll() is None and time.monotonic() - started < RUN_TIMEOUT_S:
-      if deck and time.monotonic() >= next_at:
+      if deck and time.monotonic() >= next_at and _training(workdir, attempt):
         what = deck.pop()
         if what == "sampler":
           victim = rng.randrange(len(fleet))
@@ -91,6 +100,7 @@ def campaign(samplers: int, sampler_kills: int, learner_kills: int, out: Path, e
           _kill(learner)
           learner = _start(learner_cmd, Path(f"{logs}.learner.log"), env, repo)
           tally["resumes"] += 1
+          attempt += 1
         tally["kills"] += 1
         tally["phases"][what] += 1
         log(f"{name} run {tally['runs']}: SIGKILLed the {what} at {time.monotonic() - started:.0f}s")
