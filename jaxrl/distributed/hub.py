@@ -267,20 +267,22 @@ class Hub(Coordination):
     full, and the sampler sends again); refuses, counted, those it no longer holds."""
     groups = packets.decode(np.asarray(request["packet"]), self.max_len)
     tokens = dict(request["tokens"])  # [[group, token], ...]
-    with self._changed:
-      if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
-        return {"expired": True, "full": False}
-      sid = self._known(request)
-      mine = [g for g in groups if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
+    def held(sid):  # the groups this sampler holds the current assignment of
+      return [g for g in groups if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
           g[0].group_id))]
+
+    with self._changed:
+      sid = self._known(request)
+      mine = held(sid)
       deadline = time.monotonic() + self.hold_s
       while mine and self._pool and len(self._pool) + len(mine) > self.spec.queue_groups:
-        if time.monotonic() >= deadline or self.stop.is_set():
+        if time.monotonic() >= deadline:
           return {"expired": False, "full": True}
         self._changed.wait(deadline - time.monotonic())
         sid = self._known(request)
-        mine = [g for g in mine if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
-            g[0].group_id))]
+        mine = held(sid)
+      if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
+        return {"expired": True, "full": False}
       for g in groups:
         self.ledger.samples_generated += len(g)
         self.ledger.tokens_generated += sum(r.num_model_tokens for r in g)

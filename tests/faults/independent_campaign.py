@@ -18,7 +18,7 @@ from pathlib import Path
 
 from faults_util import check_history, read_trace
 
-STEPS = 24
+STEPS = 40
 FLAGS = {"num_steps": STEPS, "mesh.num_devices": 2, "mesh.sampler_devices": 1, "checkpoint.every_steps": 2,
          "checkpoint.max_to_keep": 2, "log.tensorboard": False, "log.progress": False, "log.trace": True}
 LEASE_S = 8.0
