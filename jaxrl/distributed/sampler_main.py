@@ -59,19 +59,11 @@ class PulledWeights:
     return newest
 
 
-class SamplerChannels:
+class SamplerChannels(sides.OneProcess):
   """The sampler program's channels (controller.sides.Channels): nothing of the learner is built here."""
-
-  compile_ahead = False
 
   def __init__(self, learner: str, *, timeout_s: float = 30.0, reconnect_s: float = 120.0, poll_s: float = 0.05):
     self.learner, self.timeout_s, self.reconnect_s, self.poll_s = learner, timeout_s, reconnect_s, poll_s
-
-  def checkpointer_options(self) -> dict:
-    return {}
-
-  def place(self, batch_shardings):
-    return lambda batch: batch
 
   def wire(self, built: sides.Built) -> SamplerProgram:
     return SamplerProgram(built.config, built.sampler, self)
