@@ -139,7 +139,9 @@ def test_back_pressure_and_the_heartbeat_follow_the_learner(hub):
 
 def test_no_sampler_and_no_learner_are_bounded_waits_with_one_line(hub):
   hub.go_on(3)
-  with pytest.raises(TimeoutError, match=r"hub: no sampler registered for 2s while the learner waited for step 3"):
+  _join(hub).start_beating()  # registered and alive, delivers nothing
+  with pytest.raises(TimeoutError, match=r"hub: no group delivered for 2s while the learner waited for step 3's "
+                     r"groups; samplers registered: \['s0-\w+'\]"):
     hub.get(0)
   with pytest.raises(rpc.RpcError, match=r"rpc 'register' to 127.0.0.1:1: the learner did not take a registration "
                      r"for 0.3s"):

@@ -131,7 +131,7 @@ def main(argv=None):
   flags.DEFINE_string("host", "127.0.0.1", "the address samplers reach this learner at")
   flags.DEFINE_integer("port", 0, "the port samplers call (0: a free one, printed)")
   flags.DEFINE_float("lease_s", 10.0, "a sampler silent this long is dropped; its groups are generated again")
-  flags.DEFINE_float("orphan_s", 600.0, "give up when no sampler has been registered for this long")
+  flags.DEFINE_float("orphan_s", 600.0, "give up (one line) when the learner waited this long for groups and none came")
   flags.mark_flags_as_required(["config", "workdir"])
   config_lib.parse_cli("jaxrl-learner", argv)
   try:
