@@ -15,6 +15,7 @@ to the others at once) and exits 143.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -37,6 +38,8 @@ from jaxrl.sharding import Versioned
 class PulledWeights:
   """controller.interfaces.Weights over the weight service; a learner that does not answer ends the registration."""
 
+  timed_out = False  # a pull of this process timed out (its thread cannot be cancelled)
+
   def __init__(self, coord: remote.RemoteCoordinator, shardings, timeout_s: float):
     self.coord = coord
     describe = lambda request: coord.call("weights", **request)  # noqa: E731
@@ -46,6 +49,7 @@ class PulledWeights:
     try:
       return self.client.take_newer(version)
     except (TimeoutError, jax.errors.JaxRuntimeError) as e:  # the learner went away, or closed the pull's socket
+      PulledWeights.timed_out |= isinstance(e, TimeoutError)  # its thread is left behind (weight_service)
       self.coord.end("lost", f"weights from {self.coord.address}: {(str(e).splitlines() or [''])[0]}")
       raise Stopped from None
 
@@ -165,18 +169,23 @@ def main(argv=None):
   held = sides.Roles(roles.learner_devices, roles.sampler_devices, learner=False, sampler_rank=0, lead=False)
   channels = SamplerChannels(flags_def.learner, timeout_s=flags_def.timeout_s, reconnect_s=flags_def.reconnect_s)
   program = sides.build(c, None, held, channels).runner
+  code = 0
   try:
     with summary_lib.stop_on_signals(program.request_stop, (signal.SIGTERM,),
                                      "jaxrl-sampler: {name}: saying goodbye to the learner"):
       how = program.run()
+    print(json.dumps({"ended": how, "registrations": program.ended, "samples_generated": program.generated}))
+    code = 0 if how == "done" else summary_lib.exit_status(how)
   except (rpc.RpcError, TimeoutError) as e:  # the learner gone for good: one line naming it and the wait
     print(f"jaxrl-sampler: {e}", file=sys.stderr)
-    sys.exit(1)
+    code = 1
   finally:
     program.side.score.close()
-  print(json.dumps({"ended": how, "registrations": program.ended, "samples_generated": program.generated}))
-  if how != "done":
-    sys.exit(summary_lib.exit_status(how))
+  if PulledWeights.timed_out:  # a pull thread is stuck for good: a normal exit would abort in the runtime
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 if __name__ == "__main__":
