@@ -95,7 +95,9 @@ class SamplerProgram:
     ch = self.ch
     while self.stopping is None:
       coord = self.coord = remote.register(ch.learner, timeout_s=ch.timeout_s, reconnect_s=ch.reconnect_s,
-                                           poll_s=ch.poll_s)
+                                           poll_s=ch.poll_s, stopping=lambda: self.stopping is not None)
+      if coord is None:  # stopped while the learner could not be reached
+        break
       self._refuse_left()
       if coord.ended == "done":
         return "done"
