@@ -10,7 +10,9 @@ other side.
 
 In one process: `rollouts.RolloutQueue`, `weights.WeightPublisher` and `coordinator.LocalCoordinator`, the two loops
 in two threads (`controller.local`). Across processes: `jaxrl.distributed.cross_process` (JAX cross-host copies and
-the coordination store), one loop per process.
+the coordination store), one loop per process. With independent sampler programs that join and leave:
+`jaxrl.distributed.hub` (the learner's coordinator and rollouts, served over rpc), `jaxrl.distributed.remote` (the
+samplers') and `jaxrl.distributed.weight_service` (weights over jax.experimental.transfer).
 """
 
 from __future__ import annotations

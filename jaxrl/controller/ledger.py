@@ -14,7 +14,7 @@ def _completion_tokens(samples: list[Rollout]) -> int:
 
 @dataclasses.dataclass
 class Ledger:
-  """Counts every sample: generated = trained + dropped (by reason) + discarded at resume + in flight.
+  """Counts every sample: generated = trained + dropped (by reason) + discarded at resume + refused + in flight.
   Checkpointed with the run; no count is ever reset.
 
   Completion tokens are counted alongside samples, per fate, so that a length bias (what is trained against what
@@ -41,6 +41,11 @@ class Ledger:
   filtered_groups: int = 0  # groups rl.filter_groups kept out of training (their samples: dropped["filtered"])
   tokens_trained: int = 0  # completion tokens of the trained samples
   dropped_tokens: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+  # Independent samplers (jaxrl.distributed.hub): samples of a group delivered by a sampler that no longer held it
+  # ("fenced": its lease had expired and the group went to another) or past the group's deadline ("late"), refused
+  # and never trained; and the groups generated again for it, by why ("sampler_lost", "sampler_left", "late").
+  samples_refused: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+  groups_generated_again: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
 
   def drop(self, group: list[Rollout], reason: str) -> None:
     self.dropped[reason] += len(group)
@@ -57,7 +62,8 @@ class Ledger:
 
   def held_at_checkpoint(self) -> int:
     """Finished samples neither trained, dropped nor already discarded: in flight when this ledger was saved."""
-    return self.samples_generated - self.samples_trained - self.samples_dropped - self.samples_discarded_at_resume
+    return (self.samples_generated - self.samples_trained - self.samples_dropped - self.samples_discarded_at_resume
+            - sum(self.samples_refused.values()))
 
   def length_bias(self) -> dict[str, float]:
     """Mean completion length of the generated samples, of the trained ones and of the dropped ones per reason;
@@ -75,11 +81,13 @@ class Ledger:
     d = dataclasses.asdict(self)
     d["dropped"] = dict(self.dropped)
     d["dropped_tokens"] = dict(self.dropped_tokens)
+    d["samples_refused"] = dict(self.samples_refused)
+    d["groups_generated_again"] = dict(self.groups_generated_again)
     return d
 
   @classmethod
   def from_json(cls, d: dict) -> Ledger:
     d = {k: v for k, v in d.items() if k not in ("kept_stale", "kept_stale_tokens")}  # rl.on_stale="keep" is gone
-    dropped = collections.defaultdict(int, d.pop("dropped", {}))
-    dropped_tokens = collections.defaultdict(int, d.pop("dropped_tokens", {}))
-    return cls(dropped=dropped, dropped_tokens=dropped_tokens, **d)
+    counts = {k: collections.defaultdict(int, d.pop(k, {}))
+              for k in ("dropped", "dropped_tokens", "samples_refused", "groups_generated_again")}
+    return cls(**counts, **d)

@@ -154,9 +154,12 @@ class SamplerLoop:
                       "lengths": [s.num_model_tokens for s in group]})
     return groups
 
+  def finished_held(self) -> list[list[Rollout]]:
+    """Complete groups still on this side: waiting for a share, surplus, or not yet on the channel."""
+    return self._outbox + (self.book.finished + self.book.surplus if self.book else [])
+
   def samples_in_flight(self) -> int:
     """Finished samples neither trained nor dropped on this side: in open groups, waiting for a share, not yet on
     the channel, or on the channel's sending end."""
     partial = sum(len(v) for v in self.assembler._open.values())
-    waiting = self._outbox + (self.book.finished + self.book.surplus if self.book else [])
-    return partial + sum(len(g) for g in waiting) + self.rollouts.unsent()
+    return partial + sum(len(g) for g in self.finished_held()) + self.rollouts.unsent()

@@ -1,6 +1,11 @@
 """Local launcher: N CPU processes of one jax.distributed job on loopback, for tests and demos.
 
   python -m jaxrl.distributed.launch --num_processes=4 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-mp
+  python -m jaxrl.distributed.launch --independent_samplers=2 -- --config=configs/tiny.py \
+      --config.mesh.num_devices=2 --config.mesh.sampler_devices=1 --workdir=/tmp/jaxrl-ind
+
+--independent_samplers=N starts no jax.distributed job: a jaxrl-learner and N jaxrl-sampler programs
+(distributed.learner_main, distributed.sampler_main), each with its own JAX runtime, on loopback (launch_independent).
 
 Every process runs `python -m jaxrl.distributed.job` (or --module) with the arguments after `--`, with
 JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; its output is prefixed by
@@ -124,6 +129,33 @@ def launch_colocated(args: list[str], devices: int, *, grace_s: float = 30.0, ti
   return _supervise([proc], start, grace_s, timeout_s)
 
 
+def launch_independent(num_samplers: int, args: list[str], *, devices_per_process: int = 2, grace_s: float = 30.0,
+                       timeout_s: float = 0.0, cpu_affinity: str = "") -> int:
+  """A learner program (jaxrl-learner) and num_samplers independent sampler programs (jaxrl-sampler) on loopback:
+  no jax.distributed job. A sampler that fails or is killed stops nothing (the learner generates its groups
+  again with the others); the learner's exit ends the launch (the samplers get grace_s to hear the run is done)
+  and is its status."""
+  pinned = cpu_sets(cpu_affinity, 1 + num_samplers, os.sched_getaffinity(0))
+  (port,) = free_ports(1)
+  env = {"JAX_NUM_CPU_DEVICES": str(devices_per_process)}
+  start = time.monotonic()
+  learner = _start("p0", ["jaxrl.distributed.learner_main", *args, f"--port={port}"], env,
+                   pinned[0] if pinned else None, start)
+  own = [a for a in args if not a.startswith("--workdir")]  # a sampler writes nothing
+  samplers = [_start(f"p{i + 1}", ["jaxrl.distributed.sampler_main", *own, f"--learner=127.0.0.1:{port}"], env,
+                     pinned[i + 1] if pinned else None, start) for i in range(num_samplers)]
+  code = _supervise([learner], start, grace_s, timeout_s)
+  end = time.monotonic() + grace_s
+  for i, p in enumerate(samplers):
+    try:
+      p.wait(max(0.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      print(f"jaxrl.launch: killing sampler process {i + 1}, still running {grace_s:.0f}s after the learner ended",
+            flush=True)
+      p.kill()
+  return code
+
+
 def _start(name: str, module_args: list[str], env: dict[str, str], cores: set[int] | None,
            start: float) -> subprocess.Popen:
   """One process of the job (`python -m <module_args>`), its output prefixed by [name seconds]."""
@@ -196,12 +228,14 @@ def _format(cores: set[int]) -> str:
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if "--" not in argv:
-    print("usage: python -m jaxrl.distributed.launch --num_processes=N [options] -- <jaxrl.distributed.job args>",
-          file=sys.stderr)
+    print("usage: python -m jaxrl.distributed.launch --num_processes=N | --independent_samplers=N [options] -- "
+          "<job args>", file=sys.stderr)
     return 2
   split = argv.index("--")
   parser = argparse.ArgumentParser(prog="jaxrl.distributed.launch")
-  parser.add_argument("--num_processes", type=int, required=True)
+  parser.add_argument("--num_processes", type=int, default=0, help="processes of one jax.distributed job")
+  parser.add_argument("--independent_samplers", type=int, default=0,
+                      help="instead: a jaxrl-learner and this many independent jaxrl-sampler programs")
   parser.add_argument("--devices_per_process", type=int, default=2,
                       help="CPU devices of each process (2: configs/tiny.py's split fits 4 processes as is)")
   parser.add_argument("--module", default="jaxrl.distributed.job", help="what every process runs (python -m)")
@@ -215,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                       'processes taking turns ("processes")')
   opts = parser.parse_args(argv[:split])
   job = argv[split + 1 :]
+  if opts.independent_samplers:
+    return launch_independent(opts.independent_samplers, job, devices_per_process=opts.devices_per_process,
+                              grace_s=opts.grace_s, timeout_s=opts.timeout_s, cpu_affinity=opts.cpu_affinity)
   run_job = functools.partial(launch, opts.num_processes, devices_per_process=opts.devices_per_process,
                               module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s,
                               cpu_affinity=opts.cpu_affinity)

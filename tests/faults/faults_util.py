@@ -256,6 +256,6 @@ def check_history(events: list[dict], summary: dict, group_size: int) -> dict[st
   assert led["samples_regenerated"] == regenerated * group_size
   assert led["groups_admitted"] == len(trained_groups) + len(dropped_groups) + len(pending)
   assert led["samples_generated"] == (led["samples_trained"] + sum(dropped.values()) + summary["samples_in_flight"]
-                                     + led["samples_discarded_at_resume"])
+                                     + led["samples_discarded_at_resume"] + sum(led["samples_refused"].values()))
   return {"attempts": sum(e["event"] == "start" for e in events), "trained": len(trained),
           "rolled_back_steps": len(rolled_back), "regenerated_groups": regenerated}

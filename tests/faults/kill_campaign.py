@@ -8,8 +8,10 @@ groups of an uninterrupted run of the same seed and topology. Sync runs must equ
 
   JAX_NUM_CPU_DEVICES=8 python tests/faults/kill_campaign.py --topologies=sync,pipeline,mp2+2 --kills=20 --docs
 
-Topologies: sync, pipeline (one process, one CPU device per role) and mpL+S (a multi-process job of L learner and
-S sampler processes, one CPU device each, through jaxrl.distributed.launch).
+Topologies: sync, pipeline (one process, one CPU device per role), mpL+S (a multi-process job of L learner and
+S sampler processes, one CPU device each, through jaxrl.distributed.launch) and indS (a jaxrl-learner and S
+independent jaxrl-sampler programs: --kills sampler kills, each replaced by a sampler joining mid-run, and
+--learner_kills learner kills, each resumed while the samplers run on; independent_campaign.py).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
+import independent_campaign  # noqa: E402
 from faults_util import CHILD_ENV, check_history, groups_per_step, read_trace  # noqa: E402
 
+from jaxrl.distributed.launch import free_ports  # noqa: E402
 from jaxrl.integrity import MARKER  # noqa: E402
 
 STEPS = 8
@@ -238,10 +242,12 @@ def _docs_table(tallies: list[dict], load: str) -> str:
   for t in tallies:
     phases = ", ".join(f"{k} {v}" for k, v in sorted(t["phases"].items()))
     equal = f"{t['equal_to_uninterrupted']} of {t['runs']}" if "equal_to_uninterrupted" in t else "n/a (scheduling)"
+    same = "n/a (scheduling)" if t["same_steps_as_uninterrupted"] is None else (
+        f"{t['same_steps_as_uninterrupted']} of {t['runs']}")
     discarded = sum(r["discarded_at_resume"] for r in t["runs_checked"])
     regenerated = sum(r["regenerated_groups"] for r in t["runs_checked"])
     rows.append(f"| {t['topology']} | {t['kills']} ({phases}) | {t['resumes']} | {t['runs']} | {t['unaccounted']} | "
-                f"{discarded} ({regenerated} groups) | {t['same_steps_as_uninterrupted']} of {t['runs']} | {equal} | "
+                f"{discarded} ({regenerated} groups) | {same} | {equal} | "
                 f"{len(t['failures'])} | {t['seconds'] / 60:.1f} |")
   return "\n".join(rows) + f"\n\nLoad when measured (`uptime`): {load}\n"
 
@@ -262,17 +268,25 @@ def main(argv=None) -> int:
   parser.add_argument("--topologies", default="sync,pipeline,mp1+1,mp1+2,mp2+2")
   parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per topology")
   parser.add_argument("--per_run", type=int, default=4, help="kills per run before it may finish")
+  parser.add_argument("--learner_kills", type=int, default=5, help="indS: learner kills (--kills: sampler kills)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="/tmp/jaxrl-kill-campaign", help="work folder (runs, logs, XLA cache)")
   parser.add_argument("--json", default=str(REPO / "bench" / "results" / "kill_campaign.json"))
   parser.add_argument("--docs", action="store_true", help="write the tally into docs/RELIABILITY.md")
   opts = parser.parse_args(argv)
-  topologies = [Topology.parse(n) for n in opts.topologies.split(",")]
+  names = opts.topologies.split(",")
+  topologies = [None if re.fullmatch(r"ind\d+", n) else Topology.parse(n) for n in names]
   out = Path(opts.out)
   out.mkdir(parents=True, exist_ok=True)
   tallies = []
-  for topo in topologies:
-    tally = campaign(topo, opts.kills, out, opts.seed, opts.per_run, log=lambda s: print(s, flush=True))
+  for name, topo in zip(names, topologies, strict=True):
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    if topo is None:
+      env = _env(out / "probe", out / "xla_cache", multi=False)
+      tally = independent_campaign.campaign(int(name[3:]), opts.kills, opts.learner_kills, out, env, REPO,
+                                            free_ports(1)[0], opts.seed, log=say)
+    else:
+      tally = campaign(topo, opts.kills, out, opts.seed, opts.per_run, log=say)
     tallies.append(tally)
     print(json.dumps({k: v for k, v in tally.items() if k != "attempts"}), flush=True)
     Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
@@ -280,8 +294,8 @@ def main(argv=None) -> int:
     Path(opts.json).write_text(json.dumps({"load": load, "tallies": tallies}, indent=1))
     if opts.docs:
       write_docs(tallies, load)
-  return 1 if any(t["failures"] or t["unaccounted"] or t["same_steps_as_uninterrupted"] < t["runs"]
-                  for t in tallies) else 0
+  differ = lambda t: t["same_steps_as_uninterrupted"] is not None and t["same_steps_as_uninterrupted"] < t["runs"]  # noqa: E731
+  return 1 if any(t["failures"] or t["unaccounted"] or differ(t) for t in tallies) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,176 @@
+"""The learner's hub for independent samplers (jaxrl.distributed.hub) and the samplers' remote channels
+(jaxrl.distributed.remote) over real rpc, without a model: admission with fencing tokens, a lease that expires
+(groups generated again, late results refused and counted), a goodbye, late groups, the checkpoint record, the
+ledger, and every wait bounded."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl.controller.rollouts import Stopped
+from jaxrl.controller.spec import RunRecord, RunSpec
+from jaxrl.distributed import hub as hub_lib
+from jaxrl.distributed import remote, rpc
+from jaxrl.rollout import Rollout
+
+MAX_LEN = 8
+GROUP = 2
+
+
+def _group(gid, version, reward=(0.0, 1.0)):
+  return [Rollout(np.array([1, 2], np.int32), np.array([3, 4], np.int32), np.zeros(2, np.float32),
+                  np.full(2, version, np.int32), "eos", gid, i, reward=reward[i]) for i in range(GROUP)]
+
+
+@pytest.fixture
+def hub():
+  spec = RunSpec(num_steps=10, group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, max_staleness=1,
+                 queue_groups=4)
+  h = hub_lib.Hub(RunRecord(), spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
+  server = rpc.Server(h.handlers())
+  h.address = server.address
+  yield h
+  h.stop.set()
+  server.close()
+
+
+def _join(hub):
+  return remote.register(hub.address, timeout_s=5, reconnect_s=1)
+
+
+def _admit(coord, n):
+  got = []
+  for _ in range(n):
+    assert coord.admit(lambda gid, again: got.append((gid, again)))
+  return got
+
+
+def test_groups_flow_once_and_the_ledger_counts_them(hub):
+  a = _join(hub)
+  assert a.progress().shares == 0
+  hub.ask()
+  hub.go_on(0)
+  assert _admit(a, 3) == [(0, False), (1, False), (2, False)]
+  out = remote.RemoteRollouts(a, capacity=4, max_len=MAX_LEN)
+  groups = [_group(0, 0), _group(1, 0)]
+  out.put_all(groups)
+  assert groups == [] and hub.depth() == 2
+  assert [hub.get(0)[0].group_id for _ in range(2)] == [0, 1]
+  hub.settle([_group(0, 0), _group(1, 0)])
+  record = hub.checkpoint_record()
+  assert record["next_group_id"] == 3 and record["pending_group_ids"] == [2]
+  led = record["ledger"]
+  assert (led["groups_admitted"], led["samples_generated"], led["samples_trained"]) == (3, 4, 4)
+
+
+def test_a_silent_sampler_is_dropped_its_groups_go_to_another_and_its_late_results_are_refused(hub):
+  a, b = _join(hub), _join(hub)
+  hub.go_on(0)
+  _admit(a, 2)  # groups 0, 1 held by a
+  deadline = time.monotonic() + 10
+  while hub.samplers["lost"] < 1 and time.monotonic() < deadline:  # a is silent past its lease (SIGSTOP)
+    time.sleep(0.3)
+    b.call("heartbeat", seen=None)  # b renews its own
+  assert _admit(b, 3) == [(1, True), (0, True), (2, False)]  # a's groups first, generated again
+  assert hub.samplers == {"joined": 2, "lost": 1, "left": 0}
+  late = [_group(0, 0), _group(1, 0)]
+  with pytest.raises(Stopped):  # a wakes up: its packet is refused, counted, and its registration is over
+    remote.RemoteRollouts(a, 4, MAX_LEN).put_all(late)
+  assert a.ended == "expired" and late == []
+  remote.RemoteRollouts(b, 4, MAX_LEN).put_all([_group(0, 0)])
+  assert hub.get(0)[0].group_id == 0
+  led = hub.ledger
+  assert dict(led.samples_refused) == {"fenced": 2 * GROUP}
+  assert dict(led.groups_generated_again) == {"sampler_lost": 2}
+  assert led.groups_admitted == 3 and led.samples_generated == 3 * GROUP
+  assert hub.checkpoint_record()["pending_group_ids"] == [0, 1, 2]  # 0 is taken, not yet settled
+
+
+def test_goodbye_returns_the_groups_at_once_and_a_stopped_learner_is_a_bounded_wait(hub):
+  a = _join(hub)
+  _admit(a, 2)
+  a.call("goodbye")
+  assert hub.samplers["left"] == 1 and dict(hub.ledger.groups_generated_again) == {"sampler_left": 2}
+  b = _join(hub)
+  assert _admit(b, 1) == [(1, True)]  # the most recently returned first
+  hub.stop.set()
+  with pytest.raises(Stopped):
+    hub.get(0)
+
+
+def test_a_group_past_its_deadline_is_refused_as_late_and_generated_again(hub):
+  a = _join(hub)
+  hub.go_on(0)
+  _admit(a, 2)
+  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0), _group(1, 2)])
+  hub.go_on(2)  # step 2: group 0's tokens (version 0) would be 2 > max_staleness=1 stale
+  assert hub.get(0)[0].group_id == 1
+  assert dict(hub.ledger.samples_refused) == {"late": GROUP}
+  assert _admit(a, 1) == [(0, True)]
+
+
+def test_back_pressure_and_the_heartbeat_follow_the_learner(hub):
+  a = _join(hub)
+  a.start_beating()
+  hub.ask()
+  deadline = time.monotonic() + 5
+  while a.progress().shares < 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert a.progress().shares == 1
+  _admit(a, 6)
+  out = remote.RemoteRollouts(a, 4, MAX_LEN)
+  out.put_all([_group(g, 0) for g in range(4)])  # the pool holds queue_groups=4
+  blocked = [_group(4, 0), _group(5, 0)]
+  sender = threading.Thread(target=out.put_all, args=(blocked,))
+  sender.start()
+  time.sleep(0.3)
+  assert blocked and hub.depth() == 4  # waits for room, renewing its lease
+  hub.go_on(0)
+  hub.get(0), hub.get(0)
+  sender.join(5)
+  assert blocked == [] and hub.depth() == 4
+  hub.finish()
+  deadline = time.monotonic() + 5
+  while a.ended is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert a.ended == "done"
+
+
+def test_no_sampler_and_no_learner_are_bounded_waits_with_one_line(hub):
+  hub.go_on(3)
+  _join(hub).start_beating()  # registered and alive, delivers nothing
+  with pytest.raises(TimeoutError, match=r"hub: no group delivered for 2s while the learner waited for step 3's "
+                     r"groups; samplers registered: \['s0-\w+'\]"):
+    hub.get(0)
+  with pytest.raises(rpc.RpcError, match=r"rpc 'register' to 127.0.0.1:1: the learner did not take a registration "
+                     r"for 0.3s"):
+    remote.register("127.0.0.1:1", timeout_s=1, reconnect_s=0.3)
+
+
+def test_a_sampler_behind_the_learner_gets_a_tighter_bound_and_none_admits_while_a_step_waits(hub):
+  a = _join(hub)
+  hub.go_on(5)
+  bound = lambda book_step: a.call("heartbeat", seen=None, book_step=book_step)["asks"][2]  # noqa: E731
+  assert (bound(None), bound(6), bound(5), bound(2)) == (1, 1, 1, 1 - 3)  # k=1, less the steps others trained
+  _admit(a, 2)
+  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 5), _group(1, 4)])  # a whole step (2 groups) waits
+  assert bound(5) == hub_lib.PAUSED
+  hub.go_on(6)  # group 1 (version 4) is now too old to train: one trainable group, admission resumes
+  assert bound(5) == 0
+
+
+def test_once_the_learner_loop_stopped_nothing_changes_the_final_record(hub):
+  a = _join(hub)
+  _admit(a, 2)
+  hub.stop.set()  # the learner loop ended: its last checkpoint's record is taken now
+  final = hub.checkpoint_record()
+  with pytest.raises(Stopped):
+    remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0)])
+  assert a.ended == "expired"
+  a.call("goodbye", allow_expired=True)
+  assert rpc.call(hub.address, "register", {}, timeout_s=5) == {"stopping": True}
+  assert hub.checkpoint_record() == final and hub.registered() == 0
+  hub.finish()  # the run is over: a late sampler is told so
+  assert rpc.call(hub.address, "register", {}, timeout_s=5)["done"]
