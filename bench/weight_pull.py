@@ -9,10 +9,11 @@ exactly what a sampler engine takes: the float32 params, the LoRA adapters alone
 (rank 8, alpha 16, every projection), and int8 weights (quantized on the learner). The sampler (a subprocess, its
 own JAX runtime, 1 CPU device, no jax.distributed) pulls each with WeightClient.take_newer onto the shardings of an
 engine of that payload and reports describe / pull / checksum / place seconds. The float32 payload is pulled a
-second time through transfer servers at the server's own piece size (256 MiB; weight_service.CHUNK_BYTES otherwise). Against it, in the same rep: the same
-number of bytes over a plain TCP socket between the two processes (host bytes to host bytes, recv_into a buffer),
-and a memcpy of that many bytes in the sampler. describe travels over the sampler's stdin/stdout (the hub's rpc in
-a run). The payloads and the methods alternate --reps times; medians; ratios against TCP and memcpy.
+second time through transfer servers at the server's own piece size (256 MiB; weight_service.CHUNK_BYTES otherwise).
+Against it, in the same rep: the same number of bytes over a plain TCP socket between the two processes (host bytes
+to host bytes, recv_into a buffer), and a memcpy of that many bytes in the sampler. describe travels over the
+sampler's stdin/stdout (the hub's rpc in a run). The payloads and the methods alternate --reps times; medians;
+ratios against TCP and memcpy.
 """
 
 from __future__ import annotations
