@@ -65,6 +65,23 @@ def test_groups_flow_once_and_the_ledger_counts_them(hub):
   assert (led["groups_admitted"], led["samples_generated"], led["samples_trained"]) == (3, 4, 4)
 
 
+def test_a_sampler_joining_a_resumed_run_starts_from_its_pass_rate_table_and_filter_rate():
+  """What a resumed learner's checkpoint says the samplers start from: the pass-rate table and the groups scored
+  and rejected so far (over-asking's rate, assembly.scored_groups), in the registration reply."""
+  record = RunRecord(next_group_id=5, pass_rate={"alike": {}, "until": {"k": 9}})
+  record.ledger.samples_trained, record.ledger.dropped["filtered"] = 2 * GROUP, 3 * GROUP
+  spec = RunSpec(num_steps=10, group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, max_staleness=1)
+  h = hub_lib.Hub(record, spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
+  server = rpc.Server(h.handlers())
+  h.address = server.address
+  try:
+    a = _join(h)
+    assert a.resumed_pass_rate == {"alike": {}, "until": {"k": 9}} and a.resumed_filter == (3, 5)
+  finally:
+    h.stop.set()
+    server.close()
+
+
 def test_a_silent_sampler_is_dropped_its_groups_go_to_another_and_its_late_results_are_refused(hub):
   a, b = _join(hub), _join(hub)
   hub.go_on(0)

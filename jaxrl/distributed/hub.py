@@ -29,7 +29,7 @@ import uuid
 
 import numpy as np
 
-from jaxrl.controller.assembly import reject_reason
+from jaxrl.controller.assembly import reject_reason, scored_groups
 from jaxrl.controller.coordinator import Coordination
 from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.rollouts import Stopped
@@ -54,6 +54,7 @@ class Hub(Coordination):
     self._regenerate = list(record.pending_group_ids)
     self._unadmitted = list(record.unadmitted_group_ids)
     self.ledger.samples_regenerated += len(self._regenerate) * spec.group_size
+    self.resumed_filter = scored_groups(self.ledger, spec.group_size)
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic)
@@ -193,7 +194,8 @@ class Hub(Coordination):
       print(f"jaxrl hub: sampler {sid} joined ({request.get('host', '?')}) at learner version {self._version}",
             file=sys.stderr, flush=True)
       return {"sampler": sid, "incarnation": self.incarnation, "lease_s": self.lease_s,
-              "pass_rate": self._record.pass_rate, "asks": list(self._asks), "done": self.done}
+              "pass_rate": self._record.pass_rate, "filter": list(self.resumed_filter), "asks": list(self._asks),
+              "done": self.done}
 
   def _known(self, request: dict) -> str | None:
     """The calling sampler's id if it still holds a lease with this learner (renewed now), else None. Once the

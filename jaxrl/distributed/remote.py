@@ -56,6 +56,7 @@ class RemoteCoordinator(Coordination):
     self.address, self.timeout_s, self.poll_s = address, timeout_s, poll_s
     self.sampler, self.incarnation = registered["sampler"], registered["incarnation"]
     self.resumed_pass_rate = registered["pass_rate"]
+    self.resumed_filter = tuple(registered["filter"])
     self.tokens: dict[int, int] = {}  # group -> fencing token, for the groups this registration holds
     self.costs: dict = {}
     self.ended: str | None = "done" if registered["done"] else None  # "done", "expired" or "lost"
