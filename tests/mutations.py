@@ -35,7 +35,8 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/envs/runner.py": ("test_envs_runner.py",), "jaxrl/checkpoint.py": ("test_checkpoint*.py",),
           "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
           "jaxrl/envs/guard.py": ("test_envs_guard.py",),
-          "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",)}
+          "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
+          "jaxrl/distributed/cross_process.py": ("test_distributed.py",)}
 
 
 def group_tests(path: str) -> list[str]:
