@@ -341,9 +341,8 @@ CHECKPOINT = (
     Mutation("resume: pending groups not generated again", "jaxrl/controller/coordinator.py",
              "self._regenerate = list(record.pending_group_ids)", "self._regenerate = []", (RESUME,)),
     Mutation("ledger: in flight ignores what a resume discarded", LE,
-             "return self.samples_generated - self.samples_trained - self.samples_dropped - "
-             "self.samples_discarded_at_resume",
-             "return self.samples_generated - self.samples_trained - self.samples_dropped", (RESUME,)),
+             "self.samples_dropped - self.samples_discarded_at_resume\n",
+             "self.samples_dropped\n", (RESUME,)),
 )
 
 GUARD_T = "tests/test_envs_guard.py::test_"
