@@ -103,22 +103,23 @@ def test_segment_sums_and_to_tokens():
   np.testing.assert_array_equal(to_tokens(vals, seg, fill=-1), [[10, 10, 20, 20, 20, -1], [1, 2, 3, 3, -1, -1]])
 
 
+_BEHAVIOR = dict(proximal="behavior", is_level="none", is_cap=None)  # PPO anchored at mu, no IS weights
 CONFIGS = {
-    "grpo_token_ppo": LossConfig(clip_low=0.1, clip_high=0.1),
-    "drgrpo_seqsum_ppo_dual": LossConfig(advantage="dr_grpo", aggregation="seq_sum_norm", clip_low=3e-2,
+    "grpo_token_ppo": LossConfig(**_BEHAVIOR, clip_low=0.1, clip_high=0.1, dual_clip=None),
+    "drgrpo_seqsum_ppo_dual": LossConfig(**_BEHAVIOR, advantage="dr_grpo", aggregation="seq_sum_norm", clip_low=3e-2,
                                          clip_high=4e-2, dual_clip=1.5),
     "rloo_seqmean_seqIS": LossConfig(advantage="rloo", aggregation="seq_mean", proximal="recompute",
                                      is_level="sequence", is_cap=2.0, entropy_coef=0.01),
     "reinforce_pg_tokenIS_kl": LossConfig(advantage="reinforce", policy_loss="pg", proximal="interpolate",
-                                          is_level="token", is_mask_low=0.5, is_mask_high=1.5, kl_coef=0.1,
-                                          kl_estimator="k2"),
-    "grpo_seqmean_topk_klreward": LossConfig(aggregation="seq_mean",
+                                          is_level="token", is_cap=None, is_mask_low=0.5, is_mask_high=1.5,
+                                          kl_coef=0.1, kl_estimator="k2", dual_clip=None),
+    "grpo_seqmean_topk_klreward": LossConfig(**_BEHAVIOR, aggregation="seq_mean", dual_clip=None,
                                              sampling=SamplingParams(temperature=0.8, top_k=4), kl_coef=0.05,
                                              kl_estimator="k1_reward"),
-    "gspo_seqmean_dual": LossConfig(aggregation="seq_mean", policy_loss="gspo", clip_low=0.01, clip_high=0.02,
-                                    dual_clip=1.5, entropy_coef=0.02),
+    "gspo_seqmean_dual": LossConfig(**_BEHAVIOR, aggregation="seq_mean", policy_loss="gspo", clip_low=0.01,
+                                    clip_high=0.02, dual_clip=1.5, entropy_coef=0.02),
     "decoupled_epochs_seqmeanIS_ess": LossConfig(proximal="recompute", is_level="sequence_mean", is_ess_min=0.95,
-                                                 dual_clip=3.0),
+                                                 is_cap=None),
 }
 # Extra StepConfig fields: two epochs over one mini-batch make the second update's prox / mu weights
 # non-trivial (the pre-step pass), and each update sees the whole batch, so row order does not matter.
@@ -217,7 +218,8 @@ def test_perturbing_one_segment_changes_no_other_segment():
 
 def test_packed_decoder_step_with_chunked_kernels_equals_unpacked():
   """The memory-efficient path (chunked attention, chunked log-probs) on packed rows = the plain padded step."""
-  cfg = LossConfig(aggregation="seq_mean", policy_loss="gspo", clip_low=0.05, clip_high=0.05, entropy_coef=0.01)
+  cfg = LossConfig(**_BEHAVIOR, aggregation="seq_mean", policy_loss="gspo", clip_low=0.05, clip_high=0.05,
+                   entropy_coef=0.01, dual_clip=None)
   rs = rollouts(seed=4)
   out = {}
   for name, kw, batch, rows, chunk in (
