@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxrl.config import override
-from jaxrl.controller.adaptive import AdaptiveStaleness, AutoStaleness
+from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.rollout import make_batch
 from jaxrl.sampler import Sampler
 from jaxrl.train import build
@@ -94,7 +94,7 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
       finals, trained, wall = [], [], 0.0
       mean_ks = []
       for seed in range(seeds):
-        adaptive = AdaptiveStaleness(AutoStaleness(**run.config.rl.auto_staleness)) if k == "auto" else None
+        adaptive = AdaptiveStaleness(run.config.rl.auto_staleness) if k == "auto" else None
         ctl.state = _copy(init)
         history = [jax.tree.map(jnp.copy, ctl.state.params)]
         sampler = Sampler(run.sampler_side.engine, history[0], 0, seed=1000 + seed)

@@ -37,10 +37,9 @@ class Policy:
 
 
 def load_policy(c, workdir: str | os.PathLike | None = None, devices=None, step: int | None = None) -> Policy:
-  """The base model of config `c` (a RunConfig, or a config validated here), or with `workdir` the params of its
+  """The base model of the RunConfig `c` (config.validate's), or with `workdir` the params of its
   newest checkpoint (or of checkpoint `step`), sharded FSDP-style over `devices` (default: all). A workdir without
   that checkpoint is an error (FileNotFoundError naming it and the steps it has)."""
-  c = config_lib.validate(c)
   devices = list(jax.devices() if devices is None else devices)
   mesh = sharding.make_mesh({"data": len(devices)}, devices)
   shardings_fn = lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
@@ -107,9 +106,8 @@ def export_main(argv=None):
   if missing:
     print(f"jaxrl-export: bad flag: --{', --'.join(missing)} required", file=sys.stderr)
     sys.exit(2)
-  c = flag_values.config
   try:
-    policy = load_policy(c, flag_values.workdir)
+    policy = load_policy(config_lib.validate(flag_values.config), flag_values.workdir)
     path = export(policy, flag_values.out)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
     print(f"jaxrl-export: {e}", file=sys.stderr)

@@ -79,7 +79,7 @@ def _auto_config(**auto_fields):
   c.mode, c.num_steps = "auto", auto_fields.pop("num_steps")
   for k, v in auto_fields.items():
     c.auto[k] = v
-  return c
+  return config_lib.validate(c)
 
 
 NO_FIT = ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
@@ -186,7 +186,7 @@ def test_splits_are_candidates_and_a_segment_runs_on_its_split(tmp_path, monkeyp
   assert auto.segment_config(cfg, auto.SYNC, end=9).mesh.sampler_devices == c.mesh.sampler_devices
   fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1_s2": 11.0, "pipeline_k1_s6": 30.0},
                   {"sync": 10.0, "pipeline_k1_s2": 12.0, "pipeline_k1_s6": 20.0})
-  summary = _supervise(c, fake, tmp_path, monkeypatch)
+  summary = _supervise(cfg, fake, tmp_path, monkeypatch)
   assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k1_s6"]
   assert fake.splits == [c.mesh.sampler_devices, 6]
 

@@ -113,7 +113,7 @@ def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
   unit = rows_unit * c.rl.num_minibatches
   return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
                  seq_len=c.rl.seq_len, max_staleness=max_staleness(c),
-                 auto_staleness=config_lib.auto_staleness(c) if c.mode == "pipeline" else None,
+                 auto_staleness=c.rl.auto_staleness if c.mode == "pipeline" and c.rl.max_staleness == "auto" else None,
                  queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
                  seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
                  max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),

@@ -91,12 +91,20 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
           poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
   """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task), made by
   the build of every topology (controller.sides.build) and joined by the store's channels."""
-  workdir = Path(workdir)
-  held = roles(topology)
-  # A config, or a RunConfig checked again here; the typed RunConfig from here on. One writer probes workdir.
-  c = config_lib.validate(c, workdir if held.lead else None, num_devices=len(jax.devices()))
+  return _build(_validate(c, Path(workdir), topology), Path(workdir), topology, store, dump_dir, poll_s)
+
+
+def _validate(c, workdir: Path, topology: runtime.Topology) -> config_lib.RunConfig:
+  """The typed RunConfig of c, checked against this job (one writer probes workdir)."""
+  c = config_lib.validate(c, workdir if roles(topology).lead else None, num_devices=len(jax.devices()))
   config_lib.validate_job(c, topology.devices_per_process())
-  return sides.build(c, workdir, held, JobChannels(c, topology, store, dump_dir=dump_dir, poll_s=poll_s)).runner
+  return c
+
+
+def _build(c: config_lib.RunConfig, workdir: Path, topology: runtime.Topology, store, dump_dir: Path | None,
+           poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
+  channels = JobChannels(c, topology, store, dump_dir=dump_dir, poll_s=poll_s)
+  return sides.build(c, workdir, roles(topology), channels).runner
 
 
 class JobChannels:
@@ -205,8 +213,8 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own
   (`stopped_by` in either: the job was stopped early by that signal, after a checkpoint)."""
   workdir = Path(workdir)
-  c = config_lib.validate(c)  # the typed RunConfig (build checks it against the devices)
-  role = build(c, workdir, topology, store, dump_dir=dump_dir)
+  c = _validate(c, workdir, topology)  # once: the typed RunConfig from here on
+  role = _build(c, workdir, topology, store, dump_dir)
   t0 = time.perf_counter()
   try:
     role.run()
