@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, platforms
+from jaxrl import console, hostmem, platforms
 from jaxrl.checkpoint import IntegrityError, SaveError
 from jaxrl.controller import auto, sides
 from jaxrl.controller import summary as summary_lib
@@ -121,6 +121,7 @@ def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evalua
   t0 = time.perf_counter()
   finished = False
   evaluate_after = evaluate_after and bool(c.eval.num_examples)
+  console.note(f"training to step {c.num_steps} from step {ctl.version} (the first step includes compiling)")
   try:
     with summary_lib.stop_on_signals(ctl.request_stop, stop_signals,
                                      "jaxrl: {name}: stopping after the current step and saving a checkpoint"):
@@ -167,7 +168,8 @@ def main(argv=None):
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
-    summary = train(flags_def.config, flags_def.workdir)
+    with console.shown(console.for_terminal(flags_def.config.log.progress)):  # a terminal: the first minute, said
+      summary = train(flags_def.config, flags_def.workdir)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError, RewardsBroken) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import config as config_lib
-from jaxrl import settings, sharding
+from jaxrl import console, settings, sharding
 from jaxrl.assets import smollm2_path
 from jaxrl.checkpoint import Checkpointer
 from jaxrl.controller.data import make_prompt_source, make_scorer
@@ -38,10 +38,12 @@ def model_source(c: RunConfig) -> tuple[ModelConfig, Any, Path | None]:
   cfg = model_config(c)
   if c.model.source == "tiny":
     return cfg, None, None
-  import transformers
+  path = _source_path(c)  # fetched and converted on first use
+  with console.phase(f"loading the tokenizer of {path}"):
+    import transformers
 
-  path = _source_path(c)
-  return cfg, transformers.AutoTokenizer.from_pretrained(str(path)), None if c.model.preset else path
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+  return cfg, tokenizer, None if c.model.preset else path
 
 
 def model_config(c: RunConfig, platform: str | None = None) -> ModelConfig:
@@ -136,10 +138,11 @@ def build_task(c: RunConfig, tokenizer, model_cfg):
   """(task, prompts, score); a bad data file, a missing chat template or an unknown reward is a ConfigError (checked
   before any params are loaded or compiled)."""
   try:
-    task, prompts = make_prompt_source(c.task, c.seed, tokenizer, model_cfg)
-    if c.eval.num_examples:  # a task too small for the eval would fail only at the first eval, the model built
-      task.eval_examples(c.eval.num_examples)
-    return task, prompts, make_scorer(c.task, task, tokenizer)
+    with console.phase(f"preparing task {c.task.name!r} (prompts, the reward's self-check)"):
+      task, prompts = make_prompt_source(c.task, c.seed, tokenizer, model_cfg)
+      if c.eval.num_examples:  # a task too small for the eval would fail only at the first eval, the model built
+        task.eval_examples(c.eval.num_examples)
+      return task, prompts, make_scorer(c.task, task, tokenizer)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     raise config_lib.ConfigError(f"task {c.task.name!r}: {e}") from e
 
@@ -283,9 +286,13 @@ class CompiledSteps:
   def __init__(self, train_step, state, spec: RunSpec, seq_len: int, key, place=lambda batch: batch):
     self.jitted, self.place, self.fallbacks = train_step, place, 0
     self.compiled = {}
-    for empty in train_step_batches(spec, seq_len):
+    batches = train_step_batches(spec, seq_len)
+    compiling = console.count("compiling the train step for each batch shape", len(batches))
+    for i, empty in enumerate(batches):
+      compiling(i)
       batch = place(empty)
       self.compiled[_shapes(batch)] = train_step.lower(state, batch, key).compile()
+    compiling(len(batches))
 
   def __call__(self, state, batch, key):
     batch = self.place(batch)
