@@ -93,7 +93,7 @@ def split(c: RunConfig, devices) -> sides.Roles:
   multi-host slice jaxrl.distributed's (whole hosts per side, one sampler replica per host)."""
   pool = list(devices) if c.mesh.num_devices == -1 else list(devices)[: c.mesh.num_devices]
   if len({d.process_index for d in pool}) == 1:
-    return sides.Roles.single(c, pool)
+    return sides.Roles.single(c.mesh, pool)
   try:
     topology = runtime.Topology.split(c.mesh.sampler_devices, pool, 0)
   except ValueError as e:
@@ -146,8 +146,9 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
   spec = build_lib.run_spec(c, build_lib.rows_unit(mesh))
   graphdef, abstract = hf.abstract_params(model_cfg)
   params, frozen = lora.split(abstract) if model_cfg.lora is not None else (abstract, None)
-  step = build_lib.learner_step(c, mesh, graphdef, params, spec, frozen)
-  state = _abstract(build_lib.abstract_init_state(c, step.optimizer, params, frozen), step.state_shardings)
+  optimizer = build_lib.run_optimizer(c.optimizer, c.rl, c.num_steps)
+  step = build_lib.learner_step(c.rl, c.loss, optimizer, mesh, graphdef, params, spec, frozen)
+  state = _abstract(build_lib.abstract_init_state(c.seed, c.loss, optimizer, params, frozen), step.state_shardings)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
   batch_sh = batch_shardings(step.batch_sharding)
   groups = dict(params=state.params, opt_state=state.opt_state, frozen=state.frozen, ref_params=state.ref_params)
@@ -356,8 +357,8 @@ def _prepare(c, target_name: str):
   tgt = target(target_name)
   c = for_target(config_lib.validate(c, num_devices=len(tgt.devices)), tgt)
   roles = split(c, tgt.devices)
-  model_cfg = build_lib.model_config(c, platform=tgt.platform)
-  return tgt, c, roles, model_cfg, build_lib.build_engine(c, model_cfg, roles.sampler_meshes(c)[0])
+  model_cfg = build_lib.model_config(c.model, c.sampler.max_len, platform=tgt.platform)
+  return tgt, c, roles, model_cfg, build_lib.build_engine(c.sampler, model_cfg, roles.sampler_meshes(c.mesh)[0])
 
 
 def compile_decode(c, target_name: str, log=print, hlo_dir: str | None = None) -> dict:
@@ -376,7 +377,7 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
   """Every program of config c (a ConfigDict or RunConfig) compiled for `target_name`'s chips: the report (see the
   module doc). report["fits"] is False when one does not fit; report["over"] then names it."""
   tgt, c, roles, model_cfg, engine = _prepare(c, target_name)
-  learner_mesh, sampler_meshes = roles.learner_mesh(c), roles.sampler_meshes(c)
+  learner_mesh, sampler_meshes = roles.learner_mesh(c.mesh), roles.sampler_meshes(c.mesh)
   learn, info = learner_programs(c, learner_mesh, model_cfg)
   sample, sampled = sampler_programs(c, engine)
   programs = [*learn, publish_program(c, learner_mesh, info["state"], engine), *sample]

@@ -10,12 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import ml_collections
 
-from jaxrl import settings
 from jaxrl.envs import TASKS
 from jaxrl.envs.dataset import data_files
 from jaxrl.settings import SETTINGS, ConfigError, RunConfig, from_tree, help_text, need
@@ -179,41 +177,6 @@ def validate_data_files(c: RunConfig) -> None:
         data_files(c.task.kwargs[key], key)
       except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"config: {e}") from None
-
-
-def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
-  """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
-  order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices
-  counts whole processes from the end; mesh.sampler_axes and sampler.max_slots are per replica)."""
-  need(c.mode != "auto", "mode='auto' in a multi-process job runs through jaxrl.distributed.launch, which launches "
-       "the job one segment (one fixed mode) at a time")
-  total = sum(devices_per_process)
-  n, s = c.mesh.num_devices, c.mesh.sampler_devices
-  need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "
-                         "to -1")
-  sampler = sampler_count(s, total)
-  replicas = []
-  while sum(replicas) < sampler and len(replicas) < len(devices_per_process):
-    replicas.append(devices_per_process[-1 - len(replicas)])
-  need(sum(replicas) == sampler and len(replicas) < len(devices_per_process),
-       f"mesh.sampler_devices={s} must be the devices of whole processes counted from the end, leaving a learner "
-       f"process (devices per process: {list(devices_per_process)})")
-  for size in sorted(set(replicas)):
-    try:
-      resolve_axis_sizes(c.mesh.sampler_axes.to_dict(), size)
-    except (TypeError, ValueError) as e:
-      raise ConfigError(f"config: mesh.sampler_axes on a sampler replica of {size} device(s) (one process): "
-                        f"{e}") from None
-  need(c.rl.groups_per_step % len(replicas) == 0,
-       f"rl.groups_per_step={c.rl.groups_per_step} does not split evenly over the {len(replicas)} sampler replicas "
-       "(each admits its share of every step)")
-
-
-def engine_kwargs(s: settings.Sampler) -> dict:
-  """Keyword arguments of the sampler's Engine from a run's sampler settings (RunConfig.sampler)."""
-  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype,
-              weight_dtype=s.weight_dtype, kv=s.kv, page_size=s.page_size, num_pages=s.num_pages or None,
-              attention=s.attention)
 
 
 def _check_mesh(cfg: RunConfig, num_devices: int) -> None:

@@ -141,11 +141,9 @@ def freeze(value):
   return value
 
 
-def _field(setting: Setting, factory=None):
+def _field(setting: Setting):
   """A dataclass field holding one setting (its name is filled in from its place in RunConfig)."""
   metadata = {"setting": setting}
-  if factory is not None:
-    return dataclasses.field(default_factory=factory, metadata=metadata)
   if isinstance(setting.default, (dict, list)):
     return dataclasses.field(default_factory=lambda: freeze(setting.default), metadata=metadata)
   return dataclasses.field(default=setting.default, metadata=metadata)
@@ -167,9 +165,9 @@ def Choice(default, choices, doc):  # noqa: N802
   return _field(Setting("", default, doc, "choice", choices=tuple(choices)))
 
 
-def Other(default, doc, *, any_type: bool = False, factory=None):  # noqa: N802
-  """A setting checked by config.validate's own rules (a section of options, a count or a fraction, ...)."""
-  return _field(Setting("", default, doc, any_type=any_type), factory)
+def Other(default, doc, *, any_type: bool = False):  # noqa: N802
+  """A setting its section's check() checks (a dict of options, a count or a fraction, ...)."""
+  return _field(Setting("", default, doc, any_type=any_type))
 
 
 def Section(cls):  # noqa: N802

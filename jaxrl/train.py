@@ -69,7 +69,7 @@ def build_run(c: config_lib.RunConfig, workdir: Path) -> Run:
   """The run of a validated RunConfig (build's, without checking it again)."""
   config_lib.validate_data_files(c)
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
-  built = sides.build(c, workdir, sides.Roles.single(c, devices), LocalChannels())
+  built = sides.build(c, workdir, sides.Roles.single(c.mesh, devices), LocalChannels())
   return Run(c, workdir, built.runner, built.learner, built.sampler)
 
 

@@ -97,7 +97,7 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
 def _validate(c, workdir: Path, topology: runtime.Topology) -> config_lib.RunConfig:
   """The typed RunConfig of c, checked against this job (one writer probes workdir)."""
   c = config_lib.validate(c, workdir if roles(topology).lead else None, num_devices=len(jax.devices()))
-  config_lib.validate_job(c, topology.devices_per_process())
+  cli.validate_job(c, topology.devices_per_process())
   return c
 
 
@@ -121,11 +121,11 @@ class JobChannels:
     self.topology, self.store, self.dump_dir, self.poll_s = topology, store, dump_dir, poll_s
     self.roles = roles(topology)
     self.log = TransferLog(store)
-    model_cfg = build_lib.model_config(c)
+    model_cfg = build_lib.model_config(c.model, c.sampler.max_len)
     abstract = hf.abstract_params(model_cfg)[1]
     if model_cfg.lora is not None:  # a publish moves the adapters alone; each sampler holds the base
       abstract = lora.split(abstract)[0]
-    self.replicas = self.roles.sampler_meshes(c)
+    self.replicas = self.roles.sampler_meshes(c.mesh)
     self.prepare, sent = sampler_weights(c.sampler, abstract, model_cfg, self.replicas[0])
     try:
       self.routes = [WeightRoute(sent, _sampler_shardings(c.sampler, abstract, mesh),
