@@ -49,13 +49,13 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
                                          adapters=cfg.lora is not None)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
-  loss = dataclasses.replace(c.loss, sampling=spec.sampling)
+  loss = dataclasses.replace(c.loss, sampling=spec.sampler.sampling)
   step = jit_train_step(StepConfig(model=graphdef, optimizer=optimizer if fused else optimizer.chain, loss=loss,
-                                   batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                                   batch_size=spec.rl.batch_size, seq_len=c.rl.seq_len,
                                    num_minibatches=c.rl.num_minibatches, batch_sharding=rows,
                                    logprob_chunk=logprob_chunk, atomic=atomic), state_sh)
-  bl = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size, c.rl.seq_len), dtype)
-  b = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size,), dtype)
+  bl = lambda dtype: jax.ShapeDtypeStruct((spec.rl.batch_size, c.rl.seq_len), dtype)
+  b = lambda dtype: jax.ShapeDtypeStruct((spec.rl.batch_size,), dtype)
   i32, f32 = jnp.int32, jnp.float32
   batch = Batch(bl(i32), bl(i32), bl(i32), bl(f32), bl(f32), bl(i32), b(f32), b(i32), b(f32))
   t = time.perf_counter()

@@ -158,13 +158,13 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
                          batch_sh.replace(experts_BxLxNxK=batch_sh.experts_BxLxNxK if empty.experts_BxLxNxK
                                           is not None else None), empty)
     rows = np.shape(empty.tokens_BxL)[0]
-    name = "train_step" + (f"[{rows} rows]" if spec.pack else "")
+    name = "train_step" + (f"[{rows} rows]" if spec.rl.pack else "")
     programs.append(Program(name, "learner", step.train_step, (state, batch, key), groups=dict(groups, batch=batch)))
   shards = batch_shards(step.batch_sharding)
-  updates = spec.num_minibatches * c.rl.num_epochs
+  updates = spec.rl.num_minibatches * c.rl.num_epochs
   info = dict(spec=spec, state=state, param_count=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract)),
               trained_params=state.params, updates=updates, fixed_passes=fixed_param_pass_count(c.loss, updates),
-              row_shards=shards, chunks=chunk_count(spec.batch_size // (spec.num_minibatches * shards), 1,
+              row_shards=shards, chunks=chunk_count(spec.rl.batch_size // (spec.rl.num_minibatches * shards), 1,
                                                     c.rl.microbatch_rows),
               trained_param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.params)))
   return programs, info

@@ -10,6 +10,7 @@ rules across sections.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -335,9 +336,9 @@ class Sampler:
                        "page_size)")
   forced_lengths: ForcedLengths = Section(ForcedLengths)
 
-  @property
+  @functools.cached_property
   def sampling(self) -> SamplingParams:
-    """The distribution the sampler draws from (the learner scores every token under it)."""
+    """The distribution the sampler draws from (the learner scores every token under it), made once."""
     return SamplingParams(self.temperature, self.top_k, self.top_p)
 
   def check(self):

@@ -1,5 +1,7 @@
 """Packing: layout, errors, and a packed train step equal to the unpacked one on the same samples."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +170,7 @@ def test_packed_minibatches_hold_their_own_samples():
   """Row r of a packed batch holds only samples of mini-batch r % M (sample i is in mini-batch i % M), every sample
   once; RunSpec.make_batch shuffles the samples by (seed, step) first, the same way packed or not."""
   from jaxrl.controller.spec import RunSpec
+  from jaxrl.settings import RL, Sampler, Task
   rs = rollouts(seed=5)
   index = {np.float32(r.reward).item(): i for i, r in enumerate(rs)}
   assert len(index) == N
@@ -175,8 +178,9 @@ def test_packed_minibatches_hold_their_own_samples():
     rows = _rewards_by_row(pack_batch(rs, L, (6, 12), G, num_minibatches=m))
     assert all(index[x] % m == r % m for r, row in enumerate(rows) for x in row)
     assert sorted(index[x] for row in rows for x in row) == list(range(N))
-  spec = dict(num_steps=1, group_size=4, groups_per_step=3, seq_len=L, seed=7, num_minibatches=2, max_segments=G)
-  plain, packed = RunSpec(**spec), RunSpec(**spec, pack=True, row_buckets=(6, 12))
+  rl = RL(group_size=4, groups_per_step=3, seq_len=L, num_minibatches=2, max_segments=G)
+  spec = dict(sampler=Sampler(), task=Task(), num_steps=1, seed=7)
+  plain, packed = RunSpec(rl=rl, **spec), RunSpec(rl=dataclasses.replace(rl, pack=True), **spec, row_buckets=(6, 12))
   minibatches = lambda batch: [sorted(x for row in _rewards_by_row(batch)[j::2] for x in row) for j in range(2)]
   assert minibatches(plain.make_batch(rs, 3)) == minibatches(packed.make_batch(rs, 3))
   assert minibatches(plain.make_batch(rs, 3)) == minibatches(plain.make_batch(rs, 3))

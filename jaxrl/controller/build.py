@@ -107,23 +107,16 @@ def max_staleness(mode: str, rl: settings.RL) -> int:
 
 
 def run_spec(c: RunConfig, rows_unit: int = 1) -> RunSpec:
-  """The loop sizes of a config (sync mode is the pipeline with max_staleness 0); packed row counts are multiples
-  of rows_unit (the learner's batch devices, rows_unit(learner mesh)) times rl.num_minibatches, so that every
-  mini-batch of a packed batch splits evenly over those devices too."""
-  sampling = c.loss.sampling  # the sampler settings' SamplingParams, made once by config.validate
-  batch_size = c.rl.group_size * c.rl.groups_per_step
-  unit = rows_unit * c.rl.num_minibatches
-  return RunSpec(num_steps=c.num_steps, group_size=c.rl.group_size, groups_per_step=c.rl.groups_per_step,
-                 seq_len=c.rl.seq_len, max_staleness=max_staleness(c.mode, c.rl),
-                 auto_staleness=c.rl.auto_staleness if c.mode == "pipeline" and c.rl.max_staleness == "auto" else None,
-                 queue_groups=c.rl.queue_groups, max_new_tokens=c.sampler.max_new_tokens, sampling=sampling,
-                 seed=c.seed, max_failures_in_a_row=c.rl.max_failures_in_a_row, pack=c.rl.pack,
-                 max_segments=c.rl.max_segments, row_buckets=row_buckets(batch_size, unit) if c.rl.pack else (),
-                 num_minibatches=c.rl.num_minibatches, filter_groups=c.rl.filter_groups,
-                 max_filtered_in_a_row=c.rl.max_filtered_in_a_row,
-                 routing=_routing(model_config(c.model, c.sampler.max_len)),
-                 pass_rate_window=c.task.pass_rate_filter,
-                 pass_rate_aside_positions=c.task.pass_rate_aside_steps * c.rl.groups_per_step)
+  """The loops' spec of a config: its rl, sampler and task sections and what follows from them (sync mode is the
+  pipeline with max_staleness 0); packed row counts are multiples of rows_unit (the learner's batch devices,
+  rows_unit(learner mesh)) times rl.num_minibatches, so that every mini-batch of a packed batch splits evenly over
+  those devices too."""
+  rl = c.rl
+  buckets = row_buckets(rl.batch_size, rows_unit * rl.num_minibatches) if rl.pack else ()
+  auto = rl.auto_staleness if c.mode == "pipeline" and rl.max_staleness == "auto" else None
+  return RunSpec(rl=rl, sampler=c.sampler, task=c.task, num_steps=c.num_steps, seed=c.seed,
+                 max_staleness=max_staleness(c.mode, rl), auto_staleness=auto, row_buckets=buckets,
+                 routing=_routing(model_config(c.model, c.sampler.max_len)))
 
 
 def _routing(cfg: ModelConfig) -> tuple[int, int] | None:
@@ -204,7 +197,7 @@ def learner_step(rl: settings.RL, loss: LossConfig, optimizer, mesh, graphdef, p
   state_sh = train_state_shardings(params, optimizer, _param_shardings(mesh)(params), mesh,
                                    with_ref=needs_ref_pass(loss), frozen=frozen, frozen_shardings=frozen_sh)
   rows = sharding.batch_sharding(mesh, sharding.LEARNER_RULES)
-  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=loss, batch_size=spec.batch_size,
+  step_config = StepConfig(model=graphdef, optimizer=optimizer, loss=loss, batch_size=spec.rl.batch_size,
                            seq_len=rl.seq_len, num_minibatches=rl.num_minibatches, num_epochs=rl.num_epochs,
                            batch_sharding=rows, row_buckets=spec.row_buckets, logprob_chunk=rl.logprob_chunk,
                            atomic=rl.atomic_step, microbatch_rows=rl.microbatch_rows)
@@ -265,10 +258,10 @@ def compile_rebuilds(engine: Engine, params) -> None:
 def train_step_batches(spec: RunSpec, seq_len: int) -> list:
   """An empty batch of every shape the run's train step can see (spec.make_batch's): every packed row bucket when
   packing, else the padded batch of batch_size rows."""
-  if spec.pack:
-    batches = [pack_batch([], seq_len, (b,), spec.max_segments) for b in spec.row_buckets or (spec.batch_size,)]
+  if spec.rl.pack:
+    batches = [pack_batch([], seq_len, (b,), spec.rl.max_segments) for b in spec.row_buckets or (spec.rl.batch_size,)]
   else:
-    batches = [make_batch([], spec.batch_size, seq_len)]
+    batches = [make_batch([], spec.rl.batch_size, seq_len)]
   return [with_routing(b, spec.routing) for b in batches]
 
 

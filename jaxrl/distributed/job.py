@@ -153,9 +153,9 @@ class JobChannels:
   def _sampler(self, c: settings.RunConfig, side: sides.SamplerSide) -> SamplerProcess:
     rank, num_samplers = self.roles.sampler_rank, len(self.replicas)
     spec = build_lib.run_spec(c)
-    coord = StoreCoordinator(self.store, self.topology, RunRecord(), spec.num_steps, spec.group_size,
-                             spec.max_failures_in_a_row, poll_s=self.poll_s)
-    outbox = Outbox(self.store, self.log, rank, spec.queue_groups, c.sampler.max_len,
+    coord = StoreCoordinator(self.store, self.topology, RunRecord(), spec.num_steps, spec.rl.group_size,
+                             spec.rl.max_failures_in_a_row, poll_s=self.poll_s)
+    outbox = Outbox(self.store, self.log, rank, spec.rl.queue_groups, c.sampler.max_len,
                     self.topology.sampler_devices[rank][0], coord.stop, self.poll_s)
     received = ReceivedWeights()
 
@@ -180,8 +180,9 @@ class JobChannels:
     publisher.compile(side.state.params)
     self.store.barrier("learners_compiled", learners)
     spec = side.spec
-    coord = StoreCoordinator(self.store, self.topology, side.record, spec.num_steps, spec.group_size,
-                             spec.max_failures_in_a_row, side.resumed_from, self.poll_s, spec.max_filtered_in_a_row)
+    rl = spec.rl
+    coord = StoreCoordinator(self.store, self.topology, side.record, spec.num_steps, rl.group_size,
+                             rl.max_failures_in_a_row, side.resumed_from, self.poll_s, rl.max_filtered_in_a_row)
     inbox = Inbox(len(self.replicas), coord.stop, self.store if lead else None, self.poll_s)
     loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
                        coord=coord, num_samplers=len(self.replicas), checkpointer=side.checkpointer,
