@@ -36,7 +36,7 @@ from jaxrl import compile_efficiency, hlo, platforms
 from jaxrl import config as config_lib
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
-from jaxrl.distributed import runtime
+from jaxrl.distributed import cli, runtime
 from jaxrl.distributed.job import roles
 from jaxrl.kernels.train_attention import default_implementation
 from jaxrl.learner.step import batch_shardings, batch_shards, chunk_count, fixed_param_pass_count
@@ -99,7 +99,7 @@ def split(c: RunConfig, devices) -> sides.Roles:
   except ValueError as e:
     raise CompileError(f"config: mesh.sampler_devices={c.mesh.sampler_devices} on {len(pool)} chips of "
                        f"{len({d.process_index for d in pool})} hosts: {e}") from None
-  config_lib.validate_job(c, topology.devices_per_process())
+  cli.validate_job(c, topology.devices_per_process())
   return roles(topology)
 
 
@@ -395,7 +395,7 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
                  train_attention=_train_attention(model_cfg, c.rl.seq_len, learner_mesh),
                  decode_attention=getattr(engine, "attention", "xla"), remat=model_cfg.remat,
                  lora=model_cfg.lora is not None),
-      run=dict(batch_rows=info["spec"].batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
+      run=dict(batch_rows=info["spec"].rl.batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
                num_epochs=c.rl.num_epochs, microbatch_rows=c.rl.microbatch_rows, pack=c.rl.pack,
                max_slots=engine.max_slots, max_len=engine.max_len, kv=engine.kv, on_update=c.sampler.on_update,
                steps_per_call=engine.steps_per_call, **{k: info[k] for k in (
