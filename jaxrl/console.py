@@ -47,12 +47,18 @@ def phase(what: str) -> Iterator[None]:
 
 
 def count(what: str, total: int) -> Callable[[int], None]:
-  """A callback done -> None that redraws 'jaxrl: <what> [#####.....] done/total' (on the last, the seconds)."""
+  """A callback done -> None that redraws 'jaxrl: <what> [#####.....] done/total' when done changed (on the last,
+  the seconds)."""
   stream, t0 = _STREAM.get(), time.monotonic()
   if stream is None or total <= 0:
     return lambda done: None
 
+  drawn = [None]
+
   def update(done: int) -> None:
+    if done == drawn[0]:  # e.g. a decode step that finished nothing
+      return
+    drawn[0] = done
     filled = BAR_WIDTH * done // total
     end = f" {time.monotonic() - t0:.1f} s\n" if done >= total else ""
     print(f"\rjaxrl: {what} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{total}{end}", end="", file=stream,

@@ -49,6 +49,7 @@ def test_the_first_minute_is_said_only_where_shown_with_a_bar_for_counts(capsys,
       pass
     tick = console.count("eval", 4)
     tick(1)
+    tick(1)  # unchanged: not drawn again
     tick(4)
     console.note("training")
   assert buf.getvalue() == ("jaxrl: loading ... 1.0 s\n"

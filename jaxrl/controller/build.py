@@ -284,10 +284,9 @@ class CompiledSteps:
     batches = train_step_batches(spec, seq_len)
     compiling = console.count("compiling the train step for each batch shape", len(batches))
     for i, empty in enumerate(batches):
-      compiling(i)
       batch = place(empty)
       self.compiled[_shapes(batch)] = train_step.lower(state, batch, key).compile()
-    compiling(len(batches))
+      compiling(i + 1)
 
   def __call__(self, state, batch, key):
     batch = self.place(batch)

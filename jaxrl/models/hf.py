@@ -165,7 +165,6 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
   loaded = {}
   loading = console.count(f"loading {path.name}'s weights", len(flat))
   for key, var in flat.items():
-    loading(len(loaded))
     key = tuple(str(k) for k in key)
     entry = entries.get(key)
     if entry is None:
@@ -183,7 +182,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
     else:
       arr = jax.numpy.asarray(host)
     loaded[key] = arr
-  loading(len(loaded))
+    loading(len(loaded))
   params = nnx.from_flat_state({k: flat[tuple(k)].replace(v) for k, v in ((tuple(k), v) for k, v in loaded.items())})
   return cfg, graphdef, params
 
