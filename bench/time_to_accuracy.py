@@ -14,7 +14,8 @@ an evaluation). A checkpoint's time is its run's summed step seconds up to it (m
 and compilation left out, the same for every variant), its tokens the samplers' generated tokens so far. The target
 of a seed is the accuracy plain sync ends at; a variant's time to target is its first checkpoint at or above it.
 JSON to bench/results/time_to_accuracy_<config>.json, plots of accuracy against seconds and against generated
-tokens beside it (PNG, not committed).
+tokens beside it (PNG, not committed); `--plot=JSON` draws a saved report's into docs/img (committed, shown in
+docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -112,23 +113,26 @@ def run_seed(config: str, seed: int, steps: int, every: int, num_examples: int, 
 
 
 def plot(seeds: list[dict], path: Path) -> None:
+  """Held-out accuracy against summed step seconds and against generated tokens: a row of two panels per seed,
+  a line per variant, the seed's target (plain sync's final accuracy) dashed."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for result in seeds:
+  fig, axes = plt.subplots(len(seeds), 2, figsize=(11, 3.6 * len(seeds)), squeeze=False)
+  for row, result in zip(axes, seeds, strict=True):
     for name, run in result["runs"].items():
-      for ax, x in zip(axes, ("seconds", "tokens"), strict=True):
-        ax.plot([p[x] for p in run["points"]], [p["accuracy"] for p in run["points"]], marker="o",
-                label=f"{name} (seed {result['seed']})")
-  for ax, x in zip(axes, ("summed step seconds", "generated tokens"), strict=True):
-    ax.set_xlabel(x)
-    ax.set_ylabel("greedy held-out accuracy")
-  axes[0].legend(fontsize=7)
+      for ax, x in zip(row, ("seconds", "tokens"), strict=True):
+        ax.plot([p[x] for p in run["points"]], [p["accuracy"] for p in run["points"]], marker="o", label=name)
+    for ax, x in zip(row, ("summed step seconds", "generated tokens"), strict=True):
+      ax.axhline(result["target"], color="grey", linestyle="--", linewidth=0.8)
+      ax.set_xlabel(x)
+      ax.set_ylabel(f"greedy held-out accuracy (seed {result['seed']})")
+    row[0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=80)
 
 
 def main(argv=None) -> None:
@@ -141,7 +145,13 @@ def main(argv=None) -> None:
   p.add_argument("--variants", default=",".join(VARIANTS))
   p.add_argument("--out", default=None)
   p.add_argument("--extra", action="append", default=[], help="a --config.x=y flag for every run (repeatable)")
+  p.add_argument("--plot", default=None, help="only draw this saved report's plot (a JSON of this bench) to "
+                 "docs/img/<its name>.png, the plot docs/BENCHMARKS.md shows")
   args = p.parse_args(argv)
+  if args.plot:
+    report = Path(args.plot)
+    plot(json.loads(report.read_text())["seeds"], headline.ROOT / "docs" / "img" / report.with_suffix(".png").name)
+    return
   variants = tuple(args.variants.split(","))
   if "sync" not in variants or not set(variants) <= set(VARIANTS):
     raise SystemExit(f"--variants: a subset of {list(VARIANTS)} holding sync (the target), got {variants}")

@@ -379,6 +379,13 @@ GUARD = (
     Mutation("pass-rate filter: a resumed sampler starts from an empty table", "jaxrl/controller/sampler_loop.py",
              "copy.deepcopy(coord.resumed_pass_rate))", "{})",
              (FILTER_T + "the_pass_rate_filter_sets_prompts_aside_counted_and_its_table_survives_resume",)),
+    Mutation("dynamic sampling: a resumed run learns the filter rate again", "jaxrl/controller/sampler_loop.py",
+             "    self.rejected_groups, self.finished_groups = coord.resumed_filter\n", "",
+             (BOOK + "a_resumed_run_starts_over_asking_at_the_filter_rate_its_checkpoint_counted",)),
+    Mutation("pass-rate filter: a job's samplers resume with an empty table", "jaxrl/distributed/cross_process.py",
+             '"pass_rate": copy.deepcopy(record.pass_rate),', '"pass_rate": {},',
+             ("tests/test_distributed.py::test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_"
+              "position_no_sampler_reached",)),
     Mutation("pass-rate filter: a set-aside prompt counted as a failure", "jaxrl/controller/coordinator.py",
              "if isinstance(skipped, SetAside):", "if False:",
              ("tests/test_controller_pass_rate.py::test_a_set_aside_prompt_is_skipped_and_counted_but_is_no_failure",)),

@@ -4,7 +4,13 @@ never trains a token over the bound, and trains exactly the lengths that were ge
 import numpy as np
 import pytest
 
-from jaxrl.controller.assembly import MAX_OVER_ASK, DeadlineBook, over_ask, reject_reason
+from jaxrl import settings
+from jaxrl.controller.assembly import MAX_OVER_ASK, DeadlineBook, over_ask, reject_reason, scored_groups
+from jaxrl.controller.coordinator import LocalCoordinator
+from jaxrl.controller.interfaces import Asks
+from jaxrl.controller.ledger import Ledger
+from jaxrl.controller.sampler_loop import SamplerLoop
+from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.rollout import Rollout
 
 GROUP_SIZE, GROUPS_PER_STEP, SLOTS = 2, 4, 16
@@ -150,6 +156,34 @@ def test_over_ask_is_the_inverse_kept_fraction_with_a_prior_within_bounds():
   assert over_ask(99, 100) == MAX_OVER_ASK == 4.0
   with pytest.raises(ValueError, match=r"rejected=3 groups must be within \[0, finished=2\]"):
     over_ask(3, 2)
+
+
+def _resumed_record() -> RunRecord:
+  """A checkpoint's run record after 3 trained groups of 4, 4 filtered, 1 too long, 1 surplus and 1 whose update
+  was skipped (10 settled, 5 of them not trainable)."""
+  ledger = Ledger(samples_trained=12)
+  for reason, groups in (("filtered", 4), ("too_long", 1), ("surplus", 1), ("update_skipped", 1)):
+    ledger.dropped[reason] = 4 * groups
+  return RunRecord(next_group_id=11, ledger=ledger)
+
+
+def test_a_resumed_run_starts_over_asking_at_the_filter_rate_its_checkpoint_counted():
+  assert scored_groups(_resumed_record().ledger, group_size=4) == (5, 10)
+  assert scored_groups(Ledger(), group_size=4) == (0, 0)
+  coord = LocalCoordinator(_resumed_record(), num_steps=10, group_size=4, max_failures_in_a_row=9)
+  assert coord.resumed_filter == (5, 10)
+
+  class Sampler:  # what the loop reads before its first admission
+    version = 3
+
+  for filter_groups, expected in (("zero_variance", over_ask(5, 10)), ("none", 1.0)):
+    rl = settings.RL(group_size=4, groups_per_step=2, seq_len=8, filter_groups=filter_groups)
+    spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10)
+    loop = SamplerLoop(spec, sampler=Sampler(), prompts=None, score=None, rollouts=None, weights=None, coord=coord)
+    coord.stop.set()  # the loop sets itself up and returns before its first admission
+    loop.run()
+    assert loop.book.over_ask == pytest.approx(expected) and coord.progress() == Asks(0, 0, None)
+  assert over_ask(5, 10) == pytest.approx(11 / 6)  # nearly twice the places, not the fresh start's one
 
 
 def test_over_asked_groups_beyond_the_places_are_surplus_at_their_deadline():

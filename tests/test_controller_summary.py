@@ -129,12 +129,13 @@ def test_both_coordinators_implement_every_verb_of_the_protocol_and_keep_their_l
   from jaxrl.distributed.cross_process import StoreCoordinator
 
   verbs = _protocol_members()
+  data = ("stop", "ledger", "resumed_pass_rate", "resumed_filter")  # members an instance sets
   assert {"admit", "settle", "fail", "update_done", "checkpoint_record", "progress", "request_stop"} <= verbs
   for impl in (LocalCoordinator, StoreCoordinator):
-    missing = [v for v in verbs if not hasattr(impl, v) and v not in ("stop", "ledger", "resumed_pass_rate")]
+    missing = [v for v in verbs if not hasattr(impl, v) and v not in data]
     assert not missing, (impl.__name__, missing)
   local = LocalCoordinator(RunRecord(), num_steps=1, group_size=1, max_failures_in_a_row=1)
-  assert isinstance(local.ledger, Ledger)
+  assert isinstance(local.ledger, Ledger) and all(hasattr(local, name) for name in data)
   # The lock, the record and the admission state are private: no loop can take them.
   private = ("lock", "record", "live", "skipped", "regenerate", "unadmitted", "failures", "next_group")
   assert not [name for name in private if hasattr(local, name)]

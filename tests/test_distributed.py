@@ -4,6 +4,7 @@ The multi-process runs themselves are in test_distributed_multiprocess.py.
 """
 
 import collections
+import copy
 import dataclasses
 import os
 import re
@@ -466,17 +467,24 @@ def test_a_checkpoint_record_holds_every_admitted_unsettled_group_and_every_posi
   learner = Topology.split(2, devices, process_id=0)
   record = RunRecord(next_group_id=9, pending_group_ids=[5, 7])
   record.ledger.groups_admitted = 8
+  # the pass-rate table saved with the checkpoint (task.pass_rate_filter): a prompt set aside below position 20
+  table = {"alike": {"a1": 1}, "until": {"b2": 20}}
+  record.pass_rate = copy.deepcopy(table)
+  record.ledger.samples_trained, record.ledger.dropped["filtered"] = 8, 12  # 2 groups trained, 3 filtered
   store = DictStore()
   lead = StoreCoordinator(store, learner, record, num_steps=10, group_size=4, max_failures_in_a_row=9)
   lead.learner_started(version=2, fresh=False)
-  assert store.values["resume"] == {"version": 2, "fresh": False, "base": 10, "admit_k": None, "pass_rate": {},
-                                    "regenerate": [[], [5, 7]], "unadmitted": [[], [9]]}
+  assert store.values["resume"] == {"version": 2, "fresh": False, "base": 10, "admit_k": None, "pass_rate": table,
+                                    "filter": (3, 5), "regenerate": [[], [5, 7]], "unadmitted": [[], [9]]}
   assert record.ledger.samples_regenerated == 8  # 2 groups of 4
 
   sampler1 = StoreCoordinator(store, Topology.split(2, devices, process_id=2), RunRecord(), num_steps=10,
                               group_size=4, max_failures_in_a_row=9, poll_s=0.01)
   sampler1.sampler_started()
   sampler1.stop.set()  # its thread that follows the asks
+  # a sampler process starts its own pass-rate table from the one the learners resumed from, not from nothing
+  assert sampler1.resumed_pass_rate == table and sampler1.resumed_pass_rate is not record.pass_rate
+  assert sampler1.resumed_filter == (3, 5)  # over-asking starts at the run's filter rate (assembly.scored_groups)
   admitted = []
   for _ in range(5):
     sampler1.admit(lambda gid, again: admitted.append(gid))

@@ -42,6 +42,18 @@ def over_ask(rejected: int, finished: int) -> float:
   return min(MAX_OVER_ASK, (finished + 1) / (finished - rejected + 1))
 
 
+# The reasons reject_reason gives for a group that is not trainable (a surplus group was trainable: left out later)
+REJECTED = ("reward_failed", "too_long", "filtered")
+
+
+def scored_groups(ledger, group_size: int) -> tuple[int, int]:
+  """(rejected, finished): the groups a run had scored and of those the ones not trainable, as its checkpointed
+  ledger counts them (every settled group: trained, or dropped with its reason). A resumed run's samplers start
+  over_ask from these, so that they do not learn the filter rate again from nothing."""
+  settled = (ledger.samples_trained + ledger.samples_dropped) // group_size
+  return sum(ledger.dropped.get(r, 0) for r in REJECTED) // group_size, settled
+
+
 def scored_alike(group: list[Rollout]) -> bool:
   """Every reward of the scored group is equal: its advantages are all zero, it carries no policy gradient (what
   rl.filter_groups="zero_variance" filters, the pass-rate filter counts and the ledger's zero_advantage_groups)."""

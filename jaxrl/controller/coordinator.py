@@ -13,6 +13,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from jaxrl.controller.assembly import scored_groups
 from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.ledger import Ledger
 from jaxrl.controller.pass_rate import SetAside
@@ -79,6 +80,9 @@ class Coordination:
     # The pass-rate table resumed from: the record's own on the learner side (its table changes it in place, so the
     # checkpoint holds it); a sampler process's comes with the learner's resume point (sampler_started)
     self.resumed_pass_rate: dict = record.pass_rate
+    # (rejected, finished) groups the run had scored when it resumed (assembly.scored_groups): where over_ask starts;
+    # set by a coordinator that knows the group size (a sampler process's: with the resume point)
+    self.resumed_filter: tuple[int, int] = (0, 0)
     self._wake = threading.Event()
     self.stop = threading.Event()  # set by any end: the last step, a stop request, an error
     self.abort = threading.Event()  # set by an error only
@@ -193,6 +197,7 @@ class LocalCoordinator(Coordination):
     self._regenerate = list(record.pending_group_ids)
     self._unadmitted = list(record.unadmitted_group_ids)
     self.ledger.samples_regenerated += len(self._regenerate) * group_size
+    self.resumed_filter = scored_groups(self.ledger, group_size)
     self._asks = Asks(0, 0, None)
     self._costs: dict | None = None  # the sampler's last posted costs (sending)
 

@@ -63,6 +63,8 @@ class Coordinator(Protocol):
   stop: threading.Event  # set by any end of the run (the last step, a stop request, an error); channels wait on it
   resumed_pass_rate: dict  # the pass-rate table's state the run resumed from (RunRecord.pass_rate; a sampler
   #                          process: from the learner's resume point, once sampler_started returned)
+  resumed_filter: tuple[int, int]  # (rejected, finished) groups scored when the run resumed: over_ask's start (a
+  #                                  sampler process: from the resume point too)
   ledger: Ledger  # the run's counts: the verbs count what a checkpoint must see with the data position; each loop
   #                 adds what it alone sees (samples generated, reward failures, zero-advantage groups) and reads
   #                 the rest for its metrics

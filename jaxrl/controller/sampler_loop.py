@@ -40,7 +40,8 @@ class SamplerLoop:
     self.assembler = GroupAssembler()
     self.busy = 0.0
     self._outbox: list[list[Rollout]] = []  # complete groups not put on the channel yet
-    self.finished_groups = self.rejected_groups = 0  # scored here, and of those not trainable (over_ask's rate)
+    # groups scored (here, and by the run before its resume) and of those not trainable: over_ask's rate
+    self.finished_groups = self.rejected_groups = 0
     self.pass_rate: PassRateTable | None = None  # task.pass_rate_filter: made when the loop starts
 
   @property
@@ -54,6 +55,9 @@ class SamplerLoop:
                                 copy.deepcopy(coord.resumed_pass_rate))
     self.book = DeadlineBook(spec.max_staleness, self.share, self.sampler.version, spec.num_steps,
                              spec.rl.queue_groups // self.num_samplers)
+    # a resumed run's filter rate so far, not a fresh estimate (the groups this sampler scores add to it)
+    self.rejected_groups, self.finished_groups = coord.resumed_filter
+    self._over_ask()
     skipped_at_start = coord.progress().updates_skipped
     while not coord.stop.is_set():
       t0 = time.perf_counter()
@@ -96,6 +100,9 @@ class SamplerLoop:
         self._outbox.append(g)
         self.rejected_groups += 1
       self.finished_groups += 1
+    self._over_ask()
+
+  def _over_ask(self) -> None:
     if self.spec.rl.filter_groups != "none":
       self.book.over_ask = over_ask(self.rejected_groups, self.finished_groups)
 

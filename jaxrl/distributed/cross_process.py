@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrl.controller.assembly import scored_groups
 from jaxrl.controller.coordinator import Coordination
 from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.rollouts import Stopped
@@ -310,6 +311,7 @@ class StoreCoordinator(Coordination):
     self.ledger.samples_regenerated += len(record.pending_group_ids) * self.group_size
     self._resume = {"version": version, "fresh": fresh, "base": base, "admit_k": self._admit_k,
                     "pass_rate": copy.deepcopy(record.pass_rate),
+                    "filter": scored_groups(record.ledger, self.group_size),
                     "regenerate": [sorted(g for g in record.pending_group_ids if g % num == r) for r in range(num)],
                     "unadmitted": [[g for g in unadmitted if g % num == r] for r in range(num)]}
     self.store.set("resume", self._resume)
@@ -375,6 +377,7 @@ class StoreCoordinator(Coordination):
     self._regenerate, self._unadmitted = list(resume["regenerate"][rank]), list(resume["unadmitted"][rank])
     self._asks = Asks(0, 0, resume["admit_k"])
     self.resumed_pass_rate = resume["pass_rate"]
+    self.resumed_filter = tuple(resume["filter"])
     threading.Thread(target=self.guarded, args=("asks", self._watch_asks), name="jaxrl-asks", daemon=True).start()
     return resume
 
