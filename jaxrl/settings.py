@@ -79,7 +79,8 @@ class Setting:
   def allowed(self) -> str:
     """The values it takes, in words."""
     if self.kind == "type":
-      return f"{'a number' if self.ok is float else 'a ' + self.ok.__name__}{' or None' * self.nullable}"
+      kind = {int: "an int", float: "a number", str: "a string", bool: "True or False"}[self.ok]
+      return kind + " or None" * self.nullable
     return {"int": f"an int >= {self.lo}", "real": f"a number {self.what}", "bool": "True or False",
             "choice": f"one of {self.choices}"}.get(self.kind, "see its section's check")
 
@@ -104,7 +105,7 @@ def _of_type(v, kind) -> bool:
 
 def _derived(cls, f) -> Setting:
   """The setting of a field of a class that checks its own values (LossConfig, AutoStaleness)."""
-  return Setting("", f.default, f"{cls.__module__}.{cls.__name__}.{f.name}", "type",
+  return Setting("", f.default, f"see {cls.__name__}.{f.name} in {cls.__module__}", "type",
                  ok=float if f.default is None else type(f.default), nullable="None" in str(f.type))
 
 
