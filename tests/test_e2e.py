@@ -220,7 +220,7 @@ def test_generate_holds_a_lora_policys_base_as_a_runs_sampler_and_generates_as_t
   (engine,) = built
   assert engine.base is not None  # the base, held once
   monkeypatch.setattr(generate, "_sampler_params", lambda policy: (policy.params, None))
-  monkeypatch.setattr(sides, "sampler_engine", lambda c, cfg, mesh, path, base, **kw: real(c, cfg, mesh, **kw))
+  monkeypatch.setattr(sides, "sampler_engine", lambda c, cfg, mesh, path, base, **kw: real(c.sampler, cfg, mesh, **kw))
   _cli(generate.main, [*argv, f"--output={tmp_path / 'merged.jsonl'}"])
   held, merged = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
                   for n in ("held", "merged"))
