@@ -45,12 +45,14 @@ def learner_rows(c, repeats: int) -> list[dict]:
   from jaxrl.learner.packing import pack_batch
 
   mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), jax.devices()[:1])
-  path = build_lib.model_source(c)[2]
+  path = build_lib.model_source(c.model, c.sampler.max_len)[2]
   out, steps = [], {}
   for name, rows, unroll in (("whole", 0, 1), ("chunk_6", 6, 1), ("chunk_6_unrolled", 6, c.model.tiny.num_layers)):
     cc = config_lib.replace(c, rl__microbatch_rows=rows, model__scan_unroll=unroll)
     spec = build_lib.run_spec(cc, build_lib.rows_unit(mesh))
-    learner = build_lib.build_learner(cc, mesh, build_lib.model_source(cc)[0], path, spec)
+    learner = build_lib.build_learner(mesh, build_lib.model_source(cc.model, cc.sampler.max_len)[0], path, spec,
+                                      seed=cc.seed, rl=cc.rl, loss=cc.loss,
+                                      optimizer=build_lib.run_optimizer(cc.optimizer, cc.rl, cc.num_steps))
     steps[name] = (learner, spec)
   key = jax.random.key(0)
   for bucket in steps["whole"][1].row_buckets:
@@ -82,10 +84,10 @@ def admissions(c, repeats: int, group: int = 4) -> dict:
   from jaxrl.rollout import SamplingParams
   from jaxrl.sampler.samples import sample_key_data
 
-  model_cfg, _, path = build_lib.model_source(c)
+  model_cfg, _, path = build_lib.model_source(c.model, c.sampler.max_len)
   mesh = sharding.make_mesh(c.mesh.sampler_axes.to_dict(), jax.devices()[:1])
-  engine = build_lib.build_engine(c, model_cfg, mesh)
-  _, _, params = build_lib.base_params(c, model_cfg, path,
+  engine = build_lib.build_engine(c.sampler, model_cfg, mesh)
+  _, _, params = build_lib.base_params(c.seed, model_cfg, path,
                                        lambda p: sharding.param_shardings(p, mesh, sharding.SAMPLER_RULES))
   placed = engine.place(params, 0)
   prefix = engine.prefill(placed, np.array([3, 1, 4, 1], np.int32))

@@ -162,9 +162,9 @@ def pipeline_run(workdir: Path, steps: int, hidden: int, lora_on: bool, rank: in
   records = read_jsonl(workdir / "metrics.jsonl")[1:]
   c = _pipeline_config(hidden)
   c.model.lora.update(dict(enabled=lora_on, rank=rank, alpha=2.0 * rank))
-  cfg = model_source(c)[0]
+  cfg = model_source(c.model, c.sampler.max_len)[0]
   abstract = hf.abstract_params(cfg)[1]
-  moved = lora.split(abstract)[0] if lora_config(c) is not None else abstract
+  moved = lora.split(abstract)[0] if lora_config(c.model.lora) is not None else abstract
   updates = [r["sampler/update_seconds"] for r in records]
   return dict(lora=lora_on, params=sum(x.size for x in jax.tree.leaves(abstract)), publish_bytes=nbytes(moved),
               publish_s=float(np.median([r["publish_s"] for r in records])),

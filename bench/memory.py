@@ -40,21 +40,22 @@ def step_memory(remat: bool, logprob_chunk: int, atomic: bool = True, fused: boo
   c = get_config()
   c.model.remat, c.rl.logprob_chunk = remat, logprob_chunk
   c = config_lib.validate(c)
-  cfg = build_lib.model_source(c)[0]
+  cfg = build_lib.model_source(c.model, c.sampler.max_len)[0]
   learner_mesh = sharding.make_mesh(c.mesh.learner_axes.to_dict(), sharding.split_devices(1, jax.devices()[:2])[0])
   spec = build_lib.run_spec(c)
   graphdef, abstract = hf.abstract_params(cfg)
-  state = build_lib.abstract_train_state(c, abstract, learner_mesh)
+  optimizer = build_lib.run_optimizer(c.optimizer, c.rl, c.num_steps)
+  state = build_lib.abstract_train_state(c.seed, c.loss, optimizer, abstract, learner_mesh,
+                                         adapters=cfg.lora is not None)
   state_sh = jax.tree.map(lambda x: x.sharding, state)
   rows = sharding.batch_sharding(learner_mesh, sharding.LEARNER_RULES)
-  optimizer = build_lib.run_optimizer(c)
-  loss = dataclasses.replace(c.loss, sampling=spec.sampling)
+  loss = dataclasses.replace(c.loss, sampling=spec.sampler.sampling)
   step = jit_train_step(StepConfig(model=graphdef, optimizer=optimizer if fused else optimizer.chain, loss=loss,
-                                   batch_size=spec.batch_size, seq_len=c.rl.seq_len,
+                                   batch_size=spec.rl.batch_size, seq_len=c.rl.seq_len,
                                    num_minibatches=c.rl.num_minibatches, batch_sharding=rows,
                                    logprob_chunk=logprob_chunk, atomic=atomic), state_sh)
-  bl = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size, c.rl.seq_len), dtype)
-  b = lambda dtype: jax.ShapeDtypeStruct((spec.batch_size,), dtype)
+  bl = lambda dtype: jax.ShapeDtypeStruct((spec.rl.batch_size, c.rl.seq_len), dtype)
+  b = lambda dtype: jax.ShapeDtypeStruct((spec.rl.batch_size,), dtype)
   i32, f32 = jnp.int32, jnp.float32
   batch = Batch(bl(i32), bl(i32), bl(i32), bl(f32), bl(f32), bl(i32), b(f32), b(i32), b(f32))
   t = time.perf_counter()
@@ -74,7 +75,7 @@ def _whole_array(x):
 
 def checksum_memory(rounds: int) -> dict:
   c = config_lib.validate(get_config())
-  cfg = build_lib.model_source(c)[0]
+  cfg = build_lib.model_source(c.model, c.sampler.max_len)[0]
   params = jax.tree.leaves(hf.abstract_params(cfg)[1])
   state = params * 3  # params and two Adam moments
   out = {"state_gb": sum(x.size * x.dtype.itemsize for x in state) / 1e9}

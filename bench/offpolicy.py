@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxrl.config import override
-from jaxrl.controller.adaptive import AdaptiveStaleness, AutoStaleness
+from jaxrl.controller.adaptive import AdaptiveStaleness
 from jaxrl.rollout import make_batch
 from jaxrl.sampler import Sampler
 from jaxrl.train import build
@@ -69,7 +69,8 @@ def _sample(prompts, score, spec, sampler, group_ids):
   """Every group of `group_ids` drawn by `sampler` and scored; the samples in group order."""
   for gid in group_ids:
     prompt, meta = prompts(gid)
-    sampler.submit(prompt, gid, spec.group_size, meta=meta, sampling=spec.sampling, max_tokens=spec.max_new_tokens)
+    sampler.submit(prompt, gid, spec.rl.group_size, meta=meta, sampling=spec.sampler.sampling,
+                   max_tokens=spec.sampler.max_new_tokens)
   out = []
   while sampler.num_active or sampler.num_waiting:
     out += sampler.step()
@@ -94,7 +95,7 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
       finals, trained, wall = [], [], 0.0
       mean_ks = []
       for seed in range(seeds):
-        adaptive = AdaptiveStaleness(AutoStaleness(**run.config.rl.auto_staleness)) if k == "auto" else None
+        adaptive = AdaptiveStaleness(run.config.rl.auto_staleness) if k == "auto" else None
         ctl.state = _copy(init)
         history = [jax.tree.map(jnp.copy, ctl.state.params)]
         sampler = Sampler(run.sampler_side.engine, history[0], 0, seed=1000 + seed)
@@ -107,8 +108,8 @@ def forced_runs(objective: str, ks: list[int], steps: int, seeds: int) -> dict:
           v = max(0, s - k_now, sampler.version)  # versions never go back (k may fall by one)
           if v > sampler.version:
             sampler.update_params(history[v], v)
-          gids = [seed * 10**6 + s * spec.groups_per_step + i for i in range(spec.groups_per_step)]
-          batch = make_batch(_sample(prompts, score, spec, sampler, gids), spec.batch_size, spec.seq_len)
+          gids = [seed * 10**6 + s * spec.rl.groups_per_step + i for i in range(spec.rl.groups_per_step)]
+          batch = make_batch(_sample(prompts, score, spec, sampler, gids), spec.rl.batch_size, spec.rl.seq_len)
           ctl.state, m = ctl.train_step(ctl.state, batch, jax.random.fold_in(jax.random.key(seed), s))
           rewards.append(float(m["reward_mean"]))
           if adaptive:
@@ -144,7 +145,7 @@ def pipeline_run(max_staleness, steps: int) -> dict:
   warm = 3
   seconds = marks[-1][0] - marks[warm - 1][0]
   rewards = [m["reward_mean"] for _, m in marks]
-  return {"samples_per_s": (len(marks) - warm) * ctl.spec.batch_size / seconds,
+  return {"samples_per_s": (len(marks) - warm) * ctl.spec.rl.batch_size / seconds,
           "reward_last3": float(np.mean(rewards[-3:])), "staleness_mean": float(np.mean(ctl.trained_staleness)),
           "admit_staleness": [m.get("admit_staleness") for _, m in marks],
           "ess_applied_frac": [float(m["ess_applied_frac"]) for _, m in marks]}

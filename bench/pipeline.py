@@ -146,7 +146,7 @@ def sampler_alone(bench: Bench, groups: int) -> float:
   t0 = time.perf_counter()
   for g in range(groups):
     sampler.submit(bench.run.controller.sampler_loop.prompts(g)[0], g, c.rl.group_size,
-                   sampling=bench.run.controller.spec.sampling)
+                   sampling=bench.run.controller.spec.sampler.sampling)
   while sampler.num_active or sampler.num_waiting:
     sampler.step()
   return time.perf_counter() - t0

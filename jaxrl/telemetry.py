@@ -213,17 +213,16 @@ def _rates(side: str, flops: int, moved: int, seconds: float, peak: Peak) -> dic
           f"{side}_mfu": flops / seconds / peak.flops, f"{side}_mbu": moved / seconds / peak.bandwidth}
 
 
-def for_run(c, cfg, *, learner_devices: int, sampler_devices: int, sampler_dtype) -> Telemetry:
-  """The Telemetry of a RunConfig (config.validate's) and its model config on this backend; sampler_devices: one
-  sampler replica's."""
-  updates = c.rl.num_minibatches * c.rl.num_epochs
-  work = Work(cfg, seq_len=c.rl.seq_len, epochs=c.rl.num_epochs, updates=updates,
-              fixed_passes=fixed_param_pass_count(c.loss, updates),
-              param_bytes=jnp.dtype(cfg.param_dtype).itemsize,
+def for_run(cfg, rl, loss, sampler, log, *, learner_devices: int, sampler_devices: int, sampler_dtype) -> Telemetry:
+  """The Telemetry of a run's model config and its rl, loss, sampler and log sections on this backend;
+  sampler_devices: one sampler replica's."""
+  updates = rl.num_minibatches * rl.num_epochs
+  work = Work(cfg, seq_len=rl.seq_len, epochs=rl.num_epochs, updates=updates,
+              fixed_passes=fixed_param_pass_count(loss, updates), param_bytes=jnp.dtype(cfg.param_dtype).itemsize,
               sampler_bytes_per_value=jnp.dtype(sampler_dtype).itemsize,
-              sampler_weight_bytes_per_value=1 if c.sampler.weight_dtype == "int8" else None,
-              steps_per_call=c.sampler.steps_per_call)
+              sampler_weight_bytes_per_value=1 if sampler.weight_dtype == "int8" else None,
+              steps_per_call=sampler.steps_per_call)
   device = jax.devices()[0]
-  peak = device_peak(device.device_kind, cfg.dtype, c.log.peak, c.log.peak_flops, c.log.peak_bandwidth)
+  peak = device_peak(device.device_kind, cfg.dtype, log.peak, log.peak_flops, log.peak_bandwidth)
   return Telemetry(work, side_peak(peak, learner_devices, device.platform),
                    side_peak(peak, sampler_devices, device.platform))

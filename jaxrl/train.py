@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from jaxrl import config as config_lib
-from jaxrl import hostmem, platforms
+from jaxrl import console, hostmem, platforms
 from jaxrl.checkpoint import IntegrityError, SaveError
 from jaxrl.controller import auto, sides
 from jaxrl.controller import summary as summary_lib
@@ -62,11 +62,14 @@ def build(c, workdir: str | Path) -> Run:
   """The run of config c (an ml_collections config or a RunConfig, validated here against this host's devices): from
   here on every piece gets the typed RunConfig, or its own section of it. This process holds both sides of the run,
   made by the build of every topology (controller.sides.build) and joined by the in-process channels."""
-  workdir = Path(workdir)
-  c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))
+  return build_run(config_lib.validate(c, workdir, num_devices=len(jax.devices())), Path(workdir))
+
+
+def build_run(c: config_lib.RunConfig, workdir: Path) -> Run:
+  """The run of a validated RunConfig (build's, without checking it again)."""
   config_lib.validate_data_files(c)
   devices = jax.devices() if c.mesh.num_devices == -1 else jax.devices()[: c.mesh.num_devices]
-  built = sides.build(c, workdir, sides.Roles.single(c, devices), LocalChannels())
+  built = sides.build(c, workdir, sides.Roles.single(c.mesh, devices), LocalChannels())
   return Run(c, workdir, built.runner, built.learner, built.sampler)
 
 
@@ -87,7 +90,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
   called from the main thread) stops the run early after saving a checkpoint: the summary then has `stopped_by`
   and fewer steps; the same call resumes it. mode="auto" runs fixed-mode segments chosen by jaxrl.controller.auto."""
   workdir = Path(workdir)
-  c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))  # the typed RunConfig from here on
+  c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))  # once: the typed RunConfig from here on
   if c.mode != "auto":
     summary, _ = _train_fixed(c, workdir, stop_signals)
     summary_lib.write_summary(workdir, summary)
@@ -105,8 +108,7 @@ def train(c, workdir: str | Path, stop_signals: tuple[int, ...] = (signal.SIGTER
 def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evaluate_before: bool = True,
                  evaluate_after: bool = True) -> tuple[dict[str, Any], list[int]]:
   """One fixed-mode run to c.num_steps: (its summary, the completion lengths of the samples it trained)."""
-  run = build(c, workdir)
-  c = run.config
+  run = build_run(c, workdir)
   ctl = run.controller
   evals = {}
   try:
@@ -119,6 +121,7 @@ def _train_fixed(c: config_lib.RunConfig, workdir: Path, stop_signals, *, evalua
   t0 = time.perf_counter()
   finished = False
   evaluate_after = evaluate_after and bool(c.eval.num_examples)
+  console.note(f"training to step {c.num_steps} from step {ctl.version} (the first step includes compiling)")
   try:
     with summary_lib.stop_on_signals(ctl.request_stop, stop_signals,
                                      "jaxrl: {name}: stopping after the current step and saving a checkpoint"):
@@ -165,7 +168,8 @@ def main(argv=None):
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   config_lib.parse_cli("jaxrl-train", argv)  # bad flags end here with one line, before any work
   try:
-    summary = train(flags_def.config, flags_def.workdir)
+    with console.shown(console.for_terminal(flags_def.config.log.progress)):  # a terminal: the first minute, said
+      summary = train(flags_def.config, flags_def.workdir)
   except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError, RewardsBroken) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)

@@ -269,7 +269,7 @@ CONTROLLER = (
              "if len(r.versions) and step - r.min_version >= self.spec.max_staleness]",
              (LOOP + "a_group_at_the_staleness_bound_trains_and_one_past_it_stops_the_step",)),
     Mutation("learner loop: sampling settings not checked", LL,
-             "    check_sampling(samples, self.spec.sampling)\n", "",
+             "    check_sampling(samples, self.spec.sampler.sampling)\n", "",
              (LOOP + "a_group_drawn_with_other_sampling_settings_stops_the_step",)),
     Mutation("learner loop: a skipped update counted as applied", LL,
              "applied = int(jax.device_get(state.version)) > step", "applied = True", (SKIP,)),

@@ -150,4 +150,6 @@ def test_a_task_too_small_for_the_eval_is_a_config_error_at_build(smollm2_dir):
   c.task.kwargs.max_high = 8  # 8 problems (secret in 1..8), a quarter held out: 2 for an eval of 96
   message = r"task 'guess': guess: only \d+ distinct held-out problems found, 96 asked"
   with pytest.raises(config_lib.ConfigError, match=message):
-    build_lib.build_task(config_lib.validate(c), AutoTokenizer.from_pretrained(smollm2_dir), ModelConfig.tiny())
+    cfg = config_lib.validate(c)
+    build_lib.build_task(cfg.task, cfg.seed, cfg.eval.num_examples, AutoTokenizer.from_pretrained(smollm2_dir),
+                         ModelConfig.tiny())

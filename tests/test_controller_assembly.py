@@ -1,11 +1,10 @@
 """Deadline-based batch assembly (controller.assembly): out-of-order completion at k = 0, 1, 2 never drops a group,
 never trains a token over the bound, and trains exactly the lengths that were generated."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
+from jaxrl import settings
 from jaxrl.controller.assembly import MAX_OVER_ASK, DeadlineBook, over_ask, reject_reason, scored_groups
 from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.interfaces import Asks
@@ -177,10 +176,10 @@ def test_a_resumed_run_starts_over_asking_at_the_filter_rate_its_checkpoint_coun
   class Sampler:  # what the loop reads before its first admission
     version = 3
 
-  spec = RunSpec(num_steps=10, group_size=4, groups_per_step=2, seq_len=8, filter_groups="zero_variance")
   for filter_groups, expected in (("zero_variance", over_ask(5, 10)), ("none", 1.0)):
-    loop = SamplerLoop(dataclasses.replace(spec, filter_groups=filter_groups), sampler=Sampler(), prompts=None,
-                       score=None, rollouts=None, weights=None, coord=coord)
+    rl = settings.RL(group_size=4, groups_per_step=2, seq_len=8, filter_groups=filter_groups)
+    spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10)
+    loop = SamplerLoop(spec, sampler=Sampler(), prompts=None, score=None, rollouts=None, weights=None, coord=coord)
     coord.stop.set()  # the loop sets itself up and returns before its first admission
     loop.run()
     assert loop.book.over_ask == pytest.approx(expected) and coord.progress() == Asks(0, 0, None)

@@ -8,6 +8,7 @@ import pytest
 from configs import tiny
 from jaxrl import config as config_lib
 from jaxrl.controller import auto
+from jaxrl.distributed import cli
 
 
 def test_a_measurement_replaces_its_prediction():
@@ -38,17 +39,18 @@ def test_every_segment_trains_on_the_whole_runs_learning_rate_schedule():
 
   c = config_lib.validate(config_lib.override(tiny.get_config(), mode="auto", num_steps=20,
                                               optimizer__warmup_steps=2, rl__num_minibatches=2))
-  whole = run_optimizer(config_lib.replace(c, mode="pipeline")).schedule
+  schedule = lambda cfg: run_optimizer(cfg.optimizer, cfg.rl, cfg.num_steps).schedule
+  whole = schedule(config_lib.replace(c, mode="pipeline"))
   lr = lambda sched: [float(sched(i)) for i in range(2 * 20 + 1)]  # 2 updates a step
   seg = auto.segment_config(c, auto.SYNC, end=5)
-  assert lr(run_optimizer(seg).schedule) == lr(whole)
+  assert lr(schedule(seg)) == lr(whole)
   unfixed = config_lib.replace(seg, optimizer__decay_steps=0)  # the schedule segments had before
-  assert lr(run_optimizer(unfixed).schedule)[14] < lr(whole)[14] / 10
+  assert lr(schedule(unfixed))[14] < lr(whole)[14] / 10
   flags = dict(f[len("--config."):].split("=", 1) for f in segment_flags(seg, first=True, last=False))
   from_flags = config_lib.validate(config_lib.override(
       tiny.get_config(), mode=flags["mode"], num_steps=int(flags["num_steps"]), optimizer__warmup_steps=2,
       rl__num_minibatches=2, optimizer__decay_steps=int(flags["optimizer.decay_steps"])))
-  assert from_flags.num_steps == 5 and lr(run_optimizer(from_flags).schedule) == lr(whole)
+  assert from_flags.num_steps == 5 and lr(schedule(from_flags)) == lr(whole)
 
 
 class _FakeRun:
@@ -79,7 +81,7 @@ def _auto_config(**auto_fields):
   c.mode, c.num_steps = "auto", auto_fields.pop("num_steps")
   for k, v in auto_fields.items():
     c.auto[k] = v
-  return c
+  return config_lib.validate(c)
 
 
 NO_FIT = ValueError("only 2 steps after warm-up saw decode calls: need 3 to fit the decode curve")
@@ -173,7 +175,7 @@ def test_auto_refuses_an_adaptive_bound_and_a_job_process_outside_the_launcher()
   c.rl.max_staleness = 1
   # a job's processes run one fixed-mode segment each: the launcher runs mode="auto" (test_faults_topologies.py)
   with pytest.raises(config_lib.ConfigError, match="runs through jaxrl.distributed.launch"):
-    config_lib.validate_job(config_lib.validate(c), [1, 1])
+    cli.validate_job(config_lib.validate(c), [1, 1])
 
 
 def test_splits_are_candidates_and_a_segment_runs_on_its_split(tmp_path, monkeypatch):
@@ -186,7 +188,7 @@ def test_splits_are_candidates_and_a_segment_runs_on_its_split(tmp_path, monkeyp
   assert auto.segment_config(cfg, auto.SYNC, end=9).mesh.sampler_devices == c.mesh.sampler_devices
   fake = _FakeRun(c, {"sync": 10.0, "pipeline_k1_s2": 11.0, "pipeline_k1_s6": 30.0},
                   {"sync": 10.0, "pipeline_k1_s2": 12.0, "pipeline_k1_s6": 20.0})
-  summary = _supervise(c, fake, tmp_path, monkeypatch)
+  summary = _supervise(cfg, fake, tmp_path, monkeypatch)
   assert [s["choice"] for s in summary["auto"]] == ["sync", "pipeline_k1_s6"]
   assert fake.splits == [c.mesh.sampler_devices, 6]
 

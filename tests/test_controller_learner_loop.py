@@ -13,6 +13,7 @@ from jaxrl.controller.coordinator import LocalCoordinator
 from jaxrl.controller.learner_loop import LearnerLoop
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.rollout import Rollout, SamplingParams
+from jaxrl.settings import RL, Sampler, Task
 
 GROUP_SIZE, SEED = 2, 5
 DEFAULT = SamplingParams()
@@ -53,8 +54,8 @@ def _group(gid, version, sampling=DEFAULT):
 def _loop(groups, *, version=0, num_steps=2, applies=None, max_staleness=1):
   """A learner loop over `groups` (one a step) from state `version`; `applies`: whether each call of the stand-in
   train step applies its update (default: all). Returns (loop, weights, the rng keys the steps were given)."""
-  spec = RunSpec(num_steps=num_steps, group_size=GROUP_SIZE, groups_per_step=1, seq_len=8,
-                 max_staleness=max_staleness, sampling=DEFAULT, seed=SEED)
+  rl = RL(group_size=GROUP_SIZE, groups_per_step=1, seq_len=8, num_minibatches=1)
+  spec = RunSpec(rl=rl, sampler=Sampler(), task=Task(), num_steps=num_steps, max_staleness=max_staleness, seed=SEED)
   applies, keys = list(applies or []), []
 
   def train_step(state, batch, key):

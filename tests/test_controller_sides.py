@@ -161,7 +161,7 @@ def test_a_process_of_a_job_holds_the_side_of_its_topology_role():
                                                    sampler_rank=0, lead=False)
   lead = dist_job.roles(dataclasses.replace(topology, process_id=0))
   assert (lead.learner, lead.sampler_rank, lead.lead) == (True, None, True)
-  one = sides.Roles.single(config_lib.validate(_config()), devices)
+  one = sides.Roles.single(config_lib.validate(_config()).mesh, devices)
   assert (one.learner_devices, one.sampler_devices, one.learner, one.sampler_rank, one.lead) == (
       tuple(devices[:4]), (tuple(devices[4:]),), True, 0, True)
 

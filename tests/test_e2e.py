@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl.config import override
+from jaxrl.config import override, validate
 from jaxrl.integrity import MARKER
 from jaxrl.metrics import read_jsonl
 from jaxrl.train import train
@@ -117,7 +117,7 @@ def test_the_trained_policy_evaluates_as_the_run_did_and_exports_to_a_hf_folder(
   assert [r["group_id"] for r in rows] == list(range(8))
   assert np.mean([r["reward"] for r in rows]) == pytest.approx(got["reward_mean"], abs=1e-12)
 
-  policy = load_policy(c, workdir)
+  policy = load_policy(validate(c), workdir)
   hf_dir = tmp_path / "hf"
   export_main(["jaxrl-export", *config, f"--workdir={workdir}", f"--out={hf_dir}"])
   cfg, _, back = hf.load_params(hf_dir)
@@ -138,6 +138,7 @@ def test_a_checkpoint_step_loads_that_step_and_a_missing_one_names_the_steps_kep
   kept = ckpt.all_steps()
   ckpt.close()
   assert len(kept) >= 2 and kept[-1] == c.num_steps
+  c = validate(c)
   earlier, newest = load_policy(c, workdir, step=kept[0]), load_policy(c, workdir)
   assert (earlier.version, earlier.checkpoint_step, newest.checkpoint_step) == (kept[0], kept[0], kept[-1])
   first = lambda policy: np.asarray(jax.tree.leaves(policy.params)[0])  # noqa: E731
@@ -219,7 +220,7 @@ def test_generate_holds_a_lora_policys_base_as_a_runs_sampler_and_generates_as_t
   (engine,) = built
   assert engine.base is not None  # the base, held once
   monkeypatch.setattr(generate, "_sampler_params", lambda policy: (policy.params, None))
-  monkeypatch.setattr(sides, "sampler_engine", lambda c, cfg, mesh, path, base, **kw: real(c, cfg, mesh, **kw))
+  monkeypatch.setattr(sides, "sampler_engine", lambda c, cfg, mesh, path, base, **kw: real(c.sampler, cfg, mesh, **kw))
   _cli(generate.main, [*argv, f"--output={tmp_path / 'merged.jsonl'}"])
   held, merged = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
                   for n in ("held", "merged"))
@@ -311,7 +312,7 @@ def test_no_config_dict_reaches_a_component(tmp_path, monkeypatch):
     monkeypatch.setattr(ml_collections.ConfigDict, name, guarded(name))
   summary = train(c, tmp_path)
   assert not leaks and summary["steps"] == 2 and "eval_after" in summary
-  assert typed and all(isinstance(cfg, RunConfig) for cfg in typed)
+  assert len(typed) == 1 and isinstance(typed[0], RunConfig)  # validated once, at the entry point
   with pytest.raises(AssertionError, match="a ConfigDict reached a component"):
     c.rl.group_size  # noqa: B018 - the guard is live: a leak would have failed the run
 

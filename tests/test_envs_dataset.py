@@ -125,13 +125,13 @@ def test_a_run_trains_on_the_shipped_jsonl_and_a_parquet_file_with_a_reward_per_
   c.task.kwargs.answer_key = "reward_model.ground_truth"
   c.task.kwargs.rewards = {"lighteval/MATH": "math_verify"}
   built = {}
-  real_build = train_lib.build
+  real_build = train_lib.build_run
 
   def build(c, workdir):
     built["run"] = real_build(c, workdir)
     return built["run"]
 
-  monkeypatch.setattr(train_lib, "build", build)
+  monkeypatch.setattr(train_lib, "build_run", build)
   summary = train(c, tmp_path / "run")
   led = summary["ledger"]
   assert summary["steps"] == 2 and led["samples_trained"] == 2 * 16 and not led["reward_failures"]

@@ -58,7 +58,8 @@ def _rel(a, b):
 REWARD_V = np.array([0.0, 1.0, 0.2, 0.6, 0.9, 0.1])
 THETA = np.array([0.5, -0.5, 0.3, 0.0, -0.2, 0.4], np.float32)
 THETA_OLD = THETA + np.array([-0.6, 0.8, -0.2, 0.4, -0.6, 0.3], np.float32)  # pi / mu in [0.48, 1.93]
-BASE = LossConfig(advantage="rloo", policy_loss="pg", proximal="recompute")
+BASE = LossConfig(advantage="rloo", policy_loss="pg", proximal="recompute", is_level="none", is_cap=None,
+                  dual_clip=None)
 
 
 def _one_step_setup():

@@ -228,7 +228,7 @@ def test_policy_objective_uncorrected_and_masked_is():
   behavior = np.array([[0.0, -3.0, -1.0]], np.float32)  # token 1: w = e^2 = 7.4
   weights = np.array([[0.0, 0.5, 0.5]], np.float32)
   adv = np.array([1.0], np.float32)
-  base = LossConfig(policy_loss="pg", proximal="recompute")
+  base = LossConfig(policy_loss="pg", proximal="recompute", is_level="none", is_cap=None)
   g = jax.grad(lambda lp: policy_objective(lp, behavior, adv, weights, base, prox_logp_BxL=lp)[0])(
       jnp.asarray(logp))
   np.testing.assert_allclose(g, [[0.0, -0.5, -0.5]])  # behavior ignored: plain on-policy REINFORCE
@@ -239,7 +239,7 @@ def test_policy_objective_uncorrected_and_masked_is():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(advantage="ppo"), dict(is_level="token"), dict(is_cap=2.0), dict(proximal="recompute", is_level="x"),
+    dict(advantage="ppo"), dict(proximal="behavior"), dict(is_level="none"), dict(proximal="recompute", is_level="x"),
     dict(clip_low=1.0), dict(sampling=SamplingParams(greedy=True)), dict(kl_coef=-1.0),
     dict(proximal="recompute", is_level="token", is_mask_low=2.0, is_mask_high=1.0),
 ])

@@ -133,8 +133,8 @@ def test_dual_clip_acts_on_a_stale_token_at_the_default_settings():
   """The run config's objective: a token with A < 0 whose pi / prox = 1.6 (inside any PPO bound for A < 0) and
   prox / mu = 2.5 (weight truncated to 2): w u = 3.2 passes the dual clip (3), so its gradient is 0; without the
   dual clip it is -w u A = 3.2 per unit of weight."""
-  cfg = LossConfig(**config_lib.base().loss.to_dict())
-  assert cfg.dual_clip == 3.0 and cfg.is_cap == 2.0 and cfg.proximal == "recompute"
+  cfg = config_lib.validate(config_lib.base()).loss
+  assert cfg == LossConfig() and cfg.dual_clip == 3.0 and cfg.is_cap == 2.0 and cfg.proximal == "recompute"
   prox = np.log(np.array([[1.0, 0.2, 0.2]], np.float32))
   behavior = prox - np.log(np.array([[1.0, 2.5, 1.0]], np.float32))
   logp = prox + np.log(np.array([[1.0, 1.6, 1.0]], np.float32))
@@ -173,7 +173,7 @@ def test_gspo_averages_over_sequences_not_tokens():
 def test_length_normalised_sequence_weights():
   prox = np.log(np.array([[3.0, 0.5, 1.5, 9.0]], np.float32))
   mask = np.array([[True, True, True, False]])
-  cfg = LossConfig(proximal="recompute", is_level="sequence_mean")
+  cfg = LossConfig(proximal="recompute", is_level="sequence_mean", is_cap=None)
   w, keep, trunc, cap = behavior_weights(prox, np.zeros((1, 4), np.float32), mask, cfg)
   np.testing.assert_allclose(w, [[2.25 ** (1 / 3)] * 4], rtol=1e-6)  # (3 * 0.5 * 1.5)^(1/3); entry 3 ignored
   assert keep.all() and not trunc.any() and cap == np.inf
@@ -253,7 +253,7 @@ def test_decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update():
   assert int(state.version) == 6 and metrics["updates_applied"] == 2
 
   # The same data anchored at mu (plain PPO on the behaviour policy) moves elsewhere.
-  for other in (LossConfig(dual_clip=3.0), None):
+  for other in (LossConfig(proximal="behavior", is_level="none", is_cap=None), None):
     if other is None:  # prox and mu swapped: the batch carries prox as its behaviour logprobs
       swapped = batch.replace(behavior_logprobs_BxL=np.where(batch.loss_mask_BxL > 0, prox[batch.tokens_BxL], 0.0)
                               .astype(np.float32))

@@ -75,7 +75,7 @@ def test_train_step_on_policy_top_p_ratios_one_and_no_clip(model, sampler):
   graphdef, params = model
   sp = SamplingParams(temperature=0.9, top_k=8, top_p=0.6)
   batch = make_batch(_rollouts(sampler, sp, seed=11), B, L)
-  cfg = LossConfig(sampling=sp, dual_clip=3.0)
+  cfg = LossConfig(sampling=sp, proximal="behavior", is_level="none", is_cap=None)
   step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(0.1), loss=cfg, batch_size=B, seq_len=L))
   _, m = step(init_train_state(jax.tree.map(jnp.copy, params), optax.sgd(0.1)), batch, jax.random.key(0))
   for name in ("ratio_max", "ratio_min", "ratio_mean", "ess_frac", "ess_applied_frac"):

@@ -1,5 +1,7 @@
 """Packing: layout, errors, and a packed train step equal to the unpacked one on the same samples."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,22 +105,23 @@ def test_segment_sums_and_to_tokens():
   np.testing.assert_array_equal(to_tokens(vals, seg, fill=-1), [[10, 10, 20, 20, 20, -1], [1, 2, 3, 3, -1, -1]])
 
 
+_BEHAVIOR = dict(proximal="behavior", is_level="none", is_cap=None)  # PPO anchored at mu, no IS weights
 CONFIGS = {
-    "grpo_token_ppo": LossConfig(clip_low=0.1, clip_high=0.1),
-    "drgrpo_seqsum_ppo_dual": LossConfig(advantage="dr_grpo", aggregation="seq_sum_norm", clip_low=3e-2,
+    "grpo_token_ppo": LossConfig(**_BEHAVIOR, clip_low=0.1, clip_high=0.1, dual_clip=None),
+    "drgrpo_seqsum_ppo_dual": LossConfig(**_BEHAVIOR, advantage="dr_grpo", aggregation="seq_sum_norm", clip_low=3e-2,
                                          clip_high=4e-2, dual_clip=1.5),
     "rloo_seqmean_seqIS": LossConfig(advantage="rloo", aggregation="seq_mean", proximal="recompute",
                                      is_level="sequence", is_cap=2.0, entropy_coef=0.01),
     "reinforce_pg_tokenIS_kl": LossConfig(advantage="reinforce", policy_loss="pg", proximal="interpolate",
-                                          is_level="token", is_mask_low=0.5, is_mask_high=1.5, kl_coef=0.1,
-                                          kl_estimator="k2"),
-    "grpo_seqmean_topk_klreward": LossConfig(aggregation="seq_mean",
+                                          is_level="token", is_cap=None, is_mask_low=0.5, is_mask_high=1.5,
+                                          kl_coef=0.1, kl_estimator="k2", dual_clip=None),
+    "grpo_seqmean_topk_klreward": LossConfig(**_BEHAVIOR, aggregation="seq_mean", dual_clip=None,
                                              sampling=SamplingParams(temperature=0.8, top_k=4), kl_coef=0.05,
                                              kl_estimator="k1_reward"),
-    "gspo_seqmean_dual": LossConfig(aggregation="seq_mean", policy_loss="gspo", clip_low=0.01, clip_high=0.02,
-                                    dual_clip=1.5, entropy_coef=0.02),
+    "gspo_seqmean_dual": LossConfig(**_BEHAVIOR, aggregation="seq_mean", policy_loss="gspo", clip_low=0.01,
+                                    clip_high=0.02, dual_clip=1.5, entropy_coef=0.02),
     "decoupled_epochs_seqmeanIS_ess": LossConfig(proximal="recompute", is_level="sequence_mean", is_ess_min=0.95,
-                                                 dual_clip=3.0),
+                                                 is_cap=None),
 }
 # Extra StepConfig fields: two epochs over one mini-batch make the second update's prox / mu weights
 # non-trivial (the pre-step pass), and each update sees the whole batch, so row order does not matter.
@@ -167,6 +170,7 @@ def test_packed_minibatches_hold_their_own_samples():
   """Row r of a packed batch holds only samples of mini-batch r % M (sample i is in mini-batch i % M), every sample
   once; RunSpec.make_batch shuffles the samples by (seed, step) first, the same way packed or not."""
   from jaxrl.controller.spec import RunSpec
+  from jaxrl.settings import RL, Sampler, Task
   rs = rollouts(seed=5)
   index = {np.float32(r.reward).item(): i for i, r in enumerate(rs)}
   assert len(index) == N
@@ -174,8 +178,9 @@ def test_packed_minibatches_hold_their_own_samples():
     rows = _rewards_by_row(pack_batch(rs, L, (6, 12), G, num_minibatches=m))
     assert all(index[x] % m == r % m for r, row in enumerate(rows) for x in row)
     assert sorted(index[x] for row in rows for x in row) == list(range(N))
-  spec = dict(num_steps=1, group_size=4, groups_per_step=3, seq_len=L, seed=7, num_minibatches=2, max_segments=G)
-  plain, packed = RunSpec(**spec), RunSpec(**spec, pack=True, row_buckets=(6, 12))
+  rl = RL(group_size=4, groups_per_step=3, seq_len=L, num_minibatches=2, max_segments=G)
+  spec = dict(sampler=Sampler(), task=Task(), num_steps=1, seed=7)
+  plain, packed = RunSpec(rl=rl, **spec), RunSpec(rl=dataclasses.replace(rl, pack=True), **spec, row_buckets=(6, 12))
   minibatches = lambda batch: [sorted(x for row in _rewards_by_row(batch)[j::2] for x in row) for j in range(2)]
   assert minibatches(plain.make_batch(rs, 3)) == minibatches(packed.make_batch(rs, 3))
   assert minibatches(plain.make_batch(rs, 3)) == minibatches(plain.make_batch(rs, 3))
@@ -217,7 +222,8 @@ def test_perturbing_one_segment_changes_no_other_segment():
 
 def test_packed_decoder_step_with_chunked_kernels_equals_unpacked():
   """The memory-efficient path (chunked attention, chunked log-probs) on packed rows = the plain padded step."""
-  cfg = LossConfig(aggregation="seq_mean", policy_loss="gspo", clip_low=0.05, clip_high=0.05, entropy_coef=0.01)
+  cfg = LossConfig(**_BEHAVIOR, aggregation="seq_mean", policy_loss="gspo", clip_low=0.05, clip_high=0.05,
+                   entropy_coef=0.01, dual_clip=None)
   rs = rollouts(seed=4)
   out = {}
   for name, kw, batch, rows, chunk in (

@@ -175,7 +175,8 @@ def test_step_config_is_keyword_only_and_frozen_and_the_plain_step_equals_the_ji
 
 @pytest.mark.parametrize("cfg", [
     LossConfig(),
-    LossConfig(advantage="dr_grpo", aggregation="seq_mean", policy_loss="gspo", clip_low=3e-4, clip_high=4e-4),
+    LossConfig(advantage="dr_grpo", aggregation="seq_mean", policy_loss="gspo", clip_low=3e-4, clip_high=4e-4,
+               proximal="behavior", is_level="none", is_cap=None, dual_clip=None),
     LossConfig(advantage="rloo", aggregation="seq_mean", proximal="recompute", is_level="sequence", is_cap=2.0,
                entropy_coef=0.01),
 ])
@@ -218,10 +219,11 @@ def test_step_is_pure():
   jax.tree.map(np.testing.assert_array_equal, host(outs[0]), host(outs[1]))
 
 
+_UNCAPPED = dict(clip_low=0.05, clip_high=0.05, is_cap=None, dual_clip=None)
 DECOUPLED = {
-    "behavior": LossConfig(clip_low=0.05, clip_high=0.05),
-    "recompute": LossConfig(clip_low=0.05, clip_high=0.05, proximal="recompute", is_level="token"),
-    "interpolate": LossConfig(clip_low=0.05, clip_high=0.05, proximal="interpolate", is_level="token"),
+    "behavior": LossConfig(**_UNCAPPED, proximal="behavior", is_level="none"),
+    "recompute": LossConfig(**_UNCAPPED, proximal="recompute", is_level="token"),
+    "interpolate": LossConfig(**_UNCAPPED, proximal="interpolate", is_level="token"),
 }
 
 

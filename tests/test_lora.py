@@ -240,7 +240,7 @@ def test_a_tiny_lora_run_learns_and_its_checkpoint_exports_merged(tmp_path):
   assert summary["steps"] == 8 and len(rewards) == 8
   assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.4, rewards  # 0.02 -> 0.77 when written
 
-  policy = load_policy(c, tmp_path / "run", jax.devices()[:1])
+  policy = load_policy(validate(c), tmp_path / "run", jax.devices()[:1])
   assert policy.version == 8 and policy.model_cfg.lora is not None
   adapters, base = lora.split(policy.params)
   assert any(np.any(v.get_value()) for k, v in nnx.to_flat_state(adapters) if k[-1].endswith("_b"))  # trained

@@ -28,7 +28,7 @@ def tolerance(published: float) -> float:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_has_the_published_parameter_count(name):
   c = config_lib.validate(config_lib.override(config_lib.base(), **{"model.preset": name}))
-  cfg = build_lib.model_config(c, platform="tpu")
+  cfg = build_lib.model_config(c.model, c.sampler.max_len, platform="tpu")
   total, non_embedding = PUBLISHED[name]
   assert abs(count(cfg) / 1e9 - total) <= tolerance(total)
   if non_embedding is not None:  # Qwen's cards: the count without the embedding (and a tied head), within 1%
@@ -37,13 +37,14 @@ def test_preset_has_the_published_parameter_count(name):
 
 def test_preset_replaces_the_shape_and_keeps_the_run_settings():
   c = config_lib.validate(config_lib.override(config_lib.base(), **{"model.preset": "qwen2.5-7b", "model.remat": True}))
-  cfg = build_lib.model_config(c, platform="tpu")
+  cfg = build_lib.model_config(c.model, c.sampler.max_len, platform="tpu")
   assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (3584, 28, 28, 4,
                                                                                               152064)
   assert cfg.attention_bias and not cfg.tie_embeddings and cfg.architecture == "qwen2"
   assert cfg.remat and cfg.dtype == "bfloat16"  # the run's settings; "auto" dtype is bf16 on a TPU
-  assert build_lib.model_config(c, platform="cpu").dtype == "float32"
-  assert build_lib.model_source(c) == (build_lib.model_config(c), None, None)  # random weights: no folder read
+  assert build_lib.model_config(c.model, c.sampler.max_len, platform="cpu").dtype == "float32"
+  here = build_lib.model_config(c.model, c.sampler.max_len)
+  assert build_lib.model_source(c.model, c.sampler.max_len) == (here, None, None)  # random weights: no folder read
 
 
 def test_unknown_preset_is_one_line_naming_it():

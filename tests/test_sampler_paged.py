@@ -217,10 +217,11 @@ def test_paged_configuration_errors_name_the_problem(engines):
 
 def test_config_selects_the_paged_cache():
   from jaxrl import config as config_lib
+  from jaxrl.controller import build as build_lib
 
   c = config_lib.override(config_lib.base(), **{"sampler.kv": "paged", "sampler.page_size": 8,
                                                 "sampler.on_update": "keep_kv"})
-  kw = config_lib.engine_kwargs(config_lib.validate(c).sampler)
+  kw = build_lib.engine_kwargs(config_lib.validate(c).sampler)
   assert (kw["kv"], kw["page_size"], kw["num_pages"]) == ("paged", 8, None)
   with pytest.raises(config_lib.ConfigError, match="multiple of sampler.page_size=5"):
     config_lib.validate(config_lib.override(c, **{"sampler.page_size": 5}))

@@ -68,14 +68,15 @@ def test_config_help_lists_every_setting_with_its_default_values_and_meaning(cap
 
 
 def _fields(section, prefix=""):
-  """Every leaf of the typed declaration, by dotted name, walking the dataclasses themselves."""
+  """Every leaf of the typed declaration, by dotted name, walking the dataclasses themselves (a field holding a
+  dataclass, LossConfig.sampling, is filled from other settings)."""
   import dataclasses
 
   out = []
   for f in dataclasses.fields(section):
     if "section" in f.metadata:
       out += _fields(f.metadata["section"], f"{prefix}{f.name}.")
-    else:
+    elif not dataclasses.is_dataclass(f.default):
       out.append(prefix + f.name)
   return out
 

@@ -180,14 +180,12 @@ def corrected(predicted: dict[str, float], corrections: dict[str, float]) -> dic
 
 def supervise(c, workdir: Path, run_segment: Callable[..., tuple[dict[str, Any], Any]],
               segment_records: Callable[[int, int], list[dict]], context: Callable[[], dict]) -> dict[str, Any]:
-  """Runs an auto config to c.num_steps as fixed-mode segments; returns the last segment's summary with `auto`. c: a
-  RunConfig, or a config validated here.
+  """Runs an auto RunConfig to c.num_steps as fixed-mode segments; returns the last segment's summary with `auto`.
 
   run_segment(config, first, last) trains one segment (first: evaluate before; last: evaluate after) and returns
   (its summary, its trained completion lengths); segment_records(start, end) reads the metrics of steps
   (start, end]; context() gives what a calibration needs besides them (devices, prompt_len, weight_bytes; see
   run_context), asked once."""
-  c = config_lib.validate(c)
   log = AutoLog(workdir)
   warmup = c.auto.warmup_steps
   summary, before = None, None

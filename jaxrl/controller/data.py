@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl import settings
+from jaxrl import console, settings
 from jaxrl.controller.spec import SkipPrompt
 from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, guard, make_task, reward_spec
 from jaxrl.rollout import Rollout, SamplingParams
@@ -153,8 +153,10 @@ def evaluate_policy(engine, task, score, params, version: int, *, num_examples: 
                    max_tokens=max_new_tokens)
     n += 1
   rollouts = []
+  scoring = console.count(f"held-out eval of version {version}: greedy answers", n)
   while sampler.num_active or sampler.num_waiting:
     rollouts += sampler.step()
+    scoring(len(rollouts))
   rollouts.sort(key=lambda r: r.group_id)
   score(rollouts)
   rewards = np.array([r.reward for r in rollouts], np.float64)

@@ -30,7 +30,7 @@ class LearnerLoop:
                telemetry: Callable[[dict], dict] | None = None):
     self.spec, self.train_step, self.state = spec, train_step, state
     self.rollouts, self.weights, self.coord = rollouts, weights, coord
-    self.share = spec.groups_per_step // num_samplers  # each sampler's part of every step
+    self.share = spec.rl.groups_per_step // num_samplers  # each sampler's part of every step
     self.num_samplers = num_samplers
     self.checkpointer, self.metrics, self.on_step, self.trace = checkpointer, metrics, on_step, trace
     self.telemetry = telemetry  # step metrics -> roofline numbers (jaxrl.telemetry.Telemetry)
@@ -47,7 +47,7 @@ class LearnerLoop:
     self.leftover: list[list[Rollout]] = []  # groups still in the channel when the run stopped
     self._base_key = jax.random.key(spec.seed)
     # task.pass_rate_filter: every settled group's outcome, in the run record itself (so the checkpoint holds it)
-    self.pass_rate = make_table(spec.pass_rate_window, spec.pass_rate_aside_positions, coord.resumed_pass_rate)
+    self.pass_rate = make_table(spec.task.pass_rate_filter, spec.pass_rate_aside_positions, coord.resumed_pass_rate)
 
   @property
   def ledger(self):
@@ -111,7 +111,7 @@ class LearnerLoop:
   def _accept(self, group: list[Rollout]) -> bool:
     """Drops (and counts) a group that cannot be trained (the sampler side left it out of every share already);
     never one for its staleness."""
-    reason = reject_reason(group, self.spec.seq_len, self.spec.filter_groups)
+    reason = reject_reason(group, self.spec.rl.seq_len, self.spec.rl.filter_groups)
     if reason is None:
       return True
     if reason == "reward_failed":
@@ -137,7 +137,7 @@ class LearnerLoop:
     if over:
       raise RuntimeError(f"staleness invariant broken at step {step}: (group, staleness) {over[:4]} over "
                          f"max_staleness={self.spec.max_staleness}")
-    check_sampling(samples, self.spec.sampling)
+    check_sampling(samples, self.spec.sampler.sampling)
     train_step = int(jax.device_get(self.state.step))
     batch = self.spec.make_batch(samples, train_step)
     if self.checkpointer is not None:

@@ -23,9 +23,9 @@ class LocalController:
                record: RunRecord | None = None, checkpointer=None, metrics=None, on_step=None, trace=None,
                resumed_from: int | None = None, poll_s: float = 0.05, telemetry=None):
     self.spec, self.poll_s, self.record = spec, poll_s, record or RunRecord()
-    self.coord = LocalCoordinator(self.record, spec.num_steps, spec.group_size, spec.max_failures_in_a_row,
-                                  resumed_from, spec.max_filtered_in_a_row)
-    self.rollouts = RolloutQueue(spec.queue_groups, self.coord.stop, poll_s)
+    self.coord = LocalCoordinator(self.record, spec.num_steps, spec.rl.group_size, spec.rl.max_failures_in_a_row,
+                                  resumed_from, spec.rl.max_filtered_in_a_row)
+    self.rollouts = RolloutQueue(spec.rl.queue_groups, self.coord.stop, poll_s)
     self.learner_loop = LearnerLoop(spec, train_step=train_step, state=state, rollouts=self.rollouts,
                                     weights=publisher, coord=self.coord, checkpointer=checkpointer, metrics=metrics,
                                     on_step=on_step, trace=trace, telemetry=telemetry)

@@ -35,7 +35,7 @@ class SamplerLoop:
     self.spec, self.sampler, self.prompts, self.score = spec, sampler, prompts, score
     self.rollouts, self.weights, self.coord = rollouts, weights, coord
     self.num_samplers, self.trace = num_samplers, trace
-    self.share = spec.groups_per_step // num_samplers
+    self.share = spec.rl.groups_per_step // num_samplers
     self.book: DeadlineBook | None = None  # made when the loop starts, at the sampler's version
     self.assembler = GroupAssembler()
     self.busy = 0.0
@@ -51,10 +51,10 @@ class SamplerLoop:
   def run(self, poll_s: float = 0.05) -> None:
     spec, coord = self.spec, self.coord
     # this sampler's own table of the groups it scores, from the one resumed from (known once the loop starts)
-    self.pass_rate = make_table(spec.pass_rate_window, spec.pass_rate_aside_positions,
+    self.pass_rate = make_table(spec.task.pass_rate_filter, spec.pass_rate_aside_positions,
                                 copy.deepcopy(coord.resumed_pass_rate))
     self.book = DeadlineBook(spec.max_staleness, self.share, self.sampler.version, spec.num_steps,
-                             spec.queue_groups // self.num_samplers)
+                             spec.rl.queue_groups // self.num_samplers)
     # a resumed run's filter rate so far, not a fresh estimate (the groups this sampler scores add to it)
     self.rejected_groups, self.finished_groups = coord.resumed_filter
     self._over_ask()
@@ -93,7 +93,7 @@ class SamplerLoop:
     for g in groups:
       if self.pass_rate is not None:
         self.pass_rate.observe(g)
-      if reject_reason(g, self.spec.seq_len, self.spec.filter_groups) is None:
+      if reject_reason(g, self.spec.rl.seq_len, self.spec.rl.filter_groups) is None:
         self.book.finish(g)
       else:
         self.book.discard(g[0].group_id)
@@ -103,7 +103,7 @@ class SamplerLoop:
     self._over_ask()
 
   def _over_ask(self) -> None:
-    if self.spec.filter_groups != "none":
+    if self.spec.rl.filter_groups != "none":
       self.book.over_ask = over_ask(self.rejected_groups, self.finished_groups)
 
   def _surplus(self) -> list[list[Rollout]]:
@@ -134,9 +134,9 @@ class SamplerLoop:
         self.trace({"event": "skip_prompt", "group": gid, "reason": str(skip)})
       return skip
     self.book.admit(gid, self.sampler.version)
-    self.sampler.submit(prompt, gid, self.spec.group_size, meta=meta, sampling=self.spec.sampling,
-                        max_tokens=self.spec.max_new_tokens, stop_token_ids=self.spec.stop_token_ids)
-    self.assembler.expect(gid, self.spec.group_size)
+    self.sampler.submit(prompt, gid, self.spec.rl.group_size, meta=meta, sampling=self.spec.sampler.sampling,
+                        max_tokens=self.spec.sampler.max_new_tokens)
+    self.assembler.expect(gid, self.spec.rl.group_size)
     return None
 
   def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import jax
 
+from jaxrl import config as config_lib
 from jaxrl import settings as settings_lib
 from jaxrl import sharding, telemetry
 from jaxrl.checkpoint import Checkpointer
@@ -52,18 +53,18 @@ class Roles:
   lead: bool = True
 
   @classmethod
-  def single(cls, c: RunConfig, devices) -> Roles:
-    """Both sides in this process on c's split of `devices`: the learner the first, the sampler the last
-    mesh.sampler_devices of them."""
-    learner, sampler = sharding.split_devices(c.mesh.sampler_devices, devices)
+  def single(cls, m: settings_lib.Mesh, devices) -> Roles:
+    """Both sides in this process on a run's split of `devices` (its mesh section): the learner the first, the
+    sampler the last mesh.sampler_devices of them."""
+    learner, sampler = sharding.split_devices(m.sampler_devices, devices)
     return cls(tuple(learner), (tuple(sampler),))
 
-  def learner_mesh(self, c: RunConfig):
-    return sharding.make_mesh(c.mesh.learner_axes.to_dict(), self.learner_devices)
+  def learner_mesh(self, m: settings_lib.Mesh):
+    return sharding.make_mesh(m.learner_axes.to_dict(), self.learner_devices)
 
-  def sampler_meshes(self, c: RunConfig) -> list:
+  def sampler_meshes(self, m: settings_lib.Mesh) -> list:
     """One mesh (mesh.sampler_axes) per sampler replica."""
-    return [sharding.make_mesh(c.mesh.sampler_axes.to_dict(), devices) for devices in self.sampler_devices]
+    return [sharding.make_mesh(m.sampler_axes.to_dict(), devices) for devices in self.sampler_devices]
 
 
 @dataclasses.dataclass
@@ -114,14 +115,14 @@ def build(c: RunConfig, workdir: Path, roles: Roles, channels: Channels) -> Buil
   """The sides this process holds, made the same way in every topology, joined by `channels` (Built.runner).
   The task comes first, so that bad data fails before any params load; a sampler beside the learner holds the
   learner's LoRA base (publishes move the adapters alone)."""
-  source = build_lib.model_source(c)
+  source = build_lib.model_source(c.model, c.sampler.max_len)
   model_cfg, tokenizer, _ = source
-  sampler_meshes = roles.sampler_meshes(c)
+  sampler_meshes = roles.sampler_meshes(c.mesh)
   rank = roles.sampler_rank
-  task = build_lib.build_task(c, tokenizer, model_cfg) if rank is not None else None
+  task = _task(c, tokenizer, model_cfg) if rank is not None else None
   learner = sampler = None
   if roles.learner:
-    learner = learner_side(c, workdir, roles, roles.learner_mesh(c), source, sampler_meshes[0], channels)
+    learner = learner_side(c, workdir, roles, roles.learner_mesh(c.mesh), source, sampler_meshes[0], channels)
   if rank is not None:
     sampler = sampler_side(c, sampler_meshes[rank], source, task=task,
                            base=learner.state.frozen if learner is not None else None,
@@ -133,12 +134,13 @@ def build(c: RunConfig, workdir: Path, roles: Roles, channels: Channels) -> Buil
 
 def learner_side(c: RunConfig, workdir: Path, roles: Roles, mesh, source, sampler_mesh,
                  channels: Channels) -> LearnerSide:
-  """The learner's parts on `mesh`. source: build.model_source(c); sampler_mesh: one replica's (the telemetry's
+  """The learner's parts on `mesh`. source: build.model_source's; sampler_mesh: one replica's (the telemetry's
   sampler rates and dtype)."""
   model_cfg, _, path = source
   spec = build_lib.run_spec(c, build_lib.rows_unit(mesh))  # the learner's packed row buckets
-  learner = build_lib.build_learner(c, mesh, model_cfg, path, spec)
-  checkpointer = build_lib.open_checkpointer(c, workdir, **channels.checkpointer_options())
+  optimizer = build_lib.run_optimizer(c.optimizer, c.rl, c.num_steps)
+  learner = build_lib.build_learner(mesh, model_cfg, path, spec, seed=c.seed, rl=c.rl, loss=c.loss, optimizer=optimizer)
+  checkpointer = build_lib.open_checkpointer(c.checkpoint, workdir, **channels.checkpointer_options())
   state, record = build_lib.restore(checkpointer, learner.state, learner.state_shardings)
   resumed_from = checkpointer.restored_step  # the newest checkpoint that verifies
   train_step = learner.train_step
@@ -147,12 +149,14 @@ def learner_side(c: RunConfig, workdir: Path, roles: Roles, mesh, source, sample
     train_step = build_lib.CompiledSteps(train_step, state, spec, c.rl.seq_len, jax.random.key(c.seed), place)
   side = LearnerSide(spec, mesh, learner, state, record, resumed_from, train_step, checkpointer)
   if roles.lead:  # the lead's loop sees every step, drop and checkpoint of the run
-    side.metrics = build_lib.open_metrics(c, workdir, resumed_from)
+    side.metrics = build_lib.open_metrics(c.log, workdir, resumed_from, num_steps=c.num_steps,
+                                          record=config_lib.as_dict(c))
     side.trace = TraceWriter(workdir / "trace.jsonl") if c.log.trace else None
     if c.log.telemetry:  # a multi-process job's sampler rates are per replica (summed counters, summed busy time)
       sampler_dtype = compute_dtype_name(c.sampler.dtype, model_cfg, sampler_mesh)  # the sampler engine's
-      side.telemetry = telemetry.for_run(c, learner.model_config, learner_devices=mesh.size,
-                                         sampler_devices=sampler_mesh.size, sampler_dtype=sampler_dtype)
+      side.telemetry = telemetry.for_run(learner.model_config, c.rl, c.loss, c.sampler, c.log,
+                                         learner_devices=mesh.size, sampler_devices=sampler_mesh.size,
+                                         sampler_dtype=sampler_dtype)
   return side
 
 
@@ -195,26 +199,30 @@ def sampler_engine(c: RunConfig, model_cfg: ModelConfig, mesh, path: Path | None
   `overrides`: Engine arguments a CLI flag set). A LoRA model's engine holds the frozen base once, so that a publish
   moves the adapters alone: `base` when this process has it already (the learner's, or a loaded policy's), else
   the config's model loaded from `path` onto the sampler mesh."""
-  engine = build_lib.build_engine(c, model_cfg, mesh, **overrides)
+  engine = build_lib.build_engine(c.sampler, model_cfg, mesh, **overrides)
   if model_cfg.lora is not None:
     if base is None:
       shardings_fn = lambda params: sharding.param_shardings(params, mesh, sharding.SAMPLER_RULES)  # noqa: E731
-      base = lora.split(build_lib.base_params(c, model_cfg, path, shardings_fn)[2])[1]
+      base = lora.split(build_lib.base_params(c.seed, model_cfg, path, shardings_fn)[2])[1]
     engine.hold_base(base)
   return engine
 
 
 def sampler_side(c: RunConfig, mesh, source, *, task=None, base=None, compile_rebuilds: bool = False,
                  **overrides) -> SamplerSide:
-  """A sampler replica's parts on `mesh`. source: build.model_source(c); task: (task, prompts, score) when already
+  """A sampler replica's parts on `mesh`. source: build.model_source's; task: (task, prompts, score) when already
   built (build makes it first, so that bad data fails before any params load), else built here; base and
   overrides: as sampler_engine's; compile_rebuilds: compile a pipeline's dense KV recompute ahead (the channels')."""
   model_cfg, tokenizer, path = source
-  task, prompts, score = task or build_lib.build_task(c, tokenizer, model_cfg)
+  task, prompts, score = task or _task(c, tokenizer, model_cfg)
   engine = sampler_engine(c, model_cfg, mesh, path, base=base, **overrides)
-  rebuilds = build_lib.max_staleness(c) > 0 and c.sampler.on_update == "recompute" and engine.kv == "dense"
+  rebuilds = build_lib.max_staleness(c.mode, c.rl) > 0 and c.sampler.on_update == "recompute" and engine.kv == "dense"
   return SamplerSide(c.sampler, c.eval, c.seed, engine, tokenizer, task, prompts, score,
                      compile_rebuilds=compile_rebuilds and rebuilds)
+
+
+def _task(c: RunConfig, tokenizer, model_cfg: ModelConfig):
+  return build_lib.build_task(c.task, c.seed, c.eval.num_examples, tokenizer, model_cfg)
 
 
 @dataclasses.dataclass

@@ -1,14 +1,15 @@
-"""What both role loops share: a run's sizes (RunSpec) and its host-side position (RunRecord), saved with every
-checkpoint."""
+"""What both role loops share: a run's sections and what the build derives from them (RunSpec), and its host-side
+position (RunRecord), saved with every checkpoint."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
 
 import numpy as np
 
+from jaxrl import settings
+from jaxrl.controller.adaptive import AutoStaleness
 from jaxrl.controller.ledger import Ledger
 from jaxrl.learner.packing import pack_batch
 from jaxrl.rollout import Rollout, make_batch, with_routing
@@ -43,47 +44,36 @@ class RunRecord:
                list(d.get("unadmitted_group_ids", [])), copy.deepcopy(d.get("pass_rate", {})))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
-  """Sizes of one run, shared by both loops."""
+  """What both loops read: the run's sections and the few values the build derives from them (none copied)."""
 
+  rl: settings.RL
+  sampler: settings.Sampler
+  task: settings.Task  # its pass-rate filter
   num_steps: int
-  group_size: int
-  groups_per_step: int
-  seq_len: int
-  max_staleness: int = 1  # k: every trained token has staleness <= k (0: sync)
-  queue_groups: int = 8
-  max_new_tokens: int | None = None
-  sampling: Any = None  # jaxrl.rollout.SamplingParams
-  stop_token_ids: tuple[int, ...] = ()
   seed: int = 0
-  max_failures_in_a_row: int = 100  # skipped prompts + dropped groups + skipped updates with no applied update
-  auto_staleness: Any = None  # jaxrl.controller.adaptive.AutoStaleness: k adapts below max_staleness; None: fixed
-  pack: bool = False  # several samples per row of seq_len tokens (jaxrl.learner.packing)
-  max_segments: int = 16  # samples per packed row at most
+  max_staleness: int = 1  # k, the hard bound: every trained token has staleness <= k (0: sync)
+  auto_staleness: AutoStaleness | None = None  # k adapts below max_staleness; None: fixed
   row_buckets: tuple[int, ...] = ()  # row counts of packed batches (the train step compiles once per bucket)
-  num_minibatches: int = 1  # optimizer updates per epoch of a learner step (rl.num_minibatches)
-  filter_groups: str = "none"  # rl.filter_groups: "zero_variance" drops groups whose rewards are all equal
   # A mixture-of-experts model's (layers, experts per token): every batch carries Batch.experts_BxLxNxK
   routing: tuple[int, int] | None = None
-  max_filtered_in_a_row: int = 1000  # filtered groups with no applied update before the run stops
-  pass_rate_window: int = 0  # task.pass_rate_filter (0: off)
-  pass_rate_aside_positions: int = 0  # task.pass_rate_aside_steps x groups_per_step
 
   @property
-  def batch_size(self) -> int:
-    return self.group_size * self.groups_per_step
+  def pass_rate_aside_positions(self) -> int:
+    return self.task.pass_rate_aside_steps * self.rl.groups_per_step
 
   def make_batch(self, samples: list[Rollout], step: int = 0):
     """The learner's batch of these samples for train step `step`: packed into the smallest row bucket, or one
     sample per row. With several mini-batches the samples are first shuffled, by (seed, step): sample i of the
     shuffled order is in mini-batch i % num_minibatches, packed or not (jaxrl.learner.step)."""
-    if self.num_minibatches > 1:
+    rl = self.rl
+    if rl.num_minibatches > 1:
       order = np.random.default_rng([self.seed, step]).permutation(len(samples))
       samples = [samples[i] for i in order]
-    if self.pack:
-      batch = pack_batch(samples, self.seq_len, self.row_buckets or (self.batch_size,), self.max_segments,
-                         num_minibatches=self.num_minibatches)
+    if rl.pack:
+      batch = pack_batch(samples, rl.seq_len, self.row_buckets or (rl.batch_size,), rl.max_segments,
+                         num_minibatches=rl.num_minibatches)
     else:
-      batch = make_batch(samples, self.batch_size, self.seq_len)
+      batch = make_batch(samples, rl.batch_size, rl.seq_len)
     return with_routing(batch, self.routing)

@@ -4,9 +4,13 @@ device, so that a bad config costs the launcher no more than it costs jaxrl-trai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from absl import flags
 
 from jaxrl import config as config_lib
+from jaxrl.settings import need
+from jaxrl.sharding import resolve_axis_sizes, sampler_count
 
 
 def define_flags(flag_values: flags.FlagValues) -> None:
@@ -38,11 +42,38 @@ def preflight(prog: str, args: list[str], devices_per_process: list[int]):
     c = config_lib.validate(flag_values.config, flag_values.workdir, num_devices=sum(devices_per_process))
     if c.mode == "auto":  # each segment's job: the config's split and every split it may try
       for split in (c.mesh.sampler_devices, *c.auto.splits):
-        config_lib.validate_job(config_lib.replace(c, mode="pipeline", mesh__sampler_devices=split),
-                                devices_per_process)
+        validate_job(config_lib.replace(c, mode="pipeline", mesh__sampler_devices=split), devices_per_process)
     else:
-      config_lib.validate_job(c, devices_per_process)
+      validate_job(c, devices_per_process)
     config_lib.validate_data_files(c)
   except config_lib.ConfigError as e:
     config_lib.cli_error(prog, str(e))
   return c, flag_values.workdir
+
+
+def validate_job(c: config_lib.RunConfig, devices_per_process: Sequence[int]) -> None:
+  """The rules of a multi-process job (jaxrl.distributed) whose processes have these device counts, in process
+  order: the learner takes the first processes, every later process is one sampler replica (mesh.sampler_devices
+  counts whole processes from the end; mesh.sampler_axes and sampler.max_slots are per replica)."""
+  need(c.mode != "auto", "mode='auto' in a multi-process job runs through jaxrl.distributed.launch, which launches "
+       "the job one segment (one fixed mode) at a time")
+  total = sum(devices_per_process)
+  n, s = c.mesh.num_devices, c.mesh.sampler_devices
+  need(n in (-1, total), f"mesh.num_devices={n}: a multi-process run uses every device of the job ({total}); set it "
+                         "to -1")
+  sampler = sampler_count(s, total)
+  replicas = []
+  while sum(replicas) < sampler and len(replicas) < len(devices_per_process):
+    replicas.append(devices_per_process[-1 - len(replicas)])
+  need(sum(replicas) == sampler and len(replicas) < len(devices_per_process),
+       f"mesh.sampler_devices={s} must be the devices of whole processes counted from the end, leaving a learner "
+       f"process (devices per process: {list(devices_per_process)})")
+  for size in sorted(set(replicas)):
+    try:
+      resolve_axis_sizes(c.mesh.sampler_axes.to_dict(), size)
+    except (TypeError, ValueError) as e:
+      raise config_lib.ConfigError(f"config: mesh.sampler_axes on a sampler replica of {size} device(s) (one process): "
+                        f"{e}") from None
+  need(c.rl.groups_per_step % len(replicas) == 0,
+       f"rl.groups_per_step={c.rl.groups_per_step} does not split evenly over the {len(replicas)} sampler replicas "
+       "(each admits its share of every step)")

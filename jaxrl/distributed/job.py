@@ -91,12 +91,20 @@ def build(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
           poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
   """This process's role: the learner (state, train step, publisher) or one sampler replica (engine, task), made by
   the build of every topology (controller.sides.build) and joined by the store's channels."""
-  workdir = Path(workdir)
-  held = roles(topology)
-  # A config, or a RunConfig checked again here; the typed RunConfig from here on. One writer probes workdir.
-  c = config_lib.validate(c, workdir if held.lead else None, num_devices=len(jax.devices()))
-  config_lib.validate_job(c, topology.devices_per_process())
-  return sides.build(c, workdir, held, JobChannels(c, topology, store, dump_dir=dump_dir, poll_s=poll_s)).runner
+  return _build(_validate(c, Path(workdir), topology), Path(workdir), topology, store, dump_dir, poll_s)
+
+
+def _validate(c, workdir: Path, topology: runtime.Topology) -> config_lib.RunConfig:
+  """The typed RunConfig of c, checked against this job (one writer probes workdir)."""
+  c = config_lib.validate(c, workdir if roles(topology).lead else None, num_devices=len(jax.devices()))
+  cli.validate_job(c, topology.devices_per_process())
+  return c
+
+
+def _build(c: config_lib.RunConfig, workdir: Path, topology: runtime.Topology, store, dump_dir: Path | None,
+           poll_s: float = 0.05) -> LearnerProcess | SamplerProcess:
+  channels = JobChannels(c, topology, store, dump_dir=dump_dir, poll_s=poll_s)
+  return sides.build(c, workdir, roles(topology), channels).runner
 
 
 class JobChannels:
@@ -113,11 +121,11 @@ class JobChannels:
     self.topology, self.store, self.dump_dir, self.poll_s = topology, store, dump_dir, poll_s
     self.roles = roles(topology)
     self.log = TransferLog(store)
-    model_cfg = build_lib.model_config(c)
+    model_cfg = build_lib.model_config(c.model, c.sampler.max_len)
     abstract = hf.abstract_params(model_cfg)[1]
     if model_cfg.lora is not None:  # a publish moves the adapters alone; each sampler holds the base
       abstract = lora.split(abstract)[0]
-    self.replicas = self.roles.sampler_meshes(c)
+    self.replicas = self.roles.sampler_meshes(c.mesh)
     self.prepare, sent = sampler_weights(c.sampler, abstract, model_cfg, self.replicas[0])
     try:
       self.routes = [WeightRoute(sent, _sampler_shardings(c.sampler, abstract, mesh),
@@ -145,9 +153,9 @@ class JobChannels:
   def _sampler(self, c: settings.RunConfig, side: sides.SamplerSide) -> SamplerProcess:
     rank, num_samplers = self.roles.sampler_rank, len(self.replicas)
     spec = build_lib.run_spec(c)
-    coord = StoreCoordinator(self.store, self.topology, RunRecord(), spec.num_steps, spec.group_size,
-                             spec.max_failures_in_a_row, poll_s=self.poll_s)
-    outbox = Outbox(self.store, self.log, rank, spec.queue_groups, c.sampler.max_len,
+    coord = StoreCoordinator(self.store, self.topology, RunRecord(), spec.num_steps, spec.rl.group_size,
+                             spec.rl.max_failures_in_a_row, poll_s=self.poll_s)
+    outbox = Outbox(self.store, self.log, rank, spec.rl.queue_groups, c.sampler.max_len,
                     self.topology.sampler_devices[rank][0], coord.stop, self.poll_s)
     received = ReceivedWeights()
 
@@ -172,8 +180,9 @@ class JobChannels:
     publisher.compile(side.state.params)
     self.store.barrier("learners_compiled", learners)
     spec = side.spec
-    coord = StoreCoordinator(self.store, self.topology, side.record, spec.num_steps, spec.group_size,
-                             spec.max_failures_in_a_row, side.resumed_from, self.poll_s, spec.max_filtered_in_a_row)
+    rl = spec.rl
+    coord = StoreCoordinator(self.store, self.topology, side.record, spec.num_steps, rl.group_size,
+                             rl.max_failures_in_a_row, side.resumed_from, self.poll_s, rl.max_filtered_in_a_row)
     inbox = Inbox(len(self.replicas), coord.stop, self.store if lead else None, self.poll_s)
     loop = LearnerLoop(spec, train_step=side.train_step, state=side.state, rollouts=inbox, weights=publisher,
                        coord=coord, num_samplers=len(self.replicas), checkpointer=side.checkpointer,
@@ -205,8 +214,8 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
   """Runs this process's role to the end; the lead returns (and writes) the job's summary, others their own
   (`stopped_by` in either: the job was stopped early by that signal, after a checkpoint)."""
   workdir = Path(workdir)
-  c = config_lib.validate(c)  # the typed RunConfig (build checks it against the devices)
-  role = build(c, workdir, topology, store, dump_dir=dump_dir)
+  c = _validate(c, workdir, topology)  # once: the typed RunConfig from here on
+  role = _build(c, workdir, topology, store, dump_dir)
   t0 = time.perf_counter()
   try:
     role.run()

@@ -76,7 +76,7 @@ class Topology:
     return cls(process_id, tuple(learner), tuple(tuple(v) for _, v in sorted(replicas.items())))
 
   def devices_per_process(self) -> list[int]:
-    """Each process's device count, in process order (what config.validate_job checks a config against)."""
+    """Each process's device count, in process order (what cli.validate_job checks a config against)."""
     devices = [*self.learner_devices, *(d for replica in self.sampler_devices for d in replica)]
     return [n for _, n in sorted(collections.Counter(d.process_index for d in devices).items())]
 

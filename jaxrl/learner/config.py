@@ -24,11 +24,10 @@ ROUTINGS = ("replay", "recompute")
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """The RL objective. Defaults: GRPO advantages, token-mean PPO-clip with clip-higher against the behavior.
-
-  The run config's default (jaxrl.settings.RUN_LOSS) is this with four options changed, decoupled PPO:
-  proximal="recompute", is_level="token", is_cap=2, dual_clip=3, with rl.num_minibatches=2 so that the clip acts.
-  """
+  """The RL objective (the run config's loss section). Defaults: GRPO advantages, token-mean decoupled PPO (clip
+  with clip-higher, dual clip for A < 0) against the pre-step policy, corrected for staleness by truncated token IS
+  weights prox / mu; with rl.num_minibatches=2 (the run's default) the clip acts. Standard PPO/GRPO against the
+  behavior policy: proximal="behavior", is_level="none", is_cap=None, dual_clip=None."""
 
   # Advantage of sample i from the rewards of its group (samples sharing a group id):
   #   grpo:      (r_i - mean_g) / (std_g + adv_eps), std over the group with ddof=0
@@ -58,7 +57,7 @@ class LossConfig:
   # truncated), grew past dual_clip (a stale, now much likelier token) stops pushing. With decoupled PPO u = pi /
   # prox alone rarely leaves [0.5, 2] within one step: bounding u would be inert; None: off. Must be > 1 +
   # clip_high.
-  dual_clip: float | None = None
+  dual_clip: float | None = 3.0
 
   # The anchor of the ratio u and the source of prox:
   #   behavior:    anchor = mu (standard PPO/GRPO: the clipped ratio itself corrects for staleness)
@@ -66,11 +65,11 @@ class LossConfig:
   #                per step it is the current params (no extra pass): u = 1 and the clip never acts (the
   #                objective is then truncated-IS REINFORCE). With num_minibatches * num_epochs > 1 an extra
   #                forward pass over the batch computes it before the first update, and every update after the
-  #                first is clipped against it: a real trust region (the run config's default).
+  #                first is clipped against it: a real trust region (the default).
   #   interpolate: anchor = prox approximated without the extra pass, linearly in log space between the
   #                token's behavior version v_t and the current version v: log prox = log mu + a (log pi - log
   #                mu), a = (v0 - v_t) / (v - v_t) (a = 1 when v = v_t). Equals recompute for the first update.
-  proximal: str = "behavior"
+  proximal: str = "recompute"
 
   # Off-policy correction by the behavior importance weight w = prox / mu (a constant, no gradient), which
   # multiplies the surrogate. Needs proximal != "behavior". A token outside prox's top-k/top-p support has
@@ -80,8 +79,8 @@ class LossConfig:
   #   sequence: w_i = prod_t prox(y_t) / mu(y_t), the same for every token of sample i
   #   sequence_mean: w_i = exp(mean_t log(prox(y_t) / mu(y_t))), the length-normalised (geometric mean)
   #             sequence weight: biased, but its variance does not grow with the length
-  is_level: str = "none"
-  is_cap: float | None = None  # truncated IS (TIS): w <- min(w, is_cap)
+  is_level: str = "token"
+  is_cap: float | None = 2.0  # truncated IS (TIS): w <- min(w, is_cap)
   # Cap from measured drift: per micro-batch, w <- min(w, c) with the largest c >= 1 for which the Kish
   # effective sample size (sum w)^2 / (n sum w^2) of the weights applied is >= is_ess_min * n (ESS falls as c
   # grows, so c is found by bisection). None: off. Both caps may be set; the smaller acts.

@@ -22,6 +22,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxrl import console
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoder import Decoder
 
@@ -162,6 +163,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
   flat = dict(nnx.to_flat_state(abstract))
   sharding_of = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
   loaded = {}
+  loading = console.count(f"loading {path.name}'s weights", len(flat))
   for key, var in flat.items():
     key = tuple(str(k) for k in key)
     entry = entries.get(key)
@@ -180,6 +182,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig | None = None, shardin
     else:
       arr = jax.numpy.asarray(host)
     loaded[key] = arr
+    loading(len(loaded))
   params = nnx.from_flat_state({k: flat[tuple(k)].replace(v) for k, v in ((tuple(k), v) for k, v in loaded.items())})
   return cfg, graphdef, params
 

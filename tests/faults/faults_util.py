@@ -95,11 +95,11 @@ def child_env() -> dict[str, str]:
 
 
 def inject(monkeypatch, fn=None) -> dict:
-  """Makes train() build its Run through `fn(run)`, which wraps pieces of it before the loop starts; the returned
-  dict holds the last Run built under "run"."""
+  """Makes train() build its Run (train.build_run) through `fn(run)`, which wraps pieces of it before the loop
+  starts; the returned dict holds the last Run built under "run"."""
   from jaxrl import train as train_lib
 
-  real, built = train_lib.build, {}
+  real, built = train_lib.build_run, {}
 
   def build(c, workdir):
     built["run"] = run = real(c, workdir)
@@ -107,7 +107,7 @@ def inject(monkeypatch, fn=None) -> dict:
       fn(run)
     return run
 
-  monkeypatch.setattr(train_lib, "build", build)
+  monkeypatch.setattr(train_lib, "build_run", build)
   return built
 
 

@@ -86,10 +86,11 @@ BAD = _bad_values()
 CROSS = {  # invalid combinations of valid values -> a phrase of the error
     (("sampler.max_new_tokens", 32), ("sampler.max_len", 32)): "no room for a prompt",
     (("sampler.max_len", 40), ("rl.seq_len", 32)): "exceeds rl.seq_len",
-    (("rl.group_size", 3), ("rl.groups_per_step", 1)): "not divisible by the 4 learner devices",
+    (("rl.group_size", 3), ("rl.groups_per_step", 2)): "not divisible by the 4 learner devices",
+    (("rl.group_size", 3), ("rl.groups_per_step", 1)): "does not split into rl.num_minibatches=2 mini-batches",
     (("task.name", "arithmetic"),): "has text prompts and the 'tiny' model has no tokenizer",
     (("optimizer.b3", 0.9),): "optimizer.b3 is not an option",
-    (("loss.no_such_option", 1),): "loss.no_such_option is not a LossConfig option",
+    (("loss.no_such_option", 1),): "loss.no_such_option is not an option",
 }
 
 
