@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxrl import settings
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.distributed import hub as hub_lib
@@ -26,8 +27,8 @@ def _group(gid, version, reward=(0.0, 1.0)):
 
 @pytest.fixture
 def hub():
-  spec = RunSpec(num_steps=10, group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, max_staleness=1,
-                 queue_groups=4)
+  rl = settings.RL(group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, queue_groups=4)
+  spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
   h = hub_lib.Hub(RunRecord(), spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
   server = rpc.Server(h.handlers())
   h.address = server.address
@@ -70,7 +71,8 @@ def test_a_sampler_joining_a_resumed_run_starts_from_its_pass_rate_table_and_fil
   and rejected so far (over-asking's rate, assembly.scored_groups), in the registration reply."""
   record = RunRecord(next_group_id=5, pass_rate={"alike": {}, "until": {"k": 9}})
   record.ledger.samples_trained, record.ledger.dropped["filtered"] = 2 * GROUP, 3 * GROUP
-  spec = RunSpec(num_steps=10, group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, max_staleness=1)
+  rl = settings.RL(group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN)
+  spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
   h = hub_lib.Hub(record, spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
   server = rpc.Server(h.handlers())
   h.address = server.address

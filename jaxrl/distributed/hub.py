@@ -46,15 +46,15 @@ class Hub(Coordination):
 
   def __init__(self, record: RunRecord, spec: RunSpec, max_len: int, resumed_from: int | None = None, *,
                lease_s: float = 10.0, hold_s: float = 1.0, orphan_s: float = 600.0, poll_s: float = 0.05):
-    super().__init__(record, spec.max_failures_in_a_row, resumed_from, spec.max_filtered_in_a_row)
+    super().__init__(record, spec.rl.max_failures_in_a_row, resumed_from, spec.rl.max_filtered_in_a_row)
     self.spec, self.max_len, self.lease_s, self.hold_s, self.orphan_s = spec, max_len, lease_s, hold_s, orphan_s
     self.poll_s = poll_s
     self.incarnation = uuid.uuid4().hex  # a restarted learner is another: its samplers start over
     self._changed = threading.Condition(self._lock)  # asks, the pool, the samplers
     self._regenerate = list(record.pending_group_ids)
     self._unadmitted = list(record.unadmitted_group_ids)
-    self.ledger.samples_regenerated += len(self._regenerate) * spec.group_size
-    self.resumed_filter = scored_groups(self.ledger, spec.group_size)
+    self.ledger.samples_regenerated += len(self._regenerate) * spec.rl.group_size
+    self.resumed_filter = scored_groups(self.ledger, spec.rl.group_size)
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic)
@@ -152,7 +152,7 @@ class Hub(Coordination):
     while self._pool:
       group = self._pool.pop(0)
       if (self._version - self._oldest(group) <= self.spec.max_staleness
-          or reject_reason(group, self.spec.seq_len, self.spec.filter_groups) is not None):
+          or reject_reason(group, self.spec.rl.seq_len, self.spec.rl.filter_groups) is not None):
         return group  # a group the learner will not train it drops with its own reason
       self._refuse(group, "late")
       self._generate_again(group[0].group_id, "late")
@@ -232,7 +232,7 @@ class Hub(Coordination):
     pool, no sampler admits (bound PAUSED): more would only be refused as late."""
     k = self.spec.max_staleness if self._asks.admit_k is None else min(self._asks.admit_k, self.spec.max_staleness)
     trainable = sum(self._version - self._oldest(g) <= self.spec.max_staleness for g in self._pool)
-    if trainable >= self.spec.groups_per_step:
+    if trainable >= self.spec.rl.groups_per_step:
       k = PAUSED
     elif self._book_steps.get(sid) is not None:
       k -= max(0, self._version - self._book_steps[sid])
@@ -279,7 +279,7 @@ class Hub(Coordination):
       sid = self._known(request)
       mine = held(sid)
       deadline = time.monotonic() + self.hold_s
-      while mine and self._pool and len(self._pool) + len(mine) > self.spec.queue_groups:
+      while mine and self._pool and len(self._pool) + len(mine) > self.spec.rl.queue_groups:
         if time.monotonic() >= deadline:
           return {"expired": False, "full": True}
         self._changed.wait(deadline - time.monotonic())

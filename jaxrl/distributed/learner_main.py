@@ -49,7 +49,7 @@ class HubChannels(sides.OneProcess):
     c, side = built.config, built.learner
     hub = Hub(side.record, side.spec, c.sampler.max_len, side.resumed_from, lease_s=self.lease_s,
               orphan_s=self.orphan_s)
-    sampler_mesh = sides.Roles.single(c, jax.devices()[: c.mesh.num_devices]).sampler_meshes(c)[0]
+    sampler_mesh = sides.Roles.single(c.mesh, jax.devices()[: c.mesh.num_devices]).sampler_meshes(c.mesh)[0]
     dtype = jnp.dtype(compute_dtype_name(c.sampler.dtype, side.learner.model_config, sampler_mesh))
     weights = WeightServer(dtype=dtype, weight_dtype=c.sampler.weight_dtype, host=self.host)
     loop = LearnerLoop(side.spec, train_step=side.train_step, state=side.state, rollouts=hub, weights=weights,
@@ -110,7 +110,7 @@ def train(c, workdir: str | Path, **channels) -> dict[str, Any]:
   """Runs the learner of config c with independent samplers to c.num_steps; returns (and writes) the summary."""
   workdir = Path(workdir)
   c = config_lib.validate(c, workdir, num_devices=len(jax.devices()))
-  roles = sides.Roles.single(c, jax.devices()[: c.mesh.num_devices])
+  roles = sides.Roles.single(c.mesh, jax.devices()[: c.mesh.num_devices])
   held = sides.Roles(roles.learner_devices, roles.sampler_devices, learner=True, sampler_rank=None)
   program = sides.build(c, workdir, held, HubChannels(**channels)).runner
   t0 = time.perf_counter()

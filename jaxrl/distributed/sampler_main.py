@@ -116,7 +116,7 @@ class SamplerProgram:
     except Stopped:
       return coord.ended
     loop = SamplerLoop(self.spec, sampler=self.side.sampler(first.params, first.version), prompts=self.side.prompts,
-                       score=self.side.score, rollouts=remote.RemoteRollouts(coord, self.spec.queue_groups,
+                       score=self.side.score, rollouts=remote.RemoteRollouts(coord, self.spec.rl.queue_groups,
                                                                            self.c.sampler.max_len),
                        weights=weights, coord=coord, num_samplers=1)
     coord.book_step = lambda: loop.book.step if loop.book is not None else None  # its admission bound
@@ -167,7 +167,7 @@ def main(argv=None):
   except config_lib.ConfigError as e:
     print(f"jaxrl-sampler: {e}", file=sys.stderr)
     sys.exit(2)
-  roles = sides.Roles.single(c, jax.devices()[: c.mesh.num_devices])
+  roles = sides.Roles.single(c.mesh, jax.devices()[: c.mesh.num_devices])
   held = sides.Roles(roles.learner_devices, roles.sampler_devices, learner=False, sampler_rank=0, lead=False)
   channels = SamplerChannels(flags_def.learner, timeout_s=flags_def.timeout_s, reconnect_s=flags_def.reconnect_s)
   program = sides.build(c, None, held, channels).runner
