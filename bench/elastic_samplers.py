@@ -203,10 +203,9 @@ def predict(w: dict, records: list[dict], lengths: list[int]) -> dict:
   """The planner's pipeline step time and tokens/s for 1 and 2 sampler devices, from the pre-join costs."""
   from jaxrl import config as config_lib
   from jaxrl.controller import build as build_lib
-  from jaxrl.sim import runlog
+  from jaxrl.sim import planner, runlog
   from jaxrl.sim.calibrate import fit_calibration
   from jaxrl.sim.lengths import Empirical
-  from jaxrl.sim.planner import RunDescription, predict
 
   spec = importlib.util.spec_from_file_location("elastic_config", REPO / w["config"])
   module = importlib.util.module_from_spec(spec)
@@ -221,7 +220,7 @@ def predict(w: dict, records: list[dict], lengths: list[int]) -> dict:
   cal = fit_calibration(m)
   predicted = {}
   for s in (1, 2):
-    p = predict(cal, RunDescription(
+    p = planner.predict(cal, planner.RunDescription(
         sampler_devices=s, learner_devices=1, batch_size=c.rl.group_size * c.rl.groups_per_step,
         group_size=c.rl.group_size, lengths=Empirical(lengths), max_staleness=c.rl.max_staleness,
         prompt_len=prompt_len, steps=16, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len, pack=c.rl.pack,
