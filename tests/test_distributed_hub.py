@@ -28,7 +28,7 @@ def _group(gid, version, reward=(0.0, 1.0)):
 def hub():
   spec = RunSpec(num_steps=10, group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, max_staleness=1,
                  queue_groups=4)
-  h = hub_lib.Hub(RunRecord(), spec, MAX_LEN, lease_s=0.5, hold_s=0.1, orphan_s=2.0)
+  h = hub_lib.Hub(RunRecord(), spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
   server = rpc.Server(h.handlers())
   h.address = server.address
   yield h
@@ -69,9 +69,10 @@ def test_a_silent_sampler_is_dropped_its_groups_go_to_another_and_its_late_resul
   a, b = _join(hub), _join(hub)
   hub.go_on(0)
   _admit(a, 2)  # groups 0, 1 held by a
-  for _ in range(2):  # a is silent past its lease (SIGSTOP); b renews its own
-    time.sleep(0.35)
-    b.call("heartbeat", shares_seen=-1)
+  deadline = time.monotonic() + 10
+  while hub.samplers["lost"] < 1 and time.monotonic() < deadline:  # a is silent past its lease (SIGSTOP)
+    time.sleep(0.3)
+    b.call("heartbeat", seen=None)  # b renews its own
   assert _admit(b, 3) == [(1, True), (0, True), (2, False)]  # a's groups first, generated again
   assert hub.samplers == {"joined": 2, "lost": 1, "left": 0}
   late = [_group(0, 0), _group(1, 0)]
@@ -139,7 +140,9 @@ def test_back_pressure_and_the_heartbeat_follow_the_learner(hub):
 
 def test_no_sampler_and_no_learner_are_bounded_waits_with_one_line(hub):
   hub.go_on(3)
-  with pytest.raises(TimeoutError, match=r"hub: no sampler registered for 2s while the learner waited for step 3"):
+  _join(hub).start_beating()  # registered and alive, delivers nothing
+  with pytest.raises(TimeoutError, match=r"hub: no group delivered for 2s while the learner waited for step 3's "
+                     r"groups; samplers registered: \['s0-\w+'\]"):
     hub.get(0)
   with pytest.raises(rpc.RpcError, match=r"rpc 'register' to 127.0.0.1:1: the learner did not take a registration "
                      r"for 0.3s"):

@@ -81,18 +81,9 @@ class LocalController:
     coord.raise_errors()
 
 
-class LocalChannels:
-  """The channels of one process holding both sides (controller.sides.Channels): nothing is compiled ahead unless
-  rl.compile_ahead asks, a batch goes to the train step as it is, one checkpointer saves everything, and the
-  publisher casts (or quantizes, for an int8 sampler) each version for the engine as it moves it."""
-
-  compile_ahead = False
-
-  def checkpointer_options(self) -> dict:
-    return {}
-
-  def place(self, batch_shardings):
-    return lambda batch: batch
+class LocalChannels(sides.OneProcess):
+  """The channels of one process holding both sides (controller.sides.Channels): those of a one-process learner,
+  and a publisher that casts (or quantizes, for an int8 sampler) each version for the engine as it moves it."""
 
   def wire(self, built: sides.Built) -> LocalController:
     learner, sampler = built.learner, built.sampler

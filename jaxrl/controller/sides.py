@@ -97,6 +97,19 @@ class Channels(Protocol):
     """What runs this process's loops: both, joined in-process (LocalController), or this process's role."""
 
 
+class OneProcess:
+  """What Channels ask of a topology whose learner is one process: nothing compiled ahead unless rl.compile_ahead
+  asks, a batch goes to the train step as it is, one checkpointer saves everything. Subclasses add `wire`."""
+
+  compile_ahead = False
+
+  def checkpointer_options(self) -> dict:
+    return {}
+
+  def place(self, batch_shardings):
+    return lambda batch: batch
+
+
 def build(c: RunConfig, workdir: Path, roles: Roles, channels: Channels) -> Built:
   """The sides this process holds, made the same way in every topology, joined by `channels` (Built.runner).
   The task comes first, so that bad data fails before any params load; a sampler beside the learner holds the

@@ -17,7 +17,7 @@ the learner and assembles its shares by deadline as a lone sampler would (contro
 each step's groups from whatever has arrived, oldest version first, and a group whose oldest token would be
 trained past max_staleness is refused ("late") and generated again: the bound holds for every trained token, and
 the learner never waits on one sampler. The learner's loop stops for no sampler; it waits for groups, and gives up
-(one line) only if no sampler has been registered for orphan_s.
+(one line naming the samplers registered) only if none has been delivered for orphan_s.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Hub(Coordination):
     self._costs: dict[str, dict] = {}
     self._book_steps: dict[str, int | None] = {}  # the step each sampler's deadline book counts in (heartbeat)
     self._skips: list[tuple[int, str]] = []
-    self._alone_since = time.monotonic()  # when the last sampler was lost (or the hub started)
+    self._delivered_at = time.monotonic()  # the last accepted delivery (or the hub's start)
     # A lease counts only the time the hub itself ran: a learner process that did not run its threads for a while
     # (a long compile holding the GIL, a stopped host) would otherwise drop every sampler whose calls were waiting.
     self._tick = time.monotonic()
@@ -128,6 +128,7 @@ class Hub(Coordination):
 
   # learner side: the Rollouts' verbs (rank is ignored: a step's groups come from whoever delivered them)
   def get(self, rank: int = 0) -> list[Rollout]:
+    waiting_since = time.monotonic()
     with self._changed:
       while True:
         if self.stop.is_set():
@@ -137,9 +138,10 @@ class Hub(Coordination):
         if group is not None:
           self._changed.notify_all()  # room for a delivery
           return group
-        if not self._seen and time.monotonic() - self._alone_since > self.orphan_s:
-          raise TimeoutError(f"hub: no sampler registered for {self.orphan_s:g}s while the learner waited for "
-                             f"step {self._version}'s groups (start jaxrl-sampler --learner=...)")
+        if time.monotonic() - max(waiting_since, self._delivered_at) > self.orphan_s:
+          raise TimeoutError(f"hub: no group delivered for {self.orphan_s:g}s while the learner waited for step "
+                             f"{self._version}'s groups; samplers registered: {sorted(self._seen) or 'none'} "
+                             "(start jaxrl-sampler --learner=...)")
         self._changed.wait(self.poll_s)
 
   def _take_trainable(self) -> list[Rollout] | None:
@@ -267,26 +269,29 @@ class Hub(Coordination):
     full, and the sampler sends again); refuses, counted, those it no longer holds."""
     groups = packets.decode(np.asarray(request["packet"]), self.max_len)
     tokens = dict(request["tokens"])  # [[group, token], ...]
-    with self._changed:
-      if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
-        return {"expired": True, "full": False}
-      sid = self._known(request)
-      mine = [g for g in groups if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
+    def held(sid):  # the groups this sampler holds the current assignment of
+      return [g for g in groups if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
           g[0].group_id))]
+
+    with self._changed:
+      sid = self._known(request)
+      mine = held(sid)
       deadline = time.monotonic() + self.hold_s
       while mine and self._pool and len(self._pool) + len(mine) > self.spec.queue_groups:
-        if time.monotonic() >= deadline or self.stop.is_set():
+        if time.monotonic() >= deadline:
           return {"expired": False, "full": True}
         self._changed.wait(deadline - time.monotonic())
         sid = self._known(request)
-        mine = [g for g in mine if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
-            g[0].group_id))]
+        mine = held(sid)
+      if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
+        return {"expired": True, "full": False}
       for g in groups:
         self.ledger.samples_generated += len(g)
         self.ledger.tokens_generated += sum(r.num_model_tokens for r in g)
         if any(g is m for m in mine):
           del self._held[g[0].group_id]
           self._pool.append(g)
+          self._delivered_at = time.monotonic()
         else:
           self._refuse(g, "fenced")
       if sid is not None and "costs" in request:
@@ -332,8 +337,6 @@ class Hub(Coordination):
       del self._held[gid]
       self._generate_again(gid, reason)
     self._costs.pop(sid, None)
-    if not self._seen:
-      self._alone_since = time.monotonic()
     self._changed.notify_all()
     how = f"lost (silent for more than {self.lease_s:g}s)" if reason == "sampler_lost" else "left"
     print(f"jaxrl hub: sampler {sid} {how}: its {len(held)} unfinished groups will be generated again",

@@ -38,20 +38,12 @@ from jaxrl.distributed.weight_service import WeightServer
 from jaxrl.sampler.slot_engine import compute_dtype_name
 
 
-class HubChannels:
-  """The learner program's channels (controller.sides.Channels): the hub and the weight server on one rpc port;
-  the learner holds one process's devices, so a batch goes to the train step as it is."""
-
-  compile_ahead = False
+class HubChannels(sides.OneProcess):
+  """The learner program's channels (controller.sides.Channels): the hub and the weight server on one rpc port,
+  for a learner that is one process."""
 
   def __init__(self, *, host: str = "127.0.0.1", port: int = 0, lease_s: float = 10.0, orphan_s: float = 600.0):
     self.host, self.port, self.lease_s, self.orphan_s = host, port, lease_s, orphan_s
-
-  def checkpointer_options(self) -> dict:
-    return {}
-
-  def place(self, batch_shardings):
-    return lambda batch: batch
 
   def wire(self, built: sides.Built) -> LearnerProgram:
     c, side = built.config, built.learner
@@ -139,7 +131,7 @@ def main(argv=None):
   flags.DEFINE_string("host", "127.0.0.1", "the address samplers reach this learner at")
   flags.DEFINE_integer("port", 0, "the port samplers call (0: a free one, printed)")
   flags.DEFINE_float("lease_s", 10.0, "a sampler silent this long is dropped; its groups are generated again")
-  flags.DEFINE_float("orphan_s", 600.0, "give up when no sampler has been registered for this long")
+  flags.DEFINE_float("orphan_s", 600.0, "give up (one line) when the learner waited this long for groups and none came")
   flags.mark_flags_as_required(["config", "workdir"])
   config_lib.parse_cli("jaxrl-learner", argv)
   try:

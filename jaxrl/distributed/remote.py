@@ -28,11 +28,12 @@ from jaxrl.rollout import Rollout
 _UNBOUNDED = 1 << 62
 
 
-def register(address: str, *, timeout_s: float, reconnect_s: float, poll_s: float = 0.05) -> RemoteCoordinator:
+def register(address: str, *, timeout_s: float, reconnect_s: float, poll_s: float = 0.05,
+             stopping: Callable[[], bool] = lambda: False) -> RemoteCoordinator | None:
   """Registers with the learner at address, trying again while it cannot be reached (a learner restarting from
-  its checkpoint) for up to reconnect_s; then RpcError names the learner and the wait."""
+  its checkpoint) for up to reconnect_s; then RpcError names the learner and the wait. None once `stopping()`."""
   t0 = time.monotonic()
-  while True:
+  while not stopping():
     try:
       reply = rpc.call(address, "register", {"host": socket.gethostname()}, timeout_s=timeout_s)
       if not reply.get("stopping"):
@@ -44,6 +45,7 @@ def register(address: str, *, timeout_s: float, reconnect_s: float, poll_s: floa
       raise rpc.RpcError(address, "register", e.waited_for,
                          f"the learner did not take a registration for {reconnect_s:g}s ({e})") from None
     time.sleep(min(1.0, reconnect_s / 10))
+  return None
 
 
 class RemoteCoordinator(Coordination):

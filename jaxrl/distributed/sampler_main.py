@@ -15,6 +15,7 @@ to the others at once) and exits 143.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -37,6 +38,8 @@ from jaxrl.sharding import Versioned
 class PulledWeights:
   """controller.interfaces.Weights over the weight service; a learner that does not answer ends the registration."""
 
+  timed_out = False  # a pull of this process timed out (its thread cannot be cancelled)
+
   def __init__(self, coord: remote.RemoteCoordinator, shardings, timeout_s: float):
     self.coord = coord
     describe = lambda request: coord.call("weights", **request)  # noqa: E731
@@ -46,6 +49,7 @@ class PulledWeights:
     try:
       return self.client.take_newer(version)
     except (TimeoutError, jax.errors.JaxRuntimeError) as e:  # the learner went away, or closed the pull's socket
+      PulledWeights.timed_out |= isinstance(e, TimeoutError)  # its thread is left behind (weight_service)
       self.coord.end("lost", f"weights from {self.coord.address}: {(str(e).splitlines() or [''])[0]}")
       raise Stopped from None
 
@@ -59,19 +63,11 @@ class PulledWeights:
     return newest
 
 
-class SamplerChannels:
+class SamplerChannels(sides.OneProcess):
   """The sampler program's channels (controller.sides.Channels): nothing of the learner is built here."""
-
-  compile_ahead = False
 
   def __init__(self, learner: str, *, timeout_s: float = 30.0, reconnect_s: float = 120.0, poll_s: float = 0.05):
     self.learner, self.timeout_s, self.reconnect_s, self.poll_s = learner, timeout_s, reconnect_s, poll_s
-
-  def checkpointer_options(self) -> dict:
-    return {}
-
-  def place(self, batch_shardings):
-    return lambda batch: batch
 
   def wire(self, built: sides.Built) -> SamplerProgram:
     return SamplerProgram(built.config, built.sampler, self)
@@ -99,7 +95,9 @@ class SamplerProgram:
     ch = self.ch
     while self.stopping is None:
       coord = self.coord = remote.register(ch.learner, timeout_s=ch.timeout_s, reconnect_s=ch.reconnect_s,
-                                           poll_s=ch.poll_s)
+                                           poll_s=ch.poll_s, stopping=lambda: self.stopping is not None)
+      if coord is None:  # stopped while the learner could not be reached
+        break
       self._refuse_left()
       if coord.ended == "done":
         return "done"
@@ -173,18 +171,23 @@ def main(argv=None):
   held = sides.Roles(roles.learner_devices, roles.sampler_devices, learner=False, sampler_rank=0, lead=False)
   channels = SamplerChannels(flags_def.learner, timeout_s=flags_def.timeout_s, reconnect_s=flags_def.reconnect_s)
   program = sides.build(c, None, held, channels).runner
+  code = 0
   try:
     with summary_lib.stop_on_signals(program.request_stop, (signal.SIGTERM,),
                                      "jaxrl-sampler: {name}: saying goodbye to the learner"):
       how = program.run()
+    print(json.dumps({"ended": how, "registrations": program.ended, "samples_generated": program.generated}))
+    code = 0 if how == "done" else summary_lib.exit_status(how)
   except (rpc.RpcError, TimeoutError) as e:  # the learner gone for good: one line naming it and the wait
     print(f"jaxrl-sampler: {e}", file=sys.stderr)
-    sys.exit(1)
+    code = 1
   finally:
     program.side.score.close()
-  print(json.dumps({"ended": how, "registrations": program.ended, "samples_generated": program.generated}))
-  if how != "done":
-    sys.exit(summary_lib.exit_status(how))
+  if PulledWeights.timed_out:  # a pull thread is stuck for good: a normal exit would abort in the runtime
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from faults_util import check_history, read_trace
 
-STEPS = 24
+STEPS = 40
 FLAGS = {"num_steps": STEPS, "mesh.num_devices": 2, "mesh.sampler_devices": 1, "checkpoint.every_steps": 2,
          "checkpoint.max_to_keep": 2, "log.tensorboard": False, "log.progress": False, "log.trace": True}
 LEASE_S = 8.0
@@ -86,35 +86,38 @@ def campaign(samplers: int, sampler_kills: int, learner_kills: int, out: Path, e
     learner = _start(learner_cmd, Path(f"{logs}.learner.log"), env, repo)
     fleet = [_start(sampler_cmd, Path(f"{logs}.s{i}.log"), env, repo) for i in range(samplers)]
     tally["samplers_started"] += samplers
-    started, attempt = time.monotonic(), 1
-    next_at = started + rng.uniform(*gap_s)
-    while learner.poll() is None and time.monotonic() - started < RUN_TIMEOUT_S:
-      if deck and time.monotonic() >= next_at and _training(workdir, attempt):
-        what = deck.pop()
-        if what == "sampler":
-          victim = rng.randrange(len(fleet))
-          _kill(fleet[victim])
-          fleet[victim] = _start(sampler_cmd, Path(f"{logs}.s{tally['samplers_started']}.log"), env, repo)
-          tally["samplers_started"] += 1
-        else:
-          _kill(learner)
-          learner = _start(learner_cmd, Path(f"{logs}.learner.log"), env, repo)
-          tally["resumes"] += 1
-          attempt += 1
-        tally["kills"] += 1
-        tally["phases"][what] += 1
-        log(f"{name} run {tally['runs']}: SIGKILLed the {what} at {time.monotonic() - started:.0f}s")
-        next_at = time.monotonic() + rng.uniform(*gap_s)
-      time.sleep(0.1)
-    code = learner.poll()
-    for proc in fleet:
-      try:
-        proc.wait(60)
-      except subprocess.TimeoutExpired:
-        _kill(proc)
-    if code != 0:
-      if code is None:  # past RUN_TIMEOUT_S
-        _kill(learner)
+    try:
+      started, attempt = time.monotonic(), 1
+      next_at = started + rng.uniform(*gap_s)
+      while learner.poll() is None and time.monotonic() - started < RUN_TIMEOUT_S:
+        if deck and time.monotonic() >= next_at and _training(workdir, attempt):
+          what = deck.pop()
+          if what == "sampler":
+            victim = rng.randrange(len(fleet))
+            _kill(fleet[victim])
+            fleet[victim] = _start(sampler_cmd, Path(f"{logs}.s{tally['samplers_started']}.log"), env, repo)
+            tally["samplers_started"] += 1
+          else:
+            _kill(learner)
+            learner = _start(learner_cmd, Path(f"{logs}.learner.log"), env, repo)
+            tally["resumes"] += 1
+            attempt += 1
+          tally["kills"] += 1
+          tally["phases"][what] += 1
+          log(f"{name} run {tally['runs']}: SIGKILLed the {what} at {time.monotonic() - started:.0f}s")
+          next_at = time.monotonic() + rng.uniform(*gap_s)
+        time.sleep(0.1)
+      code = learner.poll()
+      for proc in fleet:
+        try:
+          proc.wait(60)
+        except subprocess.TimeoutExpired:
+          _kill(proc)
+    finally:  # nothing of a run outlives it (an error here, a test's timeout)
+      for proc in [learner, *fleet]:
+        if proc.poll() is None:
+          _kill(proc)
+    if code != 0:  # None: past RUN_TIMEOUT_S (killed above)
       tally["failures"].append({"run": tally["runs"], "code": code})
       log(f"{name} run {tally['runs']}: the learner ended with {code}; see {logs}.learner.log")
       break
