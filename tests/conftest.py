@@ -13,6 +13,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # compare runs made under the same flags. Production runs keep XLA's defaults.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# XLA CPU's concurrency-optimised scheduler lets the devices of one SPMD program reach two independent collectives
+# in different orders (device 0 waits in an all-gather, devices 1-3 in an all-reduce of the same run): on a loaded
+# 2-core box the MoE pipeline test then deadlocked until XLA's rendezvous timeout aborted the worker (8 of 14 runs
+# of two concurrent copies; 0 of 12 with the scheduler off). docs/RELIABILITY.md, "Bugs found and fixed".
+if "xla_cpu_enable_concurrency_optimized_scheduler" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 from jaxrl import platforms  # noqa: E402
 
