@@ -136,16 +136,33 @@ class Coordination:
       gid, again = self._next_group()
       skipped = start(gid, again)
       if skipped is not None:
-        self.ledger.skipped_prompts += 1
-        self._skipped[gid] = skipped
-        if isinstance(skipped, SetAside):  # the filter working, not a prompt that cannot be used
-          self.ledger.prompts_set_aside += 1
-        else:
-          self._failures.failed("skipped_prompt")
+        self._skip(gid, skipped, isinstance(skipped, SetAside))
         return False
-      self._live.add(gid)
-      self.ledger.groups_admitted += not again  # a regenerated group was counted when it was first admitted
+      self._admitted(gid, again)
       return True
+
+  def _resume_here(self, group_size: int) -> None:
+    """This coordinator owns the record's data positions: the groups pending at the checkpoint resumed from are
+    generated again first, then the positions no sampler reached; over-asking starts at the record's filter rate."""
+    self._regenerate = list(self._record.pending_group_ids)
+    self._unadmitted = list(self._record.unadmitted_group_ids)
+    self.ledger.samples_regenerated += len(self._regenerate) * group_size
+    self.resumed_filter = scored_groups(self.ledger, group_size)
+
+  def _admitted(self, gid: int, again: bool) -> None:
+    """The group is submitted: live until settled (call under the lock)."""
+    self._live.add(gid)
+    self.ledger.groups_admitted += not again  # a regenerated group was counted when it was first admitted
+
+  def _skip(self, gid: int, reason: str, set_aside: bool) -> None:
+    """The position's prompt is skipped for good, counted (call under the lock); a failure unless the pass-rate
+    filter set it aside."""
+    self.ledger.skipped_prompts += 1
+    self._skipped[gid] = reason
+    if set_aside:  # the filter working, not a prompt that cannot be used
+      self.ledger.prompts_set_aside += 1
+    else:
+      self._failures.failed("skipped_prompt")
 
   def _next_group(self) -> tuple[int, bool]:
     """(the next data position to admit, whether it is a group generated again); a regenerated group first, then a
@@ -194,10 +211,7 @@ class LocalCoordinator(Coordination):
                resumed_from: int | None = None, max_filtered_in_a_row: int = 1000):
     super().__init__(record, max_failures_in_a_row, resumed_from, max_filtered_in_a_row)
     self.num_steps = num_steps
-    self._regenerate = list(record.pending_group_ids)
-    self._unadmitted = list(record.unadmitted_group_ids)
-    self.ledger.samples_regenerated += len(self._regenerate) * group_size
-    self.resumed_filter = scored_groups(self.ledger, group_size)
+    self._resume_here(group_size)
     self._asks = Asks(0, 0, None)
     self._costs: dict | None = None  # the sampler's last posted costs (sending)
 

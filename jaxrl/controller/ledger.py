@@ -52,6 +52,10 @@ class Ledger:
     self.dropped_tokens[reason] += _completion_tokens(group)
     self.dropped_groups += 1
 
+  def generated(self, samples: list[Rollout]) -> None:
+    self.samples_generated += len(samples)
+    self.tokens_generated += _completion_tokens(samples)
+
   def trained(self, samples: list[Rollout]) -> None:
     self.samples_trained += len(samples)
     self.tokens_trained += _completion_tokens(samples)

@@ -142,9 +142,8 @@ class SamplerLoop:
   def _complete_groups(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
     """Counts finished samples, releases complete groups with their rewards computed."""
     groups = []
+    self.ledger.generated(rollouts)
     for r in rollouts:
-      self.ledger.samples_generated += 1
-      self.ledger.tokens_generated += r.num_model_tokens
       group = self.assembler.add(r)
       if group is not None:
         self.score(group)

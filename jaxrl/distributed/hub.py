@@ -29,7 +29,7 @@ import uuid
 
 import numpy as np
 
-from jaxrl.controller.assembly import reject_reason, scored_groups
+from jaxrl.controller.assembly import reject_reason
 from jaxrl.controller.coordinator import Coordination
 from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.rollouts import Stopped
@@ -51,10 +51,7 @@ class Hub(Coordination):
     self.poll_s = poll_s
     self.incarnation = uuid.uuid4().hex  # a restarted learner is another: its samplers start over
     self._changed = threading.Condition(self._lock)  # asks, the pool, the samplers
-    self._regenerate = list(record.pending_group_ids)
-    self._unadmitted = list(record.unadmitted_group_ids)
-    self.ledger.samples_regenerated += len(self._regenerate) * spec.rl.group_size
-    self.resumed_filter = scored_groups(self.ledger, spec.rl.group_size)
+    self._resume_here(spec.rl.group_size)
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic)
@@ -246,8 +243,7 @@ class Hub(Coordination):
       gid, again = self._next_group()
       self._tokens += 1
       self._held[gid] = (sid, self._tokens)
-      self._live.add(gid)
-      self.ledger.groups_admitted += not again
+      self._admitted(gid, again)
       return {"expired": False, "group": gid, "again": again, "token": self._tokens}
 
   def _skipped_prompt(self, request: dict) -> dict:
@@ -257,13 +253,8 @@ class Hub(Coordination):
         return {"expired": True}  # the group went to another sampler: its skip is that one's to report
       del self._held[gid]
       self._live.discard(gid)
-      self.ledger.skipped_prompts += 1
-      self._skipped[gid] = request["reason"]
+      self._skip(gid, request["reason"], request["set_aside"])
       self._skips.append((gid, request["reason"]))
-      if request["set_aside"]:  # the pass-rate filter working, not a prompt that cannot be used
-        self.ledger.prompts_set_aside += 1
-      else:
-        self._failures.failed("skipped_prompt")
       return {"expired": False}
 
   def _deliver(self, request: dict) -> dict:
@@ -288,8 +279,7 @@ class Hub(Coordination):
       if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
         return {"expired": True, "full": False}
       for g in groups:
-        self.ledger.samples_generated += len(g)
-        self.ledger.tokens_generated += sum(r.num_model_tokens for r in g)
+        self.ledger.generated(g)
         if any(g is m for m in mine):
           del self._held[g[0].group_id]
           self._pool.append(g)
