@@ -186,6 +186,57 @@ def test_a_resumed_run_starts_over_asking_at_the_filter_rate_its_checkpoint_coun
   assert over_ask(5, 10) == pytest.approx(11 / 6)  # nearly twice the places, not the fresh start's one
 
 
+class _PartOfEachShare(LocalCoordinator):
+  """A coordinator that asks for `groups` of each share (an independent sampler's part: distributed.hub) and ends
+  the loop at its first idle wait."""
+
+  def __init__(self, groups):
+    super().__init__(RunRecord(), num_steps=10, group_size=2, max_failures_in_a_row=9)
+    self.groups = groups
+
+  def progress(self):
+    return Asks(0, 0, None, self.groups)
+
+  def idle(self, timeout_s):
+    self.stop.set()
+
+
+def test_the_sampler_loop_admits_for_the_part_of_each_share_it_is_asked_for():
+  class Engine:
+    max_slots, max_len = 64, 100
+
+  class Sampler:
+    version, num_waiting, num_active, engine = 0, 0, 0, Engine()
+
+    def submit(self, *args, **kw):
+      pass
+
+  class Weights:
+    def take_newer(self, version):
+      return None
+
+  rl = settings.RL(group_size=2, groups_per_step=4, seq_len=8)
+  spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
+  for groups, admitted in ((None, 8), (1, 2), (0, 0)):  # k + 1 = 2 steps of places, 4 or 1 or 0 groups each
+    loop = SamplerLoop(spec, sampler=Sampler(), prompts=lambda gid: (np.array([1], np.int32), {}), score=None,
+                       rollouts=None, weights=Weights(), coord=_PartOfEachShare(groups))
+    loop.run()
+    assert loop.book.open_groups() == list(range(admitted))
+
+
+def test_a_book_whose_part_shrinks_takes_the_smaller_share_and_leaves_the_rest_out_at_its_deadline():
+  book = DeadlineBook(0, 2)
+  for gid in range(2):
+    book.admit(gid, 0)
+  book.gb = 1  # a sampler joined: this one's part of each share is 1
+  assert book.room(0) == 0
+  for gid in range(2):
+    book.finish(_group(gid, 1))
+  assert [g[0].group_id for g in book.take()] == [0] and [g[0].group_id for g in book.surplus] == [1]
+  book.gb = 0  # standing by: empty shares, no room
+  assert book.room(1) == 0 and book.take() == [] and book.step == 2
+
+
 def test_over_asked_groups_beyond_the_places_are_surplus_at_their_deadline():
   book = DeadlineBook(0, 2)
   book.over_ask = 2.0

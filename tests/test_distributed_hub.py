@@ -1,7 +1,7 @@
 """The learner's hub for independent samplers (jaxrl.distributed.hub) and the samplers' remote channels
-(jaxrl.distributed.remote) over real rpc, without a model: admission with fencing tokens, a lease that expires
-(groups generated again, late results refused and counted), a goodbye, late groups, the checkpoint record, the
-ledger, and every wait bounded."""
+(jaxrl.distributed.remote) over real rpc, without a model: admission with fencing tokens, each step's groups split
+over the samplers (re-split as they join and leave), a lease that expires (groups generated again, late results
+refused and counted), a goodbye, late groups, the checkpoint record, the ledger, and every wait bounded."""
 
 import threading
 import time
@@ -193,3 +193,66 @@ def test_once_the_learner_loop_stopped_nothing_changes_the_final_record(hub):
   assert hub.checkpoint_record() == final and hub.registered() == 0
   hub.finish()  # the run is over: a late sampler is told so
   assert rpc.call(hub.address, "register", {}, timeout_s=5)["done"]
+
+
+def test_split_shares_each_step_evenly_and_a_joiner_gets_its_part_on_top_until_it_delivers():
+  assert hub_lib.split(4, ["a", "b"], set()) == {"a": 2, "b": 2}
+  assert hub_lib.split(3, ["a", "b"], {"a", "b"}) == {"a": 2, "b": 1}  # the first to join takes the remainder
+  assert hub_lib.split(2, ["a", "b", "c"], set()) == {"a": 1, "b": 1, "c": 0}  # c stands by
+  assert hub_lib.split(4, ["a", "b", "c"], {"a"}) == {"a": 4, "b": 1, "c": 1}  # b, c not delivered yet
+  assert hub_lib.split(4, ["a", "b", "c"], {"a", "c"}) == {"a": 2, "b": 1, "c": 2}
+  assert hub_lib.split(4, ["b"], {"a"}) == {"b": 4} and hub_lib.split(4, [], set()) == {}
+
+
+def _part(coord) -> int:
+  """The sampler's part of each share as the hub answers its heartbeat now."""
+  return coord.call("heartbeat", seen=None)["asks"][3]
+
+
+def _ledger_balances(hub, in_flight: int) -> None:
+  led = hub.ledger
+  assert led.samples_generated == (led.samples_trained + led.samples_dropped + sum(led.samples_refused.values())
+                                   + in_flight)
+
+
+def test_each_step_is_split_over_the_samplers_and_re_split_as_they_leave_and_join(hub):
+  """groups_per_step=2: one group each for a and b; b leaves: a has both; c joins: its part is on top of a's until
+  c delivers; a is lost: c has both. The parts reach the sampler loop as Asks.groups; no position is admitted twice
+  and the ledger balances."""
+  a = _join(hub)
+  assert a.progress().groups == 2  # alone: the registration's answer
+  b = _join(hub)
+  assert (b.progress().groups, _part(a), _part(b)) == (1, 1, 1)
+  hub.go_on(0)
+  hub.ask()
+  a.start_beating()
+  deadline = time.monotonic() + 5
+  while a.progress().shares < 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert a.progress() == (1, 0, 1, 1)
+  got = _admit(a, 1) + _admit(b, 1)
+  b.call("goodbye")  # b's group goes back, and its part to a
+  assert _part(a) == 2 and dict(hub.ledger.groups_generated_again) == {"sampler_left": 1}
+  deadline = time.monotonic() + 5
+  while a.progress().groups != 2 and time.monotonic() < deadline:  # the held heartbeat answers the new part
+    time.sleep(0.01)
+  assert a.progress().groups == 2
+  got += _admit(a, 1)  # b's group, generated again
+  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0), _group(1, 0)])
+  c = _join(hub)
+  assert (_part(a), _part(c)) == (2, 1)  # a has delivered, c not yet: the learner does not wait for c's start
+  got += _admit(c, 1)
+  remote.RemoteRollouts(c, 4, MAX_LEN).put_all([_group(2, 0)])
+  assert (_part(a), _part(c)) == (1, 1)
+  a.stop.set()  # a's heartbeat ends: a is silent past its lease
+  deadline = time.monotonic() + 10
+  while hub.samplers["lost"] < 1 and time.monotonic() < deadline:
+    time.sleep(0.3)
+    assert _part(c) in (1, 2)
+  assert _part(c) == 2 and hub.samplers == {"joined": 3, "lost": 1, "left": 1}
+  assert got == [(0, False), (1, False), (1, True), (2, False)]  # no position handed out twice but b's, again
+  trained = [hub.get(0) for _ in range(3)]
+  hub.settle(trained)
+  assert sorted(g[0].group_id for g in trained) == [0, 1, 2]
+  assert hub.ledger.groups_admitted == 3 and hub.checkpoint_record()["pending_group_ids"] == []
+  _ledger_balances(hub, in_flight=0)

@@ -93,6 +93,9 @@ class DeadlineBook:
     if groups_per_step < 1:
       raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
     self.k, self.gb, self.base, self.end = max_staleness, groups_per_step, base_step, end_step
+    # gb may change between calls (an independent sampler's part, which the hub assigns: Asks.groups): every rule
+    # reads it afresh; open groups beyond a smaller part's places are surplus at their deadline, and a part of 0
+    # admits nothing and hands out empty shares.
     # The bound new groups are admitted under (rl.max_staleness="auto" moves it within [k_min, k]); None: k. A
     # smaller bound only makes the room stricter, so the deadlines of groups already open stay feasible.
     self.admit_k: int | None = None

@@ -46,11 +46,14 @@ class Weights(Protocol):
 class Asks(NamedTuple):
   """What the learner has told the samplers so far (Coordinator.progress): the shares it asked for, the updates it
   skipped (a skipped update trains no version: the shares after it count one step earlier) and the admission bound
-  it chose (rl.max_staleness="auto"; None: the hard bound)."""
+  it chose (rl.max_staleness="auto"; None: the hard bound); and the groups of each share asked of this sampler (an
+  independent sampler: its part of groups_per_step, which the hub assigns and re-makes as samplers come and go;
+  None: the sampler's fixed part)."""
 
   shares: int
   updates_skipped: int
   admit_k: int | None
+  groups: int | None = None
 
 
 class Coordinator(Protocol):

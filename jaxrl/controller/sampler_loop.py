@@ -67,6 +67,8 @@ class SamplerLoop:
       asks = coord.progress()
       self.book.skipped = asks.updates_skipped - skipped_at_start
       self.book.admit_k = asks.admit_k
+      if asks.groups is not None:
+        self.book.gb = asks.groups
       # Admit while every deadline stays feasible; keep the waiting list short so new versions are used soon.
       while self.sampler.num_waiting < self.sampler.engine.max_slots and self.book.room(self.sampler.version):
         self._admit_one()

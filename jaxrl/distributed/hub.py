@@ -12,12 +12,15 @@ renew a lease with every call, take data positions, deliver finished groups and 
   goodbye      the sampler leaves (SIGTERM): its groups go back at once
 
 A sampler not heard from for lease_s (killed, preempted, stopped) is dropped: the groups it holds go back to be
-generated again by the others, each with a new admission and so a new deadline. Every sampler hears every ask of
-the learner and assembles its shares by deadline as a lone sampler would (controller.assembly); the learner takes
-each step's groups from whatever has arrived, oldest version first, and a group whose oldest token would be
-trained past max_staleness is refused ("late") and generated again: the bound holds for every trained token, and
-the learner never waits on one sampler. The learner's loop stops for no sampler; it waits for groups, and gives up
-(one line naming the samplers registered) only if none has been delivered for orphan_s.
+generated again by the others, each with a new admission and so a new deadline. The hub splits each step's
+groups_per_step groups over the samplers (`split`: each sampler's part, re-made when one joins, leaves or is
+dropped, told with every ask); each hears every ask and assembles its part of every share by deadline as one
+sampler of a job does (controller.assembly), so the samplers together generate what the learner trains. The
+learner takes each step's groups from whatever has arrived, oldest version first, and a group whose oldest token
+would be trained past max_staleness is refused ("late") and generated again: the bound holds for every trained
+token. The learner's loop stops for no sampler: it waits on a stalled sampler's part at most until its lease
+expires (its part goes to the others), and gives up (one line naming the samplers registered) only if no group has
+been delivered for orphan_s.
 """
 
 from __future__ import annotations
@@ -40,6 +43,20 @@ from jaxrl.rollout import Rollout
 PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
 
 
+def split(groups_per_step: int, samplers: list[str], proven: set[str]) -> dict[str, int]:
+  """Each sampler's part of every step's groups: groups_per_step split evenly over the samplers (in order of
+  registration, the first ones take the remainder; past groups_per_step samplers, the later ones stand by with
+  none). A sampler that has delivered nothing yet (a joiner pulling weights and compiling) gets its part on top:
+  the others keep the whole step among themselves until it delivers, so the learner does not wait for a joiner's
+  start-up. While none has delivered (the run's start), the even split holds."""
+  def even(names: list[str]) -> dict[str, int]:
+    each, extra = divmod(groups_per_step, len(names)) if names else (0, 0)
+    return {s: each + (i < extra) for i, s in enumerate(names)}
+
+  ready = [s for s in samplers if s in proven]
+  return {**even(samplers), **(even(ready) if ready else {})}
+
+
 class Hub(Coordination):
   """The coordinator (controller.interfaces.Coordinator, learner side) and the learner's Rollouts of a run with
   independent samplers; `handlers` are the rpc methods the samplers call."""
@@ -54,7 +71,8 @@ class Hub(Coordination):
     self._resume_here(spec.rl.group_size)
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
-    self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic)
+    self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic), in order of joining
+    self._proven: set[str] = set()  # registered samplers that delivered a group (split)
     self._held: dict[int, tuple[str, int]] = {}  # group -> (sampler, token): its current assignment
     self._tokens = 0
     self._pool: list[list[Rollout]] = []  # accepted, waiting for the learner
@@ -191,7 +209,7 @@ class Hub(Coordination):
       print(f"jaxrl hub: sampler {sid} joined ({request.get('host', '?')}) at learner version {self._version}",
             file=sys.stderr, flush=True)
       return {"sampler": sid, "incarnation": self.incarnation, "lease_s": self.lease_s,
-              "pass_rate": self._record.pass_rate, "filter": list(self.resumed_filter), "asks": list(self._asks),
+              "pass_rate": self._record.pass_rate, "filter": list(self.resumed_filter), "asks": self._asks_of(sid),
               "done": self.done}
 
   def _known(self, request: dict) -> str | None:
@@ -222,18 +240,19 @@ class Hub(Coordination):
       return {"expired": sid is None, "asks": self._asks_of(sid) if sid else None, "done": self.done}
 
   def _asks_of(self, sid: str) -> list:
-    """What this sampler is told (call under the lock): the learner's asks, with an admission bound of its own.
-    Every sampler hears every ask and counts its deadlines in steps of its own shares (its book step); one that
-    fell behind the learner's step by L (others trained the steps between) is told k - L, which makes its room and
-    deadlines in its own count those of the learner's steps. While a whole step of trainable groups waits in the
-    pool, no sampler admits (bound PAUSED): more would only be refused as late."""
+    """What this sampler is told (call under the lock): the learner's asks, with an admission bound and a part of
+    each share of its own (split). Every sampler hears every ask and counts its deadlines in steps of its own shares
+    (its book step); one that fell behind the learner's step by L (the learner took others' groups in its stead) is
+    told k - L, which makes its room and deadlines in its own count those of the learner's steps. While a whole step
+    of trainable groups waits in the pool, no sampler admits (bound PAUSED): more would only be refused as late."""
     k = self.spec.max_staleness if self._asks.admit_k is None else min(self._asks.admit_k, self.spec.max_staleness)
     trainable = sum(self._version - self._oldest(g) <= self.spec.max_staleness for g in self._pool)
     if trainable >= self.spec.rl.groups_per_step:
       k = PAUSED
     elif self._book_steps.get(sid) is not None:
       k -= max(0, self._version - self._book_steps[sid])
-    return [self._asks.shares, self._asks.updates_skipped, k]
+    part = split(self.spec.rl.groups_per_step, list(self._seen), self._proven)[sid]
+    return [self._asks.shares, self._asks.updates_skipped, k, part]
 
   def _admit(self, request: dict) -> dict:
     with self._lock:
@@ -284,6 +303,7 @@ class Hub(Coordination):
           del self._held[g[0].group_id]
           self._pool.append(g)
           self._delivered_at = time.monotonic()
+          self._proven.add(sid)  # the others' parts shrink to make room for its own (split)
         else:
           self._refuse(g, "fenced")
       if sid is not None and "costs" in request:
@@ -323,6 +343,7 @@ class Hub(Coordination):
   def _drop(self, sid: str, reason: str) -> None:
     """The sampler is gone: the groups it held are generated again by the others (call under the lock)."""
     del self._seen[sid]
+    self._proven.discard(sid)  # its part goes to the others (split)
     self.samplers["lost" if reason == "sampler_lost" else "left"] += 1
     held = sorted(g for g, (s, _) in self._held.items() if s == sid)
     for gid in held:

@@ -60,11 +60,11 @@ class RemoteCoordinator(Coordination):
     self.tokens: dict[int, int] = {}  # group -> fencing token, for the groups this registration holds
     self.costs: dict = {}
     self.ended: str | None = "done" if registered["done"] else None  # "done", "expired" or "lost"
-    # Every sampler hears every ask; one that joins late counts from the share the learner waits for now.
+    # Every sampler hears every ask (with its part of each share); one that joins late counts from the share the
+    # learner waits for now.
     self._seen = registered["asks"]
-    shares, skipped, admit_k = self._seen
-    self._offset = shares - min(shares, 1)
-    self._asks = Asks(shares - self._offset, skipped, admit_k)
+    self._offset = self._seen[0] - min(self._seen[0], 1)
+    self._asks = self._told(self._seen)
     self.book_step: Callable[[], int | None] = lambda: None  # the sampler loop's deadline book's (sampler_main)
 
   def call(self, method: str, *, allow_expired: bool = False, **request) -> dict:
@@ -100,9 +100,13 @@ class RemoteCoordinator(Coordination):
         self.end("expired", f"the learner at {self.address} dropped sampler {self.sampler} (lease expired)")
         return
       self._seen = reply["asks"]
-      shares, skipped, admit_k = self._seen
-      self._asks = Asks(shares - self._offset, skipped, admit_k)
+      self._asks = self._told(self._seen)
       self.wake()
+
+  def _told(self, asks: list) -> Asks:
+    """The hub's asks (distributed.hub.Hub._asks_of) counted from this registration's first share."""
+    shares, skipped, admit_k, part = asks
+    return Asks(shares - self._offset, skipped, admit_k, part)
 
   def start_beating(self) -> threading.Thread:
     thread = threading.Thread(target=self.guarded, args=("heartbeat", self.beat), name="jaxrl-heartbeat",
