@@ -43,17 +43,17 @@ from jaxrl.rollout import Rollout
 PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
 
 
-def split(groups_per_step: int, samplers: list[str], proven: set[str]) -> dict[str, int]:
+def split(groups_per_step: int, samplers: list[str], joining: set[str]) -> dict[str, int]:
   """Each sampler's part of every step's groups: groups_per_step split evenly over the samplers (in order of
   registration, the first ones take the remainder; past groups_per_step samplers, the later ones stand by with
-  none). A sampler that has delivered nothing yet (a joiner pulling weights and compiling) gets its part on top:
-  the others keep the whole step among themselves until it delivers, so the learner does not wait for a joiner's
-  start-up. While none has delivered (the run's start), the even split holds."""
+  none). A joining sampler (one that registered while others delivered, and has delivered nothing yet: it is
+  pulling weights and compiling) gets its part on top: the others keep the whole step among themselves until it
+  delivers, so the learner does not wait for a joiner's start-up."""
   def even(names: list[str]) -> dict[str, int]:
     each, extra = divmod(groups_per_step, len(names)) if names else (0, 0)
     return {s: each + (i < extra) for i, s in enumerate(names)}
 
-  ready = [s for s in samplers if s in proven]
+  ready = [s for s in samplers if s not in joining]
   return {**even(samplers), **(even(ready) if ready else {})}
 
 
@@ -72,7 +72,8 @@ class Hub(Coordination):
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic), in order of joining
-    self._proven: set[str] = set()  # registered samplers that delivered a group (split)
+    self._delivering: set[str] = set()  # registered samplers that delivered a group
+    self._joining: set[str] = set()  # registered while others delivered, nothing delivered yet (split)
     self._held: dict[int, tuple[str, int]] = {}  # group -> (sampler, token): its current assignment
     self._tokens = 0
     self._pool: list[list[Rollout]] = []  # accepted, waiting for the learner
@@ -205,6 +206,8 @@ class Hub(Coordination):
       sid = f"s{self.samplers['joined']}-{uuid.uuid4().hex[:6]}"
       self.samplers["joined"] += 1
       self._seen[sid] = time.monotonic()
+      if self._delivering:
+        self._joining.add(sid)
       self._changed.notify_all()
       print(f"jaxrl hub: sampler {sid} joined ({request.get('host', '?')}) at learner version {self._version}",
             file=sys.stderr, flush=True)
@@ -251,7 +254,7 @@ class Hub(Coordination):
       k = PAUSED
     elif self._book_steps.get(sid) is not None:
       k -= max(0, self._version - self._book_steps[sid])
-    part = split(self.spec.rl.groups_per_step, list(self._seen), self._proven)[sid]
+    part = split(self.spec.rl.groups_per_step, list(self._seen), self._joining)[sid]
     return [self._asks.shares, self._asks.updates_skipped, k, part]
 
   def _admit(self, request: dict) -> dict:
@@ -303,7 +306,8 @@ class Hub(Coordination):
           del self._held[g[0].group_id]
           self._pool.append(g)
           self._delivered_at = time.monotonic()
-          self._proven.add(sid)  # the others' parts shrink to make room for its own (split)
+          self._delivering.add(sid)
+          self._joining.discard(sid)  # the others' parts shrink to make room for its own (split)
         else:
           self._refuse(g, "fenced")
       if sid is not None and "costs" in request:
@@ -343,7 +347,8 @@ class Hub(Coordination):
   def _drop(self, sid: str, reason: str) -> None:
     """The sampler is gone: the groups it held are generated again by the others (call under the lock)."""
     del self._seen[sid]
-    self._proven.discard(sid)  # its part goes to the others (split)
+    self._delivering.discard(sid)
+    self._joining.discard(sid)  # its part goes to the others (split)
     self.samplers["lost" if reason == "sampler_lost" else "left"] += 1
     held = sorted(g for g, (s, _) in self._held.items() if s == sid)
     for gid in held:
