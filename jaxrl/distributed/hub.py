@@ -79,6 +79,12 @@ class Hub(Coordination):
     self._pool: list[list[Rollout]] = []  # accepted, waiting for the learner
     self._costs: dict[str, dict] = {}
     self._book_steps: dict[str, int | None] = {}  # the step each sampler's deadline book counts in (heartbeat)
+    # (shares it was asked for and has not taken, when it said so): each sampler's (heartbeat), for _nothing_coming
+    self._pending: dict[str, tuple[int | None, float]] = {}
+    self._asked_at = time.monotonic()  # the last change of the shares asked
+    # Shares asked of every sampler beyond the learner's, each counted as a skipped update (the book's step stays the
+    # learner's): the groups of a share part of which was lost (a dropped sampler's, a late group) are asked again.
+    self._extra = 0
     self._skips: list[tuple[int, str]] = []
     self._delivered_at = time.monotonic()  # the last accepted delivery (or the hub's start)
     # A lease counts only the time the hub itself ran: a learner process that did not run its threads for a while
@@ -101,6 +107,7 @@ class Hub(Coordination):
   def ask(self) -> None:
     with self._changed:
       self._asks = self._asks._replace(shares=self._asks.shares + 1)
+      self._asked_at = time.monotonic()
       self._changed.notify_all()
 
   def bound(self, admit_k: int | None) -> None:
@@ -155,6 +162,10 @@ class Hub(Coordination):
         if group is not None:
           self._changed.notify_all()  # room for a delivery
           return group
+        if self._nothing_coming(max(waiting_since, self._delivered_at, self._asked_at)):
+          self._extra += 1  # one more share of every sampler: the learner's step takes what it lacks
+          self._asked_at = time.monotonic()
+          self._changed.notify_all()
         if time.monotonic() - max(waiting_since, self._delivered_at) > self.orphan_s:
           raise TimeoutError(f"hub: no group delivered for {self.orphan_s:g}s while the learner waited for step "
                              f"{self._version}'s groups; samplers registered: {sorted(self._seen) or 'none'} "
@@ -173,6 +184,13 @@ class Hub(Coordination):
       self._refuse(group, "late")
       self._generate_again(group[0].group_id, "late")
     return None
+
+  def _nothing_coming(self, since: float) -> bool:
+    """The learner has waited two heartbeats since `since` for groups that no sampler generates: every sampler said,
+    after the last ask, that it has taken every share it was asked for (call under the lock)."""
+    now = time.monotonic()
+    caught_up = lambda sid: self._pending.get(sid, (None, 0.0))[0] == 0 and self._pending[sid][1] > self._asked_at
+    return bool(self._seen) and now - since > 2 * self.hold_s and all(map(caught_up, self._seen))
 
   def _oldest(self, group: list[Rollout]) -> int:
     """The version of the group's oldest model token (the learner's check: samples without one are fresh)."""
@@ -229,12 +247,14 @@ class Hub(Coordination):
 
   def _heartbeat(self, request: dict) -> dict:
     """Holds the call up to hold_s until the sampler's asks change (request "seen": the asks it has), then answers
-    them. request "book_step": the step its deadline book counts in (controller.assembly), for its admission bound."""
+    them. request "book_step": the step its deadline book counts in (controller.assembly), for its admission bound;
+    "pending": the shares it was asked for and has not taken yet."""
     with self._changed:
       sid = self._known(request)
       if sid is None:
         return {"expired": not self.done, "done": self.done}
       self._book_steps[sid] = request.get("book_step")
+      self._pending[sid] = (request.get("pending"), time.monotonic())
       deadline = time.monotonic() + self.hold_s
       while (self._asks_of(sid) == request.get("seen") and not self.done and not self.stop.is_set()
              and time.monotonic() < deadline):
@@ -255,7 +275,7 @@ class Hub(Coordination):
     elif self._book_steps.get(sid) is not None:
       k -= max(0, self._version - self._book_steps[sid])
     part = split(self.spec.rl.groups_per_step, list(self._seen), self._joining)[sid]
-    return [self._asks.shares, self._asks.updates_skipped, k, part]
+    return [self._asks.shares + self._extra, self._asks.updates_skipped + self._extra, k, part]
 
   def _admit(self, request: dict) -> dict:
     with self._lock:

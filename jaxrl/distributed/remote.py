@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxrl.controller.assembly import DeadlineBook
 from jaxrl.controller.coordinator import Coordination
 from jaxrl.controller.interfaces import Asks
 from jaxrl.controller.pass_rate import SetAside
@@ -65,7 +66,7 @@ class RemoteCoordinator(Coordination):
     self._seen = registered["asks"]
     self._offset = self._seen[0] - min(self._seen[0], 1)
     self._asks = self._told(self._seen)
-    self.book_step: Callable[[], int | None] = lambda: None  # the sampler loop's deadline book's (sampler_main)
+    self.book: Callable[[], DeadlineBook | None] = lambda: None  # the sampler loop's deadline book (sampler_main)
 
   def call(self, method: str, *, allow_expired: bool = False, **request) -> dict:
     """The hub's reply; a learner that cannot be reached or an expired lease ends this registration (Stopped)."""
@@ -92,7 +93,9 @@ class RemoteCoordinator(Coordination):
   def beat(self) -> None:
     """The heartbeat (a thread): renews the lease, follows the learner's asks (held by the hub until one comes)."""
     while not self.stop.is_set():
-      reply = self.call("heartbeat", allow_expired=True, seen=self._seen, book_step=self.book_step())
+      book = self.book()
+      reply = self.call("heartbeat", allow_expired=True, seen=self._seen, book_step=None if book is None else book.step,
+                        pending=None if book is None else self._asks.shares - book.shares)
       if reply["done"]:
         self.end("done")
         return

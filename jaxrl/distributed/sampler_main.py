@@ -119,7 +119,7 @@ class SamplerProgram:
                        score=self.side.score, rollouts=remote.RemoteRollouts(coord, self.spec.rl.queue_groups,
                                                                            self.c.sampler.max_len),
                        weights=weights, coord=coord, num_samplers=1)
-    coord.book_step = lambda: loop.book.step if loop.book is not None else None  # its admission bound
+    coord.book = lambda: loop.book  # its admission bound, and the shares it has taken
     print(f"jaxrl-sampler: sampler {coord.sampler} of {coord.address} from version {first.version}",
           file=sys.stderr, flush=True)
     coord.guarded("sampler", loop.run, ch.poll_s)
