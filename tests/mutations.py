@@ -36,7 +36,8 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
           "jaxrl/envs/guard.py": ("test_envs_guard.py",),
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
-          "jaxrl/distributed/cross_process.py": ("test_distributed.py",)}
+          "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
+          "jaxrl/distributed/hub.py": ("test_distributed_hub.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -236,6 +237,7 @@ SAMPLER = (
 AS, LL, LE, WP = ("jaxrl/controller/assembly.py", "jaxrl/controller/learner_loop.py", "jaxrl/controller/ledger.py",
                   "jaxrl/controller/weights.py")
 BOOK = "tests/test_controller_assembly.py::test_"
+HUB, HUB_T = "jaxrl/distributed/hub.py", "tests/test_distributed_hub.py::test_"
 LOOP = "tests/test_controller_learner_loop.py::test_"
 LOCAL = "tests/test_controller_channels_local.py::test_"
 REJECT = BOOK + "reject_reason_names_failed_rewards_and_overlong_groups"
@@ -391,6 +393,27 @@ GUARD = (
              ("tests/test_controller_pass_rate.py::test_a_set_aside_prompt_is_skipped_and_counted_but_is_no_failure",)),
     Mutation("dynamic sampling: a surplus group trained", "jaxrl/controller/assembly.py",
              "  if group[0].left_out is not None:\n    return group[0].left_out\n", "", (REJECT,)),
+    Mutation("independent samplers: the hub's part of each share ignored by the loop",
+             "jaxrl/controller/sampler_loop.py", "        self.book.gb = asks.groups\n", "        pass\n",
+             (BOOK + "the_sampler_loop_admits_for_the_part_of_each_share_it_is_asked_for",)),
+    Mutation("independent samplers: every sampler asked for a whole share", HUB,
+             "updates_skipped + self._extra, k, part]", "updates_skipped + self._extra, k, None]",
+             (HUB_T + "each_step_is_split_over_the_samplers_and_re_split_as_they_leave_and_join",)),
+    Mutation("independent samplers: a joiner's part taken from the others before it delivers", HUB,
+             "      if self._delivering:\n        self._joining.add(sid)\n", "",
+             (HUB_T + "each_step_is_split_over_the_samplers_and_re_split_as_they_leave_and_join",)),
+    Mutation("independent samplers: a split that ignores who is still joining", HUB,
+             "ready = [s for s in samplers if s not in joining]", "ready = []",
+             (HUB_T + "split_shares_each_step_evenly_and_a_joiner_gets_its_part_on_top_until_it_delivers",)),
+    Mutation("independent samplers: a lost part of a share never asked again", HUB,
+             "          self._extra += 1  # one more share", "          pass  # one more share",
+             (HUB_T + "a_step_that_lacks_groups_nobody_generates_is_asked_again_as_one_more_share",)),
+    Mutation("independent samplers: a share asked again moves the samplers' step", HUB,
+             "self._asks.updates_skipped + self._extra", "self._asks.updates_skipped",
+             (HUB_T + "a_step_that_lacks_groups_nobody_generates_is_asked_again_as_one_more_share",)),
+    Mutation("independent samplers: a share asked again while a sampler still generates", HUB,
+             "self._pending.get(sid, (None, 0.0))[0] == 0 and", "True or",
+             (HUB_T + "a_step_that_lacks_groups_nobody_generates_is_asked_again_as_one_more_share",)),
 )
 
 MOE_TEST = "tests/test_learner_moe.py::test_"

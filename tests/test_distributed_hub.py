@@ -256,3 +256,31 @@ def test_each_step_is_split_over_the_samplers_and_re_split_as_they_leave_and_joi
   assert sorted(g[0].group_id for g in trained) == [0, 1, 2]
   assert hub.ledger.groups_admitted == 3 and hub.checkpoint_record()["pending_group_ids"] == []
   _ledger_balances(hub, in_flight=0)
+
+
+def test_a_step_that_lacks_groups_nobody_generates_is_asked_again_as_one_more_share(hub):
+  """a sends its part of step 0 and b's part never comes (b has taken the share and its delivery was lost): once
+  both say they have taken every share they were asked for, the waiting learner gets one more share of each,
+  counted as a skipped update (the samplers' deadline books keep the learner's step); not while one still works."""
+  a, b = _join(hub), _join(hub)
+  hub.go_on(0)
+  hub.ask()
+  _admit(a, 1)
+  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0)])
+  assert hub.get(0)[0].group_id == 0
+  got = []
+  learner = threading.Thread(target=lambda: got.append(hub.get(0)))
+  learner.start()
+  asks = lambda coord, pending: coord.call("heartbeat", seen=None, pending=pending)["asks"]  # noqa: E731
+  for _ in range(5):  # b still generates its part: nothing is asked again
+    time.sleep(0.1)
+    assert asks(a, 0) == asks(b, 1) == [1, 0, 1, 1]
+  deadline = time.monotonic() + 5
+  while asks(a, 0)[0] == 1 and time.monotonic() < deadline:
+    asks(b, 0)
+    time.sleep(0.05)
+  assert asks(a, 0) == asks(b, 0) == [2, 1, 1, 1]  # one more share each, as if an update had been skipped
+  _admit(b, 1)
+  remote.RemoteRollouts(b, 4, MAX_LEN).put_all([_group(1, 0)])
+  learner.join(5)
+  assert got[0][0].group_id == 1 and hub.ledger.skipped_updates == 0
