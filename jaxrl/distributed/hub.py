@@ -43,18 +43,36 @@ from jaxrl.rollout import Rollout
 PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
 
 
-def split(groups_per_step: int, samplers: list[str], joining: set[str]) -> dict[str, int]:
-  """Each sampler's part of every step's groups: groups_per_step split evenly over the samplers (in order of
-  registration, the first ones take the remainder; past groups_per_step samplers, the later ones stand by with
-  none). A joining sampler (one that registered while others delivered, and has delivered nothing yet: it is
-  pulling weights and compiling) gets its part on top: the others keep the whole step among themselves until it
-  delivers, so the learner does not wait for a joiner's start-up."""
-  def even(names: list[str]) -> dict[str, int]:
-    each, extra = divmod(groups_per_step, len(names)) if names else (0, 0)
-    return {s: each + (i < extra) for i, s in enumerate(names)}
+RESPLIT_GAIN = 0.8  # measured rates re-make the split only if its slowest part's time falls below this fraction
+
+
+def split(groups_per_step: int, samplers: list[str], joining: set[str],
+          rates: dict[str, float] | None = None) -> dict[str, int]:
+  """Each sampler's part of every step's groups: groups_per_step split over the samplers in proportion to their
+  measured rates (decode rows x steps per second; one not measured yet counts as the mean of the others, all alike
+  when none is), by largest remainders, ties to the first to join; past groups_per_step alike samplers, the later
+  ones stand by with none. A joining sampler (one that registered while others delivered, and has delivered
+  nothing yet: it is pulling weights and compiling) gets its part on top: the others keep the whole step among
+  themselves until it delivers, so the learner does not wait for a joiner's start-up."""
+  rates = rates or {}
+
+  def shared(names: list[str]) -> dict[str, int]:
+    known = [rates[s] for s in names if s in rates]
+    weights = [rates.get(s, sum(known) / len(known) if known else 1.0) for s in names]
+    exact = [groups_per_step * w / sum(weights) for w in weights]
+    parts = [int(x) for x in exact]
+    for i in sorted(range(len(names)), key=lambda i: (parts[i] - exact[i], i))[: groups_per_step - sum(parts)]:
+      parts[i] += 1
+    return dict(zip(names, parts, strict=True))
 
   ready = [s for s in samplers if s not in joining]
-  return {**even(samplers), **(even(ready) if ready else {})}
+  return {**shared(samplers), **(shared(ready) if ready else {})}
+
+
+def step_time(parts: dict[str, int], rates: dict[str, float]) -> float:
+  """The time of a step's slowest part, in units of a rate (samplers not measured: the mean of the others)."""
+  mean = sum(rates.values()) / len(rates) if rates else 1.0
+  return max((n / rates.get(s, mean) for s, n in parts.items() if n), default=0.0)
 
 
 class Hub(Coordination):
@@ -74,6 +92,8 @@ class Hub(Coordination):
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic), in order of joining
     self._delivering: set[str] = set()  # registered samplers that delivered a group
     self._joining: set[str] = set()  # registered while others delivered, nothing delivered yet (split)
+    self._rates: dict[str, float] = {}  # sampler -> its engine's measured rate (costs: rows x steps per second)
+    self._parts: dict[str, int] = {}  # sampler -> its part of each share (split, re-made by _resplit)
     self._held: dict[int, tuple[str, int]] = {}  # group -> (sampler, token): its current assignment
     self._tokens = 0
     self._pool: list[list[Rollout]] = []  # accepted, waiting for the learner
@@ -226,7 +246,7 @@ class Hub(Coordination):
       self._seen[sid] = time.monotonic()
       if self._delivering:
         self._joining.add(sid)
-      self._changed.notify_all()
+      self._resplit()
       print(f"jaxrl hub: sampler {sid} joined ({request.get('host', '?')}) at learner version {self._version}",
             file=sys.stderr, flush=True)
       return {"sampler": sid, "incarnation": self.incarnation, "lease_s": self.lease_s,
@@ -274,8 +294,16 @@ class Hub(Coordination):
       k = PAUSED
     elif self._book_steps.get(sid) is not None:
       k -= max(0, self._version - self._book_steps[sid])
-    part = split(self.spec.rl.groups_per_step, list(self._seen), self._joining)[sid]
-    return [self._asks.shares + self._extra, self._asks.updates_skipped + self._extra, k, part]
+    return [self._asks.shares + self._extra, self._asks.updates_skipped + self._extra, k, self._parts[sid]]
+
+  def _resplit(self, rates_only: bool = False) -> None:
+    """Re-makes the samplers' parts (split): at once when one joins, delivers its first group, leaves or is dropped;
+    on new rates only if the slowest part gets RESPLIT_GAIN faster (a part that shrinks leaves groups its sampler
+    admitted out at their deadline: no split moves for noise). Call under the lock."""
+    new = split(self.spec.rl.groups_per_step, list(self._seen), self._joining, self._rates)
+    if not rates_only or step_time(new, self._rates) < RESPLIT_GAIN * step_time(self._parts, self._rates):
+      self._parts = new
+      self._changed.notify_all()
 
   def _admit(self, request: dict) -> dict:
     with self._lock:
@@ -326,14 +354,28 @@ class Hub(Coordination):
           del self._held[g[0].group_id]
           self._pool.append(g)
           self._delivered_at = time.monotonic()
-          self._delivering.add(sid)
-          self._joining.discard(sid)  # the others' parts shrink to make room for its own (split)
         else:
           self._refuse(g, "fenced")
+      if mine and sid not in self._delivering:  # the others' parts shrink to make room for its own
+        self._delivering.add(sid)
+        self._joining.discard(sid)
+        self._resplit()
       if sid is not None and "costs" in request:
-        self._costs[sid] = request["costs"]
+        self._measure(sid, request["costs"])
       self._changed.notify_all()
       return {"expired": sid is None, "full": False, "accepted": len(mine), "refused": len(groups) - len(mine)}
+
+  def _measure(self, sid: str, costs: dict) -> None:
+    """The sampler's rate over the interval since its last costs (its decode rows x steps per second of decode:
+    what its engine can generate, however full the engine was kept), averaged with the rate before; the split
+    follows it (call under the lock)."""
+    last = self._costs.get(sid)
+    self._costs[sid] = costs
+    if last is None or not {"slot_steps", "seconds"} <= costs.keys() or costs["seconds"] <= last["seconds"]:
+      return
+    rate = (costs["slot_steps"] - last["slot_steps"]) / (costs["seconds"] - last["seconds"])
+    self._rates[sid] = (self._rates[sid] + rate) / 2 if sid in self._rates else rate
+    self._resplit(rates_only=True)
 
   def _goodbye(self, request: dict) -> dict:
     with self._changed:
@@ -368,7 +410,9 @@ class Hub(Coordination):
     """The sampler is gone: the groups it held are generated again by the others (call under the lock)."""
     del self._seen[sid]
     self._delivering.discard(sid)
-    self._joining.discard(sid)  # its part goes to the others (split)
+    self._joining.discard(sid)
+    self._rates.pop(sid, None)
+    self._resplit()  # its part goes to the others
     self.samplers["lost" if reason == "sampler_lost" else "left"] += 1
     held = sorted(g for g, (s, _) in self._held.items() if s == sid)
     for gid in held:
