@@ -51,6 +51,21 @@ def _wait_for(what: str, cond, learner, timeout_s: float = 300.0) -> None:
     time.sleep(0.2)
 
 
+def _exit_0(learner, samplers) -> None:
+  """The learner, then every sampler, ends the run with exit status 0."""
+  assert learner.wait(300) == 0, learner.log.read_text()[-3000:]
+  for proc in samplers:
+    assert proc.wait(60) == 0, proc.log.read_text()[-3000:]
+
+
+def _end(*procs) -> None:
+  """Kills what is still running (stopped ones too)."""
+  for proc in procs:
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGCONT)
+      kill(proc)
+
+
 @pytest.mark.timeout(900)
 def test_samplers_killed_stopped_and_joining_while_the_learner_trains_every_step(tmp_path):
   workdir = tmp_path / "run"
@@ -71,14 +86,9 @@ def test_samplers_killed_stopped_and_joining_while_the_learner_trains_every_step
     procs["c"] = start_child(_command("jaxrl.distributed.sampler_main", learner=address), tmp_path / "c.log")
     _wait_for("c registered", lambda: "jaxrl-sampler: sampler " in procs["c"].log.read_text(), learner)
     procs["b"].send_signal(signal.SIGCONT)  # past its lease: its groups went back, its first call is refused
-    assert learner.wait(300) == 0, learner.log.read_text()[-3000:]
-    for name in ("b", "c"):
-      assert procs[name].wait(60) == 0, procs[name].log.read_text()[-3000:]
+    _exit_0(learner, [procs["b"], procs["c"]])
   finally:
-    for proc in [learner, *procs.values()]:
-      if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)
-        kill(proc)
+    _end(learner, *procs.values())
   summary, trains = _check_run(workdir, STEPS)
   assert sum(len(e["samples"]) for e in trains) == STEPS * GROUPS_PER_STEP * GROUP_SIZE
   # a, b, c and b again (a loaded box may starve one past its lease once more: it joins again); a killed and b
@@ -138,14 +148,9 @@ def test_a_sampler_that_wakes_with_groups_since_handed_to_another_is_fenced_and_
     _wait_for("a's groups generated and trained by b", trained_by_b, learner)
     assert _trained(workdir) <= FENCE_STEPS - 8, "too few steps left for a's next registration to deliver"
     procs["a"].send_signal(signal.SIGCONT)
-    assert learner.wait(300) == 0, learner.log.read_text()[-3000:]
-    for proc in procs.values():
-      assert proc.wait(60) == 0, proc.log.read_text()[-3000:]
+    _exit_0(learner, procs.values())
   finally:
-    for proc in [learner, *procs.values()]:
-      if proc.poll() is None:
-        proc.send_signal(signal.SIGCONT)
-        kill(proc)
+    _end(learner, *procs.values())
   summary, trains = _check_run(workdir, FENCE_STEPS)
   entries = [json.loads(line) for line in log.read_text().splitlines()[1:]]
   woken = [e for e in entries if e["sampler"] == stop["sampler"]]  # its old registration's deliveries
