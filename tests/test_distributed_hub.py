@@ -212,8 +212,8 @@ def test_split_shares_each_step_evenly_and_a_joiner_gets_its_part_on_top_until_i
 
 def test_measured_rates_move_the_split_only_when_the_slowest_part_gets_much_faster(hub):
   """groups_per_step=2 over a and b; the rates come from the costs each delivery carries (decode rows x steps per
-  second of decode, between two deliveries): a 1.2 times faster sampler keeps the even split, one 3 times faster
-  takes both groups (b stands by), and b takes its part again once a slows down."""
+  second of decode, since the sampler's first delivery): a 1.2 times faster sampler keeps the even split, one 5
+  times faster takes both groups (b stands by), and b takes its part again once a is not much faster than b."""
   a, b = _join(hub), _join(hub)
   _admit(a, 5)  # groups 0-4
   _admit(b, 2)  # groups 5, 6
@@ -228,11 +228,11 @@ def test_measured_rates_move_the_split_only_when_the_slowest_part_gets_much_fast
   deliver(a, 1, 120, 2.0)
   deliver(b, 6, 100, 2.0)  # rates 120 and 100: 2 / 120 is not 0.8 times 1 / 100
   assert (_part(a), _part(b)) == (1, 1)
-  deliver(a, 2, 120 + 900, 3.0)  # a's rate: (120 + 900) / 2 = 510
+  deliver(a, 2, 1020, 3.0)  # a's rate: 1020 / 2 = 510
   assert (_part(a), _part(b)) == (2, 0)
-  deliver(a, 3, 1020, 4.0)  # (510 + 0) / 2 = 255: 1 / 100 is not 0.8 times 2 / 255, the split stays
+  deliver(a, 3, 1020, 5.0)  # 1020 / 4 = 255: 1 / 100 is not 0.8 times 2 / 255, the split stays
   assert (_part(a), _part(b)) == (2, 0)
-  deliver(a, 4, 1020, 5.0)  # 127.5: b takes its part again
+  deliver(a, 4, 1020, 9.5)  # 120: b takes its part again
   assert (_part(a), _part(b)) == (1, 1)
 
 

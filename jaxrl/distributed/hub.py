@@ -93,6 +93,7 @@ class Hub(Coordination):
     self._delivering: set[str] = set()  # registered samplers that delivered a group
     self._joining: set[str] = set()  # registered while others delivered, nothing delivered yet (split)
     self._rates: dict[str, float] = {}  # sampler -> its engine's measured rate (costs: rows x steps per second)
+    self._first_costs: dict[str, dict] = {}  # sampler -> the costs of its first delivery, where its rate starts
     self._parts: dict[str, int] = {}  # sampler -> its part of each share (split, re-made by _resplit)
     self._held: dict[int, tuple[str, int]] = {}  # group -> (sampler, token): its current assignment
     self._tokens = 0
@@ -301,9 +302,13 @@ class Hub(Coordination):
     on new rates only if the slowest part gets RESPLIT_GAIN faster (a part that shrinks leaves groups its sampler
     admitted out at their deadline: no split moves for noise). Call under the lock."""
     new = split(self.spec.rl.groups_per_step, list(self._seen), self._joining, self._rates)
-    if not rates_only or step_time(new, self._rates) < RESPLIT_GAIN * step_time(self._parts, self._rates):
+    if new != self._parts and (not rates_only or step_time(new, self._rates) < RESPLIT_GAIN * step_time(
+        self._parts, self._rates)):
       self._parts = new
       self._changed.notify_all()
+      rates = {s: round(r) for s, r in self._rates.items()}
+      print(f"jaxrl hub: each step's {self.spec.rl.groups_per_step} groups split as {new} (rates {rates}, joining "
+            f"{sorted(self._joining)})", file=sys.stderr, flush=True)
 
   def _admit(self, request: dict) -> dict:
     with self._lock:
@@ -366,15 +371,15 @@ class Hub(Coordination):
       return {"expired": sid is None, "full": False, "accepted": len(mine), "refused": len(groups) - len(mine)}
 
   def _measure(self, sid: str, costs: dict) -> None:
-    """The sampler's rate over the interval since its last costs (its decode rows x steps per second of decode:
-    what its engine can generate, however full the engine was kept), averaged with the rate before; the split
-    follows it (call under the lock)."""
-    last = self._costs.get(sid)
+    """The sampler's rate since its first delivery (its decode rows x steps per second of decode: what its engine
+    can generate, however full it was kept; from the first delivery on, so that compiling is not counted, and over
+    the whole registration, so that a few seconds of a busy host do not move the split); the split follows it
+    (call under the lock)."""
     self._costs[sid] = costs
-    if last is None or not {"slot_steps", "seconds"} <= costs.keys() or costs["seconds"] <= last["seconds"]:
+    first = self._first_costs.setdefault(sid, costs)
+    if not {"slot_steps", "seconds"} <= costs.keys() or costs["seconds"] <= first["seconds"]:
       return
-    rate = (costs["slot_steps"] - last["slot_steps"]) / (costs["seconds"] - last["seconds"])
-    self._rates[sid] = (self._rates[sid] + rate) / 2 if sid in self._rates else rate
+    self._rates[sid] = (costs["slot_steps"] - first["slot_steps"]) / (costs["seconds"] - first["seconds"])
     self._resplit(rates_only=True)
 
   def _goodbye(self, request: dict) -> dict:
@@ -412,6 +417,7 @@ class Hub(Coordination):
     self._delivering.discard(sid)
     self._joining.discard(sid)
     self._rates.pop(sid, None)
+    self._first_costs.pop(sid, None)
     self._resplit()  # its part goes to the others
     self.samplers["lost" if reason == "sampler_lost" else "left"] += 1
     held = sorted(g for g, (s, _) in self._held.items() if s == sid)
