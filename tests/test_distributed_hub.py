@@ -202,38 +202,6 @@ def test_split_shares_each_step_evenly_and_a_joiner_gets_its_part_on_top_until_i
   assert hub_lib.split(4, ["a", "b", "c"], {"b", "c"}) == {"a": 4, "b": 1, "c": 1}  # b, c not delivered yet
   assert hub_lib.split(4, ["a", "b", "c"], {"b"}) == {"a": 2, "b": 1, "c": 2}
   assert hub_lib.split(4, ["b"], {"b"}) == {"b": 4} and hub_lib.split(4, [], set()) == {}
-  # in proportion to the measured rates (one not measured yet counts as the mean), by largest remainders
-  assert hub_lib.split(4, ["a", "b"], set(), {"a": 2.0, "b": 1.0}) == {"a": 3, "b": 1}
-  assert hub_lib.split(4, ["a", "b", "c"], set(), {"a": 3.0}) == {"a": 2, "b": 1, "c": 1}
-  assert hub_lib.split(6, ["a", "b", "c"], {"c"}, {"a": 1.0, "b": 2.0}) == {"a": 2, "b": 4, "c": 2}
-  assert hub_lib.step_time({"a": 3, "b": 1}, {"a": 2.0, "b": 1.0}) == 1.5
-  assert hub_lib.step_time({"a": 2, "b": 2, "c": 0}, {"a": 2.0}) == 1.0
-
-
-def test_measured_rates_move_the_split_only_when_the_slowest_part_gets_much_faster(hub):
-  """groups_per_step=2 over a and b; the rates come from the costs each delivery carries (decode rows x steps per
-  second of decode, since the sampler's first delivery): a 1.2 times faster sampler keeps the even split, one 5
-  times faster takes both groups (b stands by), and b takes its part again once a is not much faster than b."""
-  a, b = _join(hub), _join(hub)
-  _admit(a, 5)  # groups 0-4
-  _admit(b, 2)  # groups 5, 6
-
-  def deliver(coord, gid, slot_steps, seconds):
-    coord.costs = {"slot_steps": slot_steps, "seconds": seconds}
-    remote.RemoteRollouts(coord, 4, MAX_LEN).put_all([_group(gid, 0)])
-    hub.get(0)
-
-  deliver(a, 0, 0, 1.0)
-  deliver(b, 5, 0, 1.0)
-  deliver(a, 1, 120, 2.0)
-  deliver(b, 6, 100, 2.0)  # rates 120 and 100: 2 / 120 is not 0.8 times 1 / 100
-  assert (_part(a), _part(b)) == (1, 1)
-  deliver(a, 2, 1020, 3.0)  # a's rate: 1020 / 2 = 510
-  assert (_part(a), _part(b)) == (2, 0)
-  deliver(a, 3, 1020, 5.0)  # 1020 / 4 = 255: 1 / 100 is not 0.8 times 2 / 255, the split stays
-  assert (_part(a), _part(b)) == (2, 0)
-  deliver(a, 4, 1020, 9.5)  # 120: b takes its part again
-  assert (_part(a), _part(b)) == (1, 1)
 
 
 def _part(coord) -> int:

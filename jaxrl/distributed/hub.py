@@ -43,36 +43,18 @@ from jaxrl.rollout import Rollout
 PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
 
 
-RESPLIT_GAIN = 0.8  # measured rates re-make the split only if its slowest part's time falls below this fraction
-
-
-def split(groups_per_step: int, samplers: list[str], joining: set[str],
-          rates: dict[str, float] | None = None) -> dict[str, int]:
-  """Each sampler's part of every step's groups: groups_per_step split over the samplers in proportion to their
-  measured rates (decode rows x steps per second; one not measured yet counts as the mean of the others, all alike
-  when none is), by largest remainders, ties to the first to join; past groups_per_step alike samplers, the later
-  ones stand by with none. A joining sampler (one that registered while others delivered, and has delivered
-  nothing yet: it is pulling weights and compiling) gets its part on top: the others keep the whole step among
-  themselves until it delivers, so the learner does not wait for a joiner's start-up."""
-  rates = rates or {}
-
-  def shared(names: list[str]) -> dict[str, int]:
-    known = [rates[s] for s in names if s in rates]
-    weights = [rates.get(s, sum(known) / len(known) if known else 1.0) for s in names]
-    exact = [groups_per_step * w / sum(weights) for w in weights]
-    parts = [int(x) for x in exact]
-    for i in sorted(range(len(names)), key=lambda i: (parts[i] - exact[i], i))[: groups_per_step - sum(parts)]:
-      parts[i] += 1
-    return dict(zip(names, parts, strict=True))
+def split(groups_per_step: int, samplers: list[str], joining: set[str]) -> dict[str, int]:
+  """Each sampler's part of every step's groups: groups_per_step split evenly over the samplers (in order of
+  registration, the first ones take the remainder; past groups_per_step samplers, the later ones stand by with
+  none). A joining sampler (one that registered while others delivered, and has delivered nothing yet: it is
+  pulling weights and compiling) gets its part on top: the others keep the whole step among themselves until it
+  delivers, so the learner does not wait for a joiner's start-up."""
+  def even(names: list[str]) -> dict[str, int]:
+    each, extra = divmod(groups_per_step, len(names)) if names else (0, 0)
+    return {s: each + (i < extra) for i, s in enumerate(names)}
 
   ready = [s for s in samplers if s not in joining]
-  return {**shared(samplers), **(shared(ready) if ready else {})}
-
-
-def step_time(parts: dict[str, int], rates: dict[str, float]) -> float:
-  """The time of a step's slowest part, in units of a rate (samplers not measured: the mean of the others)."""
-  mean = sum(rates.values()) / len(rates) if rates else 1.0
-  return max((n / rates.get(s, mean) for s, n in parts.items() if n), default=0.0)
+  return {**even(samplers), **(even(ready) if ready else {})}
 
 
 class Hub(Coordination):
@@ -92,8 +74,6 @@ class Hub(Coordination):
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic), in order of joining
     self._delivering: set[str] = set()  # registered samplers that delivered a group
     self._joining: set[str] = set()  # registered while others delivered, nothing delivered yet (split)
-    self._rates: dict[str, float] = {}  # sampler -> its engine's measured rate (costs: rows x steps per second)
-    self._first_costs: dict[str, dict] = {}  # sampler -> the costs of its first delivery, where its rate starts
     self._parts: dict[str, int] = {}  # sampler -> its part of each share (split, re-made by _resplit)
     self._held: dict[int, tuple[str, int]] = {}  # group -> (sampler, token): its current assignment
     self._tokens = 0
@@ -297,18 +277,15 @@ class Hub(Coordination):
       k -= max(0, self._version - self._book_steps[sid])
     return [self._asks.shares + self._extra, self._asks.updates_skipped + self._extra, k, self._parts[sid]]
 
-  def _resplit(self, rates_only: bool = False) -> None:
-    """Re-makes the samplers' parts (split): at once when one joins, delivers its first group, leaves or is dropped;
-    on new rates only if the slowest part gets RESPLIT_GAIN faster (a part that shrinks leaves groups its sampler
-    admitted out at their deadline: no split moves for noise). Call under the lock."""
-    new = split(self.spec.rl.groups_per_step, list(self._seen), self._joining, self._rates)
-    if new != self._parts and (not rates_only or step_time(new, self._rates) < RESPLIT_GAIN * step_time(
-        self._parts, self._rates)):
+  def _resplit(self) -> None:
+    """Re-makes the samplers' parts (split) when one joins, delivers its first group, leaves or is dropped (call
+    under the lock)."""
+    new = split(self.spec.rl.groups_per_step, list(self._seen), self._joining)
+    if new != self._parts:
       self._parts = new
       self._changed.notify_all()
-      rates = {s: round(r) for s, r in self._rates.items()}
-      print(f"jaxrl hub: each step's {self.spec.rl.groups_per_step} groups split as {new} (rates {rates}, joining "
-            f"{sorted(self._joining)})", file=sys.stderr, flush=True)
+      print(f"jaxrl hub: each step's {self.spec.rl.groups_per_step} groups split as {new} (joining: "
+            f"{sorted(self._joining) or 'none'})", file=sys.stderr, flush=True)
 
   def _admit(self, request: dict) -> dict:
     with self._lock:
@@ -366,21 +343,9 @@ class Hub(Coordination):
         self._joining.discard(sid)
         self._resplit()
       if sid is not None and "costs" in request:
-        self._measure(sid, request["costs"])
+        self._costs[sid] = request["costs"]
       self._changed.notify_all()
       return {"expired": sid is None, "full": False, "accepted": len(mine), "refused": len(groups) - len(mine)}
-
-  def _measure(self, sid: str, costs: dict) -> None:
-    """The sampler's rate since its first delivery (its decode rows x steps per second of decode: what its engine
-    can generate, however full it was kept; from the first delivery on, so that compiling is not counted, and over
-    the whole registration, so that a few seconds of a busy host do not move the split); the split follows it
-    (call under the lock)."""
-    self._costs[sid] = costs
-    first = self._first_costs.setdefault(sid, costs)
-    if not {"slot_steps", "seconds"} <= costs.keys() or costs["seconds"] <= first["seconds"]:
-      return
-    self._rates[sid] = (costs["slot_steps"] - first["slot_steps"]) / (costs["seconds"] - first["seconds"])
-    self._resplit(rates_only=True)
 
   def _goodbye(self, request: dict) -> dict:
     with self._changed:
@@ -416,8 +381,6 @@ class Hub(Coordination):
     del self._seen[sid]
     self._delivering.discard(sid)
     self._joining.discard(sid)
-    self._rates.pop(sid, None)
-    self._first_costs.pop(sid, None)
     self._resplit()  # its part goes to the others
     self.samplers["lost" if reason == "sampler_lost" else "left"] += 1
     held = sorted(g for g, (s, _) in self._held.items() if s == sid)
