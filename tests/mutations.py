@@ -36,7 +36,8 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
           "jaxrl/envs/guard.py": ("test_envs_guard.py",),
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
-          "jaxrl/distributed/cross_process.py": ("test_distributed.py",)}
+          "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
+          "jaxrl/distributed/packets.py": ("test_distributed.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -417,6 +418,11 @@ MOE = (
     Mutation("routing replay: a batch puts the routing at the token's own column", "jaxrl/rollout.py",
              "experts[row, p - 1 : end - 1] = r.experts", "experts[row, p:end] = r.experts",
              (MOE_TEST + "batches_and_packing_carry_the_routing", REPLAY)),
+    Mutation("routing replay: packets across processes drop the routing", "jaxrl/distributed/packets.py",
+             "left_out=LEFT_OUT[int(row[14])], experts=experts)", "left_out=LEFT_OUT[int(row[14])])",
+             ("tests/test_distributed_multiprocess.py::test_a_mixture_of_experts_policy_trains_across_processes_on_"
+              "its_recorded_routing", "tests/test_distributed.py::test_packet_carries_mixture_of_experts_routing_"
+              "bit_for_bit")),
 )
 MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD + MOE
 

@@ -161,6 +161,8 @@ class LearnerLoop:
     self.ledger.zero_advantage_groups += sum(map(scored_alike, groups))
     metrics.update(sample_metrics(samples, step), applied=applied,
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
+    if self.spec.routing is not None:
+      metrics["routing_recorded"] = routing_recorded(samples)
     return metrics
 
   def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
@@ -240,3 +242,15 @@ def sample_metrics(samples: list[Rollout], step: int) -> dict[str, float]:
   if accuracy:
     out["accuracy"] = float(np.mean(accuracy))
   return out
+
+
+def routing_recorded(samples: list[Rollout]) -> float:
+  """A mixture-of-experts run: the fraction of the samples' model tokens whose routing the sampler recorded (routing
+  replay routes them through it; an unrecorded token is routed afresh by the learner, silently off-policy)."""
+  recorded = total = 0
+  for r in samples:
+    mask = r.model_mask
+    total += int(mask.sum())
+    if r.experts is not None:
+      recorded += int((np.asarray(r.experts) >= 0).any(axis=(1, 2))[mask].sum())
+  return recorded / max(total, 1)
