@@ -418,6 +418,8 @@ MOE = (
     Mutation("routing replay: a batch puts the routing at the token's own column", "jaxrl/rollout.py",
              "experts[row, p - 1 : end - 1] = r.experts", "experts[row, p:end] = r.experts",
              (MOE_TEST + "batches_and_packing_carry_the_routing", REPLAY)),
+    Mutation("routing replay: the prompt's routing not recorded", "jaxrl/sampler/admission.py",
+             "prompt_experts=g.prefix.experts_PxNxK)", "prompt_experts=None)", (RECORDED,)),
     Mutation("routing replay: packets across processes drop the routing", "jaxrl/distributed/packets.py",
              "left_out=LEFT_OUT[int(row[14])], experts=experts)", "left_out=LEFT_OUT[int(row[14])])",
              ("tests/test_distributed_multiprocess.py::test_a_mixture_of_experts_policy_trains_across_processes_on_"

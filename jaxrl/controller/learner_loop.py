@@ -245,12 +245,15 @@ def sample_metrics(samples: list[Rollout], step: int) -> dict[str, float]:
 
 
 def routing_recorded(samples: list[Rollout]) -> float:
-  """A mixture-of-experts run: the fraction of the samples' model tokens whose routing the sampler recorded (routing
-  replay routes them through it; an unrecorded token is routed afresh by the learner, silently off-policy)."""
+  """A mixture-of-experts run: the fraction of the inputs the learner replays the routing of (the prompt's, the
+  model's tokens') that the sampler recorded; an unrecorded one is routed afresh by the learner, silently off the
+  sampler's routing. An environment's observation tokens are not counted (never recorded)."""
   recorded = total = 0
   for r in samples:
     mask = r.model_mask
-    total += int(mask.sum())
+    total += int(mask.sum()) + len(r.prompt_tokens) - 1
     if r.experts is not None:
       recorded += int((np.asarray(r.experts) >= 0).any(axis=(1, 2))[mask].sum())
+    if r.prompt_experts is not None:
+      recorded += int((np.asarray(r.prompt_experts) >= 0).any(axis=(1, 2)).sum())
   return recorded / max(total, 1)

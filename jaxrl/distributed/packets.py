@@ -6,8 +6,9 @@ Row layout, one row per sample, T = the sampler's max_len:
    which the learner checks against its own), left_out (LEFT_OUT index: the sampler side's reason to leave the group
    out), routed layers N and experts per token K (0 and 0: a dense model), tokens[T] (prompt then completion),
    logprobs[T] (float32 bits, on completion positions), versions[T], then, for a mixture-of-experts policy (routing
-   replay), experts[T, N, K] (int16 pairs in int32 words, -1 where nothing was recorded; on completion positions:
-   Rollout.experts)]
+   replay), experts[T, N, K] (int16 pairs in int32 words, -1 where nothing was recorded), by input position: the
+   prompt's inputs before its last token hold Rollout.prompt_experts, the last prompt token and the completion's
+   Rollout.experts]
 An environment's observation tokens (loss mask 0) carry version -1, which is how their mask crosses. A packet says
 its own routing shape (every sample of a packet has the same), so its width is the same for every packet of a run.
 Only what the learner reads crosses: the prompt text and reward metadata stay on the sampler.
@@ -35,7 +36,10 @@ def _route_words(max_len: int, routing: tuple[int, int] | None) -> int:
 
 def _routing_of(rows) -> tuple[int, int] | None:
   """The one routing shape of these samples (None: dense); ValueError if they disagree."""
-  shapes = {None if r.experts is None else tuple(np.shape(r.experts)[1:]) for r in rows}
+  shapes = set()
+  for r in rows:
+    routed = [e for e in (r.experts, r.prompt_experts) if e is not None]
+    shapes |= {tuple(np.shape(e)[1:]) for e in routed} if routed else {None}
   if len(shapes) > 1:
     raise ValueError(f"samples of one packet must share a routing shape (layers, experts per token): {shapes}")
   return shapes.pop() if shapes else None
@@ -68,7 +72,10 @@ def encode(groups: list[list[Rollout]], max_len: int) -> np.ndarray:
     out[i, ver + p : ver + p + c] = r.versions
     if experts is not None:  # the learner's routing replay reads them: dropped, it would silently route afresh
       experts[:] = -1
-      experts[p : p + c] = r.experts
+      if r.prompt_experts is not None:
+        experts[: p - 1] = r.prompt_experts
+      if r.experts is not None:
+        experts[p - 1 : p - 1 + c] = r.experts
       out[i, ver + max_len :] = _int16_words(experts)
   return out
 
@@ -97,12 +104,14 @@ def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
     tokens = row[_HEAD : _HEAD + max_len]
     logprobs = row[_HEAD + max_len : _HEAD + 2 * max_len].view(np.float32)
     versions = row[_HEAD + 2 * max_len : _HEAD + 3 * max_len]
-    experts = None
+    experts = prompt_experts = None
     if routing is not None:
       if tuple(row[15:17]) != routing:
         raise ValueError(f"group {gid} sample {index}: routing shape {tuple(row[15:17])} in a packet of {routing}")
       words = row[_HEAD + 3 * max_len :].view(np.int16)
-      experts = words[: max_len * routing[0] * routing[1]].reshape(max_len, *routing)[p : p + c].copy()
+      block = words[: max_len * routing[0] * routing[1]].reshape(max_len, *routing)
+      experts = block[p - 1 : p - 1 + c].copy()
+      prompt_experts = block[: p - 1].copy() if (block[: p - 1] >= 0).any() else None  # none recorded: None
     meta = {} if correct < 0 else {"correct": bool(correct)}
     observed = versions[p : p + c] < 0  # observation tokens of a multi-turn episode
     r = Rollout(prompt_tokens=tokens[:p].copy(), completion_tokens=tokens[p : p + c].copy(),
@@ -111,7 +120,8 @@ def decode(packet: np.ndarray, max_len: int) -> list[list[Rollout]]:
                 reward=float(row[6:8].copy().view(np.float64)[0]), meta=meta,
                 loss_mask=(~observed).astype(np.float32) if observed.any() else None,
                 sampling=SamplingParams(temperature=float(temperature), top_k=int(row[12]), top_p=float(top_p),
-                                        greedy=bool(row[13])), left_out=LEFT_OUT[int(row[14])], experts=experts)
+                                        greedy=bool(row[13])), left_out=LEFT_OUT[int(row[14])], experts=experts,
+                prompt_experts=prompt_experts)
     if groups and groups[-1][0].group_id == gid:
       groups[-1].append(r)
     else:
