@@ -40,7 +40,7 @@ class Rollout:
   completion_tokens: np.ndarray  # int32 [C]
   logprobs: np.ndarray  # float32 [C], log p_behavior(token) under the distribution actually sampled from
   versions: np.ndarray  # int32 [C], policy version of the params that computed the token's logits
-  finish_reason: str  # "eos" | "stop" | "length"
+  finish_reason: str  # "eos" | "stop" | "length" | "cancelled" (Sampler.cancel: a surplus group ended early)
   group_id: int  # samples of one prompt (a GRPO group) share it
   sample_index: int = 0  # index within the group
   sampling: SamplingParams = SamplingParams()

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl.rollout import Rollout, SamplingParams
 
-FINISH_REASONS = ("eos", "stop", "length")
+FINISH_REASONS = ("eos", "stop", "length", "cancelled")
 LEFT_OUT = (None, "surplus")  # Rollout.left_out
 _HEAD = 17  # columns before tokens
 
