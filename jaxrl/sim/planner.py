@@ -240,15 +240,6 @@ def _packed_tokens(run: RunDescription):
   return tokens
 
 
-def _slowed(costs: Costs, decode_x: float, train_x: float) -> Costs:
-  d = costs.decode
-  decode = dataclasses.replace(d, weights_s=d.weights_s * decode_x, kv_s_per_token=d.kv_s_per_token * decode_x,
-                               compute_s_per_seq=d.compute_s_per_seq * decode_x, overhead_s=d.overhead_s * decode_x)
-  return costs.replace(decode=decode, prefill_s_per_token=costs.prefill_s_per_token * decode_x,
-                       train_tokens_per_s_per_device=costs.train_tokens_per_s_per_device / train_x,
-                       train_overhead_s=costs.train_overhead_s * train_x)
-
-
 def _slowdown(contention: float, other_busy: float) -> float:
   """Time stretch of work that runs at rate 1 / contention while the other side is busy, else at rate 1."""
   return 1 / ((1 - other_busy) + other_busy / contention)
@@ -265,7 +256,7 @@ def _contended_pipeline(costs: Costs, spec: RunSpec, decode_c: float, train_c: f
   def run(decode_x):
     train_x = 1.0
     for _ in range(3 if train_c != 1.0 else 1):
-      pipe = simulate_pipeline(_slowed(costs, decode_x, train_x), spec)
+      pipe = simulate_pipeline(costs.slowed(decode_x, train_x), spec)
       train_x_next = _slowdown(train_c, 1 - pipe.sampler_idle_frac)
       if train_x_next == train_x:
         break
