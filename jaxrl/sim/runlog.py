@@ -81,14 +81,17 @@ def pass_fraction(records: list[dict], warmup: int, group_size: int) -> float:
 def decode_rows(records: list[dict], warmup: int, steps_per_call: int,
                 take_s: float = 0.0) -> list[tuple[float, float, float]]:
   """(mean live batch, mean context, seconds per decode step) between consecutive records with decode calls;
-  take_s: a weight take inside the loop's busy time (one version a step), charged apart as updates are."""
-  rows = []
+  take_s: a weight take inside the loop's busy time (one version a step), charged apart as updates are. Sampler
+  stats reach the learner when the sampler sends: a record with no news leaves its step's take to the next row."""
+  rows, steps = [], 0
   rs = steady(records, warmup)
   for a, b in zip(rs[:-1], rs[1:], strict=True):
     calls, live = b[_CALLS] - a[_CALLS], b[_ROWS] - a[_ROWS]
+    steps += 1
     if calls >= 1 and live >= 1:
-      busy = b[_BUSY] - a[_BUSY] - (b[_UPDATE] - a[_UPDATE]) - take_s  # charged apart (update_s, the take)
+      busy = b[_BUSY] - a[_BUSY] - (b[_UPDATE] - a[_UPDATE]) - take_s * steps  # charged apart (update_s, takes)
       rows.append((live / calls, (b[_CONTEXT] - a[_CONTEXT]) / live, busy / (calls * steps_per_call)))
+      steps = 0
   return rows
 
 

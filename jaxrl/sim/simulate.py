@@ -33,10 +33,12 @@ Two variants other frameworks use, selected in RunSpec:
 - partial_rollouts=False: an engine takes new weights only once its live samples have finished on the old ones,
   starting no new sample meanwhile (no sample spans two versions; the engine drains before each update).
 
-Dynamic sampling (rl.filter_groups): with pass_fraction p < 1 the filter keeps p of the finished groups (the n-th
-finished group is kept when floor((n + 1) p) > floor(n p): exactly p of them, spread evenly); a filtered group gives
-its place back and the sampler over-asks by the kept fraction so far, both through the controller's own book
-(DeadlineBook.discard, assembly.over_ask), and groups over-asked past their deadline are surplus, as in a run.
+Dynamic sampling (rl.filter_groups): with pass_fraction p < 1 the filter keeps each finished group with probability p
+(filter_draws="random", a stream of its own: a real filter's yield varies from step to step, and under the staleness
+bound a short step waits) or exactly p of them spread evenly ("even": the n-th finished group is kept when
+floor((n + 1) p) > floor(n p)). A filtered group gives its place back and the sampler over-asks by the kept fraction
+so far, both through the controller's own book (DeadlineBook.discard, assembly.over_ask); groups over-asked past
+their deadline are surplus, as in a run.
 
 Shared devices: `stretch` stretches each process's work (the learner's train steps and publishes, each engine's
 decode, prefill and weight take) by a factor; the planner derives it from where the processes run
@@ -83,6 +85,7 @@ class RunSpec:
   # calls of several steps holds them longer than their tokens); None: its length. Tokens trained stay its length.
   slot_steps: Callable[[np.ndarray], np.ndarray] | None = None
   pass_fraction: float = 1.0  # finished groups the filter keeps (rl.filter_groups); 1: no filter
+  filter_draws: str = "random"  # "random" (each group kept with probability pass_fraction) | "even" (module doc)
   stretch: tuple[float, ...] = ()  # seconds per second of work of (the learner, engine 0, engine 1, ...); (): all 1
 
   def __post_init__(self):
@@ -114,6 +117,8 @@ class RunSpec:
     if not 0 < self.pass_fraction <= 1:
       raise ValueError(f"RunSpec.pass_fraction must be in (0, 1], the finished groups the filter keeps (got "
                        f"{self.pass_fraction})")
+    if self.filter_draws not in ("random", "even"):
+      raise ValueError(f"RunSpec.filter_draws must be 'random' or 'even' (got {self.filter_draws!r})")
     if self.pass_fraction < 1 and self.admission != "deadline":
       raise ValueError("RunSpec.pass_fraction < 1 needs admission='deadline' (the book that gives a filtered "
                        "group's place back)")
@@ -215,6 +220,7 @@ class _Sim:
     self.engines = [SamplerTimeline(i, costs.slowed(decode_x=x) if x != 1 else costs, spec.prompt_len)
                     for i, x in enumerate(self.stretch[1:])]
     self.rng = np.random.default_rng(spec.seed)
+    self.filter_rng = np.random.default_rng([spec.seed, 1])  # its own stream: the lengths drawn stay the same
     self.blocks: dict[int, np.ndarray] = {}
     if len(self.engines) % spec.samplers:
       raise ValueError(f"{len(self.engines)} engines cannot be shared by {spec.samplers} samplers")
@@ -260,7 +266,12 @@ class _Sim:
     """A complete group into its sampler's book, or, filtered, its place given back (the sampler loop's _finish)."""
     n, p = self.finished_groups, self.spec.pass_fraction
     self.finished_groups += 1
-    kept = math.floor((n + 1) * p + 1e-9) > math.floor(n * p + 1e-9)
+    if p == 1:
+      kept = True
+    elif self.spec.filter_draws == "random":
+      kept = bool(self.filter_rng.random() < p)
+    else:
+      kept = math.floor((n + 1) * p + 1e-9) > math.floor(n * p + 1e-9)
     if not kept:
       self.filtered_groups += 1
     self.assembly.settle(rank, g, kept)
