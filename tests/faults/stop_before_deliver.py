@@ -37,7 +37,8 @@ def _logged_call(address, method, request, **kw):
   reply = _call(address, method, request, **kw)
   if _stopped and method == "deliver":
     packet = np.asarray(request["packet"])
-    groups = packets.decode(packet, (packet.shape[1] - packets.packet_width(0)) // 3)
+    max_len = (packet.shape[1] - packets.packet_width(0)) // 3  # a policy without routing (configs/tiny.py)
+    groups = packets.decode(packet, max_len)
     _log({"event": "deliver", "sampler": request["sampler"], "groups": [g[0].group_id for g in groups],
           "samples": sum(map(len, groups)), "reply": reply})
   return reply
