@@ -266,7 +266,7 @@ def predict(w: dict, records: list[dict], lengths: list[int], learner_cpu_s: flo
 
   pushed, details = calibrate(0.0)
   pulled = dataclasses.replace(calibrate(weight_bytes / pull)[0], pull_bandwidth=pull)
-  passed = runlog.pass_fraction(records, w["warmup"], c.rl.group_size) if c.rl.filter_groups != "none" else 1.0
+  passed = runlog.run_pass_fraction(records, w["warmup"], c.rl)
   # the learner process's CPU beside its train step and publish (the hub serving the sampler); 0 where not logged
   host_s = 0.0 if learner_cpu_s is None else max(learner_cpu_s - details["train_step_s"] - details["transfer_s"], 0.0)
   cores = tuple(sorted(set(CORES.values())))
