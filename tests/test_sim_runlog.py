@@ -25,6 +25,12 @@ def test_pass_fraction_is_the_settled_groups_the_filter_kept():
   assert runlog.pass_fraction([record(s, 8 * s, 0, 0, 4 * s, 2.0 * s) for s in range(1, 6)], 1, 4) == 1.0
 
 
+def test_a_runs_pass_fraction_is_its_ledgers_where_it_filters_and_1_where_not():
+  rl = lambda filter_groups: type("RL", (), dict(group_size=4, filter_groups=filter_groups))
+  assert runlog.run_pass_fraction(RECORDS, 1, rl("zero_variance")) == runlog.pass_fraction(RECORDS, 1, 4) == 0.5
+  assert runlog.run_pass_fraction(RECORDS, 1, rl("none")) == 1.0
+
+
 def test_the_take_is_left_out_of_the_decode_rows_once_per_step():
   plain = runlog.decode_rows(RECORDS, 1, steps_per_call=2)
   taken = runlog.decode_rows(RECORDS, 1, steps_per_call=2, take_s=0.4)

@@ -78,6 +78,12 @@ def pass_fraction(records: list[dict], warmup: int, group_size: int) -> float:
   return 1.0 - (b["filtered_groups"] - a["filtered_groups"]) / settled
 
 
+def run_pass_fraction(records: list[dict], warmup: int, rl) -> float:
+  """The planner's pass_fraction for a run of RL section `rl` (jaxrl.settings.RL): the ledger's (pass_fraction)
+  where rl.filter_groups filters, else 1."""
+  return pass_fraction(records, warmup, rl.group_size) if rl.filter_groups != "none" else 1.0
+
+
 def decode_rows(records: list[dict], warmup: int, steps_per_call: int,
                 take_s: float = 0.0) -> list[tuple[float, float, float]]:
   """(mean live batch, mean context, seconds per decode step) between consecutive records with decode calls;
