@@ -176,7 +176,7 @@ class SimResult:
   filtered_groups: int = 0  # groups generated and filtered out (pass_fraction < 1)
   surplus_groups: int = 0  # groups generated, kept by the filter, and left out past their deadline
   # groups left out past their deadline while generating and cancelled (cancel_surplus), unscored: a run's ledger
-  # drops surplus_groups + cancelled_groups as "surplus"
+  # drops them as "cancelled" (surplus_groups as "surplus")
   cancelled_groups: int = 0
 
   @property
