@@ -40,6 +40,7 @@ def one_run(mode: str, config: str, steps: int, seed: int, cancel: bool, scratch
   return {"wall_s": wall, "step_s_after_first": sum(r["step_time_s"] for r in records[1:]),
           "samples_generated": led["samples_generated"], "tokens_generated": led["tokens_generated"],
           "samples_trained": led["samples_trained"], "surplus_samples": led["dropped"].get("surplus", 0),
+          "cancelled_dropped": led["dropped"].get("cancelled", 0),
           "filtered_samples": led["dropped"].get("filtered", 0),
           "slot_steps": last.get("sampler/slot_steps", 0.0), "cancelled": last.get("sampler/cancelled", 0.0)}
 

@@ -34,6 +34,9 @@ its pipeline step time and trained tokens/s, term by term (`model`; the last is 
   + shared core:   the placement the run used (CORES: the joiner on the learner's core), time-shared
                    (jaxrl.sim.placement), with the learner process's CPU beside its train step and publish (its
                    /proc CPU seconds a step before the join, less both) as load on its core.
+Every term models rl.cancel_surplus as the run had it (`inputs.cancel_surplus`; an entry without it ran before the
+cancel existed: off). A filtered run that ran without the cancel also gets `model["cancel on"]`: the last term with
+surplus groups cancelled, what the model predicts the cancel would change (not comparable with the measurement).
 Without running: `--predict_only` recomputes the predictions of the JSON's entries from the pre-join records and
 lengths each keeps in `inputs` (`--inputs_from=KEY=WORKDIR` reads them from a run's kept workdir, once).
 JSON: bench/results/elastic_samplers.json.
@@ -200,7 +203,7 @@ def figures(w: dict, workdir: Path, started: int | None, joined: int | None, sam
   if joined is not None and (n := min(max(trains) + 1 - joined - w["skip"], w["after_steps"])) >= 2:
     after = _window(records, trains, joined + w["skip"], joined + w["skip"] + n, 2, samples_TxM)
   out = dict(join_after=w["join_after"], joiner_started_after=started, joiner_registered_at=joined, before=before,
-             after=after, inputs=_inputs_from(workdir, stop))
+             after=after, inputs=dict(_inputs_from(workdir, stop), cancel_surplus=_config(w).rl.cancel_surplus))
   return {**out, **compare(w, out)}
 
 
@@ -214,7 +217,8 @@ _RECORD_KEYS = ("step", "time", "version", "step_time_s", "train_s", "wait_s", "
 
 def compare(w: dict, r: dict, shapes: tuple[int, float] | None = None) -> dict:
   """The planner's predictions from an entry's inputs, and their errors against its measured windows."""
-  pred = predict(w, r["inputs"]["records"], r["inputs"]["lengths"], _learner_cpu_s(r["before"]), shapes)
+  pred = predict(w, r["inputs"]["records"], r["inputs"]["lengths"], _learner_cpu_s(r["before"]), shapes,
+                 r["inputs"].get("cancel_surplus", False))
   p1, p2 = pred["predicted"]["1"], pred["predicted"]["2"]
   out = dict(**pred, predicted_ratio=p2["tokens_per_s"] / p1["tokens_per_s"],
              step_error_1=r["before"]["step_s"] / p1["step_s"] - 1)
@@ -236,23 +240,39 @@ def _pull_bandwidth() -> float:
   return json.loads((REPO / "bench/results/weight_pull.json").read_text())["float32"]["take_gb_s"] * 1e9
 
 
+def _config(w: dict):
+  """The validated RunConfig workload w runs with."""
+  from jaxrl import config as config_lib
+
+  spec = importlib.util.spec_from_file_location("elastic_config", REPO / w["config"])
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return config_lib.validate(config_lib.override(module.get_config(), **COMMON, **w["flags"]))
+
+
+def _groups(sim) -> tuple[float, float]:
+  """(groups generated per group trained, the share of the generated left out past their deadline) of a simulated
+  run: trained, filtered, surplus and cancelled groups."""
+  trained = sim.trained.sum() / sim.spec.group_size
+  left_out = sim.surplus_groups + sim.cancelled_groups
+  generated = trained + sim.filtered_groups + left_out
+  return generated / trained, left_out / generated
+
+
 def predict(w: dict, records: list[dict], lengths: list[int], learner_cpu_s: float | None,
-            shapes: tuple[int, float] | None = None) -> dict:
+            shapes: tuple[int, float] | None = None, cancel_surplus: bool = False) -> dict:
   """The planner's pipeline step time and tokens/s for 1 and 2 samplers from the pre-join costs, term by term: each
   engine on its own device (the model before issue 43 (d)), then with the filter's pass fraction, then with each
-  sampler pulling every version (its take), then with the placement's shared core: the last is `predicted`.
+  sampler pulling every version (its take), then with the placement's shared core: the last is `predicted`; each
+  with rl.cancel_surplus as the run had it (and, for a filtered run without it, the last term with it: "cancel on").
   shapes: (prompt tokens, weight bytes) where known (run_shapes loads the model's tokenizer)."""
-  from jaxrl import config as config_lib
   from jaxrl.controller import build as build_lib
   from jaxrl.sim import planner, runlog
   from jaxrl.sim.calibrate import fit_calibration
   from jaxrl.sim.lengths import Empirical
   from jaxrl.sim.placement import Placement
 
-  spec = importlib.util.spec_from_file_location("elastic_config", REPO / w["config"])
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = config_lib.validate(config_lib.override(module.get_config(), **COMMON, **w["flags"]))
+  c = _config(w)
   prompt_len, weight_bytes = shapes or build_lib.run_shapes(c)
   pull = _pull_bandwidth()
 
@@ -266,15 +286,19 @@ def predict(w: dict, records: list[dict], lengths: list[int], learner_cpu_s: flo
 
   pushed, details = calibrate(0.0)
   pulled = dataclasses.replace(calibrate(weight_bytes / pull)[0], pull_bandwidth=pull)
-  passed = runlog.pass_fraction(records, w["warmup"], c.rl.group_size) if c.rl.filter_groups != "none" else 1.0
+  passed = runlog.run_pass_fraction(records, w["warmup"], c.rl)
   # the learner process's CPU beside its train step and publish (the hub serving the sampler); 0 where not logged
   host_s = 0.0 if learner_cpu_s is None else max(learner_cpu_s - details["train_step_s"] - details["transfer_s"], 0.0)
   cores = tuple(sorted(set(CORES.values())))
-  terms = {"own devices": (pushed, 1.0, "even", False), "+ filter's mean": (pushed, passed, "even", False),
-           "+ its variance": (pushed, passed, "random", False), "+ weight pulls": (pulled, passed, "random", False),
-           "+ shared core": (pulled, passed, "random", True)}
+  terms = {"own devices": (pushed, 1.0, "even", False, cancel_surplus),
+           "+ filter's mean": (pushed, passed, "even", False, cancel_surplus),
+           "+ its variance": (pushed, passed, "random", False, cancel_surplus),
+           "+ weight pulls": (pulled, passed, "random", False, cancel_surplus),
+           "+ shared core": (pulled, passed, "random", True, cancel_surplus)}
+  if passed < 1 and not cancel_surplus:
+    terms["cancel on"] = (pulled, passed, "random", True, True)
   model = {}
-  for term, (cal, pass_fraction, draws, shared) in terms.items():
+  for term, (cal, pass_fraction, draws, shared, cancel) in terms.items():
     model[term] = {}
     for s in (1, 2):
       placement = Placement(cores, (CORES["learner"],), ((CORES["sampler"],), (CORES["joiner"],))[:s],
@@ -285,14 +309,16 @@ def predict(w: dict, records: list[dict], lengths: list[int], learner_cpu_s: flo
           prompt_len=prompt_len, steps=STEPS, seed=seed, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
           pack=c.rl.pack, max_segments=c.rl.max_segments, num_minibatches=c.rl.num_minibatches,
           steps_per_call=c.sampler.steps_per_call, overlap_calls=1, pass_fraction=pass_fraction,
-          filter_draws=draws, placement=placement)) for seed in SEEDS]
+          filter_draws=draws, cancel_surplus=cancel, placement=placement)) for seed in SEEDS]
       steps = [p.pipeline_step_s for p in ps]
       model[term][str(s)] = dict(
           step_s=float(np.mean(steps)), step_s_range=[min(steps), max(steps)],
           tokens_per_s=float(np.mean([p.pipeline.tokens_per_s for p in ps])),
           sampler_idle=float(np.mean([p.pipeline.sampler_idle_frac for p in ps])),
           learner_idle=float(np.mean([p.pipeline.learner_idle_frac for p in ps])),
-          stretch=np.mean([p.stretch or (1.0,) for p in ps], axis=0).tolist())
+          stretch=np.mean([p.stretch or (1.0,) for p in ps], axis=0).tolist(),
+          groups_per_trained=float(np.mean([_groups(p.pipeline)[0] for p in ps])),
+          left_out=float(np.mean([_groups(p.pipeline)[1] for p in ps])))
   d = pushed.decode
   fed = dict(prompt_len=prompt_len, weight_bytes=weight_bytes, lengths_median=float(np.median(lengths)),
              lengths_mean=float(np.mean(lengths)), decode_overhead_ms=d.overhead_s * 1e3,

@@ -319,7 +319,8 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
 
   Its own lengths: forced (sampler.forced_lengths) are redrawn from their seed; natural ones are read from its
   trace (log.trace=True logs every generated group's lengths) and replayed per sample, in group order, so the
-  prediction carries the pipeline's length bias (it trains the short groups of a step first). c: a RunConfig, or a
+  prediction carries the pipeline's length bias (it trains the short groups of a step first). Dynamic sampling: the
+  filter's pass fraction its ledger counts (rl.filter_groups), and its rl.cancel_surplus. c: a RunConfig, or a
   config validated here (ConfigError, a ValueError, if bad)."""
   c = config_lib.validate(c)
   forced = c.sampler.forced_lengths
@@ -357,7 +358,8 @@ def from_run(c, workdir, *, devices: int, warmup: int) -> dict:
       group_size=gs, lengths=lengths, max_staleness=c.rl.max_staleness, prompt_len=prompt_len,
       steps=len(records) - warmup, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len, pack=c.rl.pack,
       max_segments=c.rl.max_segments, num_minibatches=c.rl.num_minibatches, steps_per_call=c.sampler.steps_per_call,
-      overlap_calls=1))  # the run's Sampler overlaps (its default): a finished slot idles one call
+      overlap_calls=1,  # the run's Sampler overlaps (its default): a finished slot idles one call
+      pass_fraction=runlog.run_pass_fraction(records, warmup, c.rl), cancel_surplus=c.rl.cancel_surplus))
   measured = runlog.step_time_s(records, warmup)
   predicted = pred.sync_step_s if c.mode == "sync" else pred.pipeline_step_s
   own = pred.sync if c.mode == "sync" else pred.pipeline

@@ -49,8 +49,9 @@ class Rollout:
   # float32 [C]: 1 on the model's tokens, 0 on an environment's observation tokens (multi-turn episodes), which
   # are in the learner's input but never trained on (their logprob 0, version -1); None: every token is the model's.
   loss_mask: np.ndarray | None = None
-  # Why the sampler side left this sample's group out of every share although it could be trained ("surplus": over-
-  # asked by dynamic sampling beyond its step's places, past its deadline); the learner drops it, counted. None: not.
+  # Why the sampler side left this sample's group out of every share (assembly.LEFT_OUT: "surplus", over-asked by
+  # dynamic sampling beyond its step's places, past its deadline; "cancelled", such a group ended while it still
+  # generated, never scored); the learner drops it, counted. None: not.
   left_out: str | None = None
   # int16 [C, N, k] (mixture of experts): entry i holds, for each of the N layers, the k experts that routed the
   # input token whose logits drew completion token i (the token before it), as the sampler chose them; -1 where

@@ -159,10 +159,10 @@ def test_over_ask_is_the_inverse_kept_fraction_with_a_prior_within_bounds():
 
 
 def _resumed_record() -> RunRecord:
-  """A checkpoint's run record after 3 trained groups of 4, 4 filtered, 1 too long, 1 surplus and 1 whose update
-  was skipped (10 settled, 5 of them not trainable)."""
+  """A checkpoint's run record after 3 trained groups of 4, 4 filtered, 1 too long, 1 surplus, 1 whose update was
+  skipped and 2 cancelled (12 settled, 10 of them scored, 5 of those not trainable)."""
   ledger = Ledger(samples_trained=12)
-  for reason, groups in (("filtered", 4), ("too_long", 1), ("surplus", 1), ("update_skipped", 1)):
+  for reason, groups in (("filtered", 4), ("too_long", 1), ("surplus", 1), ("update_skipped", 1), ("cancelled", 2)):
     ledger.dropped[reason] = 4 * groups
   return RunRecord(next_group_id=11, ledger=ledger)
 
@@ -332,3 +332,6 @@ def test_reject_reason_names_failed_rewards_and_overlong_groups():
   for r in surplus:
     r.left_out = "surplus"  # the sampler side's reason crosses with the group: the learner drops it for that
   assert reject_reason(surplus, seq_len=4) == "surplus"
+  for r in surplus:
+    r.left_out, r.reward = "cancelled", float("nan")  # ended early, never scored: that, not a failed reward
+  assert reject_reason(surplus, seq_len=4) == "cancelled"

@@ -200,3 +200,41 @@ def test_bad_splits_are_refused_before_anything_runs(splits, match):
   c.mode, c.auto.splits = "auto", splits
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.validate(c, num_devices=8)
+
+
+def _calibration_records(group_size: int, filtered_per_step: int, steps: int = 6) -> list[dict]:
+  """A sync segment's metrics: per step 4 groups settled, of them `filtered_per_step` filtered (the ledger's cumulative
+  counts), and sampler stats a calibration fits."""
+  out = []
+  for s in range(1, steps + 1):
+    calls = 10 * s
+    out.append({"step": s, "time": 2.0 * s, "step_time_s": 2.0, "train_s": 1.0, "wait_s": 0.5, "train_tokens": 512.0,
+                "publish_s": 0.1, "completion_len": 8.0, "samples_trained": (4 - filtered_per_step) * group_size * s,
+                "samples_dropped": filtered_per_step * group_size * s, "filtered_groups": filtered_per_step * s,
+                "sampler/decode_calls": calls, "sampler/live_rows": sum(2 + i % 3 for i in range(calls)),
+                "sampler/context_tokens": sum((2 + i % 3) * (20 + i % 7) for i in range(calls)),
+                "sampler/busy_s": 0.9 * s, "sampler/update_seconds": 0.05 * s})
+  return out
+
+
+@pytest.mark.parametrize("filter_groups, filtered, want", [("zero_variance", 1, 0.75), ("zero_variance", 0, 1.0),
+                                                            ("none", 1, 1.0)])
+def test_the_plan_an_auto_decision_uses_has_the_calibration_segments_pass_fraction(monkeypatch, filter_groups,
+                                                                                  filtered, want):
+  """k of n groups the segment settled filtered: every candidate is predicted with pass_fraction (n - k) / n (here 1 of
+  every 4), and with the run's rl.cancel_surplus; a run that does not filter is predicted with 1."""
+  c = config_lib.validate(config_lib.override(tiny.get_config(), mode="auto", rl__filter_groups=filter_groups,
+                                              rl__cancel_surplus=False))
+  runs = []
+
+  def predict_run(cal, run):
+    runs.append(run)
+    result = type("Result", (), dict(tokens_per_s=1.0, step_time_s=1.0))
+    return type("Prediction", (), dict(sync=result, pipeline=result))
+
+  monkeypatch.setattr(auto, "predict_run", predict_run)
+  records = _calibration_records(c.rl.group_size, filtered)
+  tokens, _ = auto.predict(c, records, [8] * 64, devices=c.mesh.sampler_devices + 1, prompt_len=16, weight_bytes=1e6,
+                           warmup=1)
+  assert list(tokens) == ["sync", "pipeline_k1", "pipeline_k2"] and len(runs) == 3
+  assert [(r.pass_fraction, r.cancel_surplus) for r in runs] == [(want, False)] * 3

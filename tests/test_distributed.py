@@ -54,15 +54,16 @@ def _rollout(gid, index, prompt, completion, reward, **kw):
 def test_packet_round_trip_is_bitwise():
   groups = [
       [_rollout(7, 0, [1, 2, 3], [4, 5], 0.1 + 0.2, meta={"correct": True}),  # a reward with no exact float32
-       _rollout(7, 1, [1, 2, 3], [], float("nan"), finish_reason="eos", meta={"correct": False})],
+       _rollout(7, 1, [1, 2, 3], [], float("nan"), finish_reason="cancelled", meta={"correct": False}),
+       _rollout(7, 2, [1, 2, 3], [6], 1.0, finish_reason="eos")],
       [_rollout(2**31 - 1, 0, [9] * 10, list(range(22)), -0.0, finish_reason="stop",
                 sampling=SamplingParams(temperature=0.7, top_k=40, top_p=0.95), left_out="surplus")],
   ]
   groups[0][0].logprobs[1] = np.float32(-1e-45)  # a denormal survives too
   packet = packets.encode(groups, max_len=32)
-  assert packet.dtype == np.int32 and packet.shape == (3, packets.packet_width(32))
+  assert packet.dtype == np.int32 and packet.shape == (4, packets.packet_width(32))
   back = packets.decode(packet, max_len=32)
-  assert [[r.group_id for r in g] for g in back] == [[7, 7], [2**31 - 1]]
+  assert [[r.group_id for r in g] for g in back] == [[7, 7, 7], [2**31 - 1]]
   for want, got in zip([r for g in groups for r in g], [r for g in back for r in g], strict=True):
     for field in ("prompt_tokens", "completion_tokens", "logprobs", "versions"):
       a, b = getattr(want, field), getattr(got, field)

@@ -239,3 +239,11 @@ def test_a_plan_configs_pass_fraction_reaches_every_simulation():
     kept = filtered.trained.sum() // 8 + filtered.surplus_groups  # trained, or over-asked beyond a step's places
     settled = kept + filtered.filtered_groups
     assert abs(kept / settled - 0.5) < 3 * math.sqrt(0.25 / settled)  # random draws: half, within 3 deviations
+
+
+def test_a_plan_configs_cancel_surplus_reaches_the_workload():
+  c = load_config("plan_reasoning", "batch16")
+  assert build(c)["workload"].cancel_surplus is True  # as rl.cancel_surplus
+  with c.unlocked():
+    c.cancel_surplus = False
+  assert build(c)["workload"].cancel_surplus is False

@@ -23,6 +23,15 @@ def test_pass_fraction_is_the_settled_groups_the_filter_kept():
   # window from step 1: 8 trained groups, 10 dropped of which 9 filtered (1 surplus, which the filter kept)
   assert runlog.pass_fraction(RECORDS, 1, 4) == pytest.approx(1 - 9 / 18)
   assert runlog.pass_fraction([record(s, 8 * s, 0, 0, 4 * s, 2.0 * s) for s in range(1, 6)], 1, 4) == 1.0
+  # the surplus group was cancelled instead (never scored): 9 filtered of the 17 scored
+  cancelled = [r | {"samples_cancelled": r["step"] - 1} for r in RECORDS]
+  assert runlog.pass_fraction(cancelled, 1, 4) == pytest.approx(1 - 9 / 17)
+
+
+def test_a_runs_pass_fraction_is_its_ledgers_where_it_filters_and_1_where_not():
+  rl = lambda filter_groups: type("RL", (), dict(group_size=4, filter_groups=filter_groups))
+  assert runlog.run_pass_fraction(RECORDS, 1, rl("zero_variance")) == runlog.pass_fraction(RECORDS, 1, 4) == 0.5
+  assert runlog.run_pass_fraction(RECORDS, 1, rl("none")) == 1.0
 
 
 def test_the_take_is_left_out_of_the_decode_rows_once_per_step():

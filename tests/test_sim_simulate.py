@@ -231,3 +231,64 @@ def test_pulled_weights_stall_each_engine_for_its_take_and_the_learner_for_one_p
   assert r.sync_s == pytest.approx(0.01)  # one staged copy at link_bandwidth, not one per engine
   takes = {round(e - s, 12) for lane, kind, s, e in r.timeline if kind == "sync" and lane != "learner"}
   assert takes == {0.05}  # each engine pulls 1 MB at 20 MB/s
+
+
+def cancel_run(cancel: bool, lengths=((10, 10), (10, 10), (100, 100), (200, 200)) + ((10, 10),) * 4):
+  """Sync (k = 0), 1 engine of 4 slots at 10 ms a decode step, a free learner, groups of 2 in the order given, 1 group
+  a step, half the groups kept (even draws: the 1st, 3rd, ... finished group filtered)."""
+  costs = make_costs(C.DecodeCurve(weights_s=0.01, kv_s_per_token=0.0, compute_s_per_seq=0.0), max_batch=4)
+  spec = RunSpec(1, 1, 2, 2, 0, L.Replay(np.array(lengths), 2), prompt_len=1, steps=2, warmup_steps=0,
+                 pass_fraction=0.5, filter_draws="even", cancel_surplus=cancel)
+  return simulate_pipeline(costs, spec)
+
+
+def test_a_cancelled_surplus_group_frees_its_slots_for_the_next_group_at_once():
+  """Group 0 ends at 0.1 s, filtered: over-asked 2x, groups 1 and 2 start. At 0.2 s group 1 ends, kept: step 0's share
+  takes it and leaves group 2 (due at step 0) out while its samples have 90 of 100 tokens to go. Groups 3 (200 tokens)
+  and 4 are admitted; 2 slots are free, so group 4 waits for group 2's. Cancel off: until 1.1 s, when group 2 ends
+  (filtered); group 4 ends at 1.2 s, kept: step 1. Cancel on: group 2 leaves at 0.2 s after 10 tokens each and group 4
+  starts then, 0.9 s (90 decode steps) earlier; it ends at 0.3 s, filtered; group 5 starts, ends at 0.4 s, kept: step
+  1, which leaves group 3 out after 20 of its 200 tokens: cancelled too."""
+  off, on = cancel_run(False), cancel_run(True)
+  assert off.samples["start_s"][8:10] == pytest.approx([1.1, 1.1])  # group 4
+  assert on.samples["start_s"][8:10] == pytest.approx([0.2, 0.2])
+  np.testing.assert_array_equal(off.samples["generated"][:10], [10, 10, 10, 10, 100, 100, -1, -1, 10, 10])
+  np.testing.assert_array_equal(on.samples["generated"][:12], [10, 10, 10, 10, 10, 10, 20, 20, 10, 10, 10, 10])
+  np.testing.assert_allclose(off.step_end_s, [0.2, 1.2], rtol=1e-9)
+  np.testing.assert_allclose(on.step_end_s, [0.2, 0.4], rtol=1e-9)
+  # trained: group 1, then group 4 (off) or group 5 (on); the decode steps all samples ran, group 3's (off) to 1.2 s
+  assert np.flatnonzero(off.trained).tolist() == [2, 3, 8, 9] and np.flatnonzero(on.trained).tolist() == [2, 3, 10, 11]
+  assert off.decode_tokens == 20 + 20 + 200 + 2 * 100 + 20 and on.decode_tokens == 20 + 20 + 20 + 40 + 20 + 20
+  # cancelled groups are surplus unscored: no filter draw (off: group 2 is filtered; on: groups 0 and 4 are)
+  assert (off.filtered_groups, off.surplus_groups, off.cancelled_groups) == (2, 0, 0)
+  assert (on.filtered_groups, on.surplus_groups, on.cancelled_groups) == (2, 0, 2)
+
+
+def test_cancel_changes_nothing_without_a_filter():
+  costs = make_costs(C.DecodeCurve(weights_s=0.01, kv_s_per_token=1e-6, compute_s_per_seq=1e-4), max_batch=8)
+  spec = RunSpec(2, 1, 16, 4, 1, L.LogNormal(20.0, 0.8, 120), prompt_len=4, steps=12, seed=2)
+  on, off = simulate_pipeline(costs, spec), simulate_pipeline(costs, spec.replace(cancel_surplus=False))
+  np.testing.assert_array_equal(on.step_end_s, off.step_end_s)
+  np.testing.assert_array_equal(on.samples["generated"], off.samples["generated"])
+  assert on.cancelled_groups == off.cancelled_groups == 0
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_with_cancel_every_admitted_group_is_trained_filtered_left_out_or_in_flight(k):
+  """Two engines, so that a share taken at one engine's event cancels a group mid decode step on the other (cut at that
+  engine's next step boundary): the groups add up, a cut sample generated less than its length and is never trained."""
+  costs = make_costs(C.DecodeCurve(weights_s=0.01, kv_s_per_token=1e-6, compute_s_per_seq=1e-4), max_batch=8,
+                     prefill=1e-4)
+  spec = RunSpec(2, 1, 16, 4, k, L.LogNormal(20.0, 0.8, 120), prompt_len=4, steps=30, seed=2, pass_fraction=0.3)
+  r = simulate_pipeline(costs, spec)
+  s = r.samples
+  admitted = s["group"] >= 0
+  ended = np.zeros(s["group"].max() + 1, np.int64)
+  np.add.at(ended, s["group"][admitted], s["generated"][admitted] >= 0)
+  in_flight = int((ended < 4).sum())
+  assert r.cancelled_groups > 0
+  assert r.trained.sum() // 4 + r.filtered_groups + r.surplus_groups + r.cancelled_groups + in_flight == ended.size
+  cut = admitted & (s["generated"] >= 0) & (s["generated"] < s["length"])
+  assert cut.sum() > 0 and not (cut & r.trained).any()
+  assert (s["generated"][admitted] <= s["length"][admitted]).all() and r.staleness.max() <= k
+  assert (s["finish_s"][cut & ~np.isnan(s["start_s"])] >= s["start_s"][cut & ~np.isnan(s["start_s"])]).all()

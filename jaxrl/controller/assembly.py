@@ -44,13 +44,17 @@ def over_ask(rejected: int, finished: int) -> float:
 
 # The reasons reject_reason gives for a group that is not trainable (a surplus group was trainable: left out later)
 REJECTED = ("reward_failed", "too_long", "filtered")
+# The reasons the sampler side leaves a group out with (Rollout.left_out): dynamic sampling's cost, not failures.
+# "surplus": scored, trainable, past its deadline; "cancelled": past its deadline while still generating, ended
+# early (Sampler.cancel) and never scored, so no count of scored groups holds it.
+LEFT_OUT = ("surplus", "cancelled")
 
 
 def scored_groups(ledger, group_size: int) -> tuple[int, int]:
   """(rejected, finished): the groups a run had scored and of those the ones not trainable, as its checkpointed
-  ledger counts them (every settled group: trained, or dropped with its reason). A resumed run's samplers start
-  over_ask from these, so that they do not learn the filter rate again from nothing."""
-  settled = (ledger.samples_trained + ledger.samples_dropped) // group_size
+  ledger counts them (every settled group: trained, or dropped with its reason, but a cancelled one). A resumed
+  run's samplers start over_ask from these, so that they do not learn the filter rate again from nothing."""
+  settled = (ledger.samples_trained + ledger.samples_dropped - ledger.dropped.get("cancelled", 0)) // group_size
   return sum(ledger.dropped.get(r, 0) for r in REJECTED) // group_size, settled
 
 
@@ -62,7 +66,7 @@ def scored_alike(group: list[Rollout]) -> bool:
 
 def reject_reason(group: list[Rollout], seq_len: int, filter_groups: str = "none") -> str | None:
   """Why a finished group is not trained ("reward_failed", "too_long", "filtered": rl.filter_groups, or the reason
-  the sampler side left it out with, Rollout.left_out: "surplus"), or None. The sampler side leaves such a group out
+  the sampler side left it out with, Rollout.left_out: LEFT_OUT), or None. The sampler side leaves such a group out
   of every step's share (its place goes to a new prompt); the learner side drops and counts it; both ask this one
   function, so they agree in every topology."""
   if group[0].left_out is not None:

@@ -109,12 +109,14 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
   """Trained tokens/s and step seconds of every candidate, from a calibration of `records` (a segment's metrics, run
   on `measured_split` sampler devices, None: the config's) on the completion lengths its trained samples had;
   multi_process: a job of several processes (its hand-off between them is charged to the learner,
-  jaxrl.sim.runlog). Another split is predicted from the same per-device costs."""
+  jaxrl.sim.runlog). Another split is predicted from the same per-device costs, every candidate with the filter's
+  pass fraction the segment's ledger counts (rl.filter_groups) and the run's rl.cancel_surplus."""
   sampler_devices = measured_split or c.mesh.sampler_devices
   m, _ = runlog.measurements(records, warmup=warmup, steps_per_call=c.sampler.steps_per_call,
                              max_batch=c.sampler.max_slots, learner_devices=devices - sampler_devices,
                              sampler_devices=sampler_devices, weight_bytes=weight_bytes, multi_process=multi_process)
   cal = fit_calibration(m)
+  passed = runlog.run_pass_fraction(records, warmup, c.rl)  # dynamic sampling's cost, as the segment measured it
   tokens, step_s = {}, {}
   for cand in candidates(c.auto.k_max, c.auto.splits):
     split = cand[2] or c.mesh.sampler_devices
@@ -124,7 +126,8 @@ def predict(c, records: list[dict], lengths: list[int], *, devices: int, prompt_
                          steps=max(c.auto.recheck_steps, 4), seed=c.seed, queue_groups=c.rl.queue_groups,
                          seq_len=c.rl.seq_len, pack=c.rl.pack, max_segments=c.rl.max_segments,
                          num_minibatches=c.rl.num_minibatches,
-                         steps_per_call=c.sampler.steps_per_call, overlap_calls=1)
+                         steps_per_call=c.sampler.steps_per_call, overlap_calls=1, pass_fraction=passed,
+                         cancel_surplus=c.rl.cancel_surplus)
     pred = predict_run(cal, run)
     result = pred.sync if cand == SYNC else pred.pipeline
     tokens[name(cand)], step_s[name(cand)] = float(result.tokens_per_s), float(result.step_time_s)

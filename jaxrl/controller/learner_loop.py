@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxrl.controller.adaptive import AdaptiveStaleness
-from jaxrl.controller.assembly import reject_reason, scored_alike
+from jaxrl.controller.assembly import LEFT_OUT, reject_reason, scored_alike
 from jaxrl.controller.interfaces import Coordinator, Rollouts, Weights
 from jaxrl.controller.pass_rate import make_table
 from jaxrl.controller.spec import RunRecord, RunSpec
@@ -118,7 +118,7 @@ class LearnerLoop:
       self.ledger.reward_failures += sum(not np.isfinite(r.reward) for r in group)
     self._settle([group], reason)
     self._log("drop", version=self.version, group=group[0].group_id, reason=reason)
-    if reason != "surplus":  # surplus groups had signal: dynamic sampling's cost, not a failure to progress
+    if reason not in LEFT_OUT:  # left out by dynamic sampling: its cost, not a failure to progress
       self.coord.fail(reason)
     return False
 
@@ -191,7 +191,7 @@ class LearnerLoop:
                    samples_trained=led.samples_trained, samples_dropped=led.samples_dropped,
                    updates_skipped_total=led.skipped_updates, partial_steps_total=led.partial_steps,
                    zero_advantage_groups=led.zero_advantage_groups, reward_failures_total=led.reward_failures,
-                   filtered_groups=led.filtered_groups,
+                   filtered_groups=led.filtered_groups, samples_cancelled=led.dropped.get("cancelled", 0),
                    **{f"length/{k}": v for k, v in led.length_bias().items()})
     if self.metrics is not None:
       self.metrics.write(version, metrics)

@@ -108,11 +108,14 @@ class SamplerLoop:
   def _finish(self, groups: list[list[Rollout]]) -> None:
     """Finished, scored groups into the book, or (not trainable) on their own to the learner, which drops and counts
     them; with rl.filter_groups, the rate of the latter sets how far admission over-asks. A cancelled group is
-    surplus: it says nothing of the filter's rate nor of its prompt's pass rate (it was not scored)."""
+    left out as "cancelled": it says nothing of the filter's rate nor of its prompt's pass rate (it was not
+    scored)."""
     for g in groups:
       if g[0].group_id in self._cancelled:
         self._cancelled.remove(g[0].group_id)
-        self.book.finish(g)  # doomed: to the surplus
+        for r in g:
+          r.left_out = "cancelled"
+        self.book.finish(g)  # doomed: with the surplus
         continue
       if self.pass_rate is not None:
         self.pass_rate.observe(g)
@@ -130,10 +133,11 @@ class SamplerLoop:
       self.book.over_ask = over_ask(self.rejected_groups, self.finished_groups)
 
   def _surplus(self) -> list[list[Rollout]]:
-    """Groups over-asked beyond their step's places, past their deadline: marked, for the learner to drop."""
+    """Groups over-asked beyond their step's places, past their deadline: marked (a cancelled one is already), for
+    the learner to drop."""
     groups, self.book.surplus = self.book.surplus, []
     for r in (r for g in groups for r in g):
-      r.left_out = "surplus"
+      r.left_out = r.left_out or "surplus"
     return groups
 
   def _admit_one(self) -> bool:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxrl.controller import assembly
 from jaxrl.rollout import Rollout, SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled")
-LEFT_OUT = (None, "surplus")  # Rollout.left_out
+LEFT_OUT = (None, *assembly.LEFT_OUT)  # Rollout.left_out
 _HEAD = 17  # columns before tokens
 
 

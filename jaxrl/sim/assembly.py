@@ -7,9 +7,10 @@ it has taken step s's (jaxrl.controller.learner_loop), and trains a step once ev
 simulator's engines are the samplers' (engine i belongs to sampler i % samplers) and groups are plain ids.
 
 Dynamic sampling: a group the filter drops gives its place back (`settle`), and the book over-asks by the kept
-fraction so far, as the sampler loop's _finish does. What the simulator does not model, and so never calls:
-skipped updates (the book's `skipped`), the adaptive admission bound (`admit_k`), and the other rejections
-(reject_reason: a simulated reward never fails, no sample outgrows its row).
+fraction so far, as the sampler loop's _finish does; a surplus group cancelled while generating (rl.cancel_surplus)
+leaves the book unscored (`cancelled`). What the simulator does not model, and so never calls: skipped updates (the
+book's `skipped`), the adaptive admission bound (`admit_k`), and the other rejections (reject_reason: a simulated
+reward never fails, no sample outgrows its row).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class Assembly:
       scored[0] += 1
     scored[1] += 1
     book.over_ask = over_ask(*scored)
+
+  def cancelled(self, rank: int, group: int) -> None:
+    """A group cancelled past its deadline, now complete: it leaves the book unscored (the run sends it as surplus;
+    the simulator counts it apart, SimResult.cancelled_groups)."""
+    self.books[rank].discard(group)
 
   def take_surplus(self) -> int:
     """Groups the books left out past their deadline since the last call (over-asked beyond their step's places)."""

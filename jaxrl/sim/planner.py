@@ -214,6 +214,7 @@ class RunDescription:
   # runlog.pass_fraction); the samplers generate 1 / pass_fraction of the trained groups. 1: no filter.
   pass_fraction: float = 1.0
   filter_draws: str = "random"  # RunSpec.filter_draws: "random" (the filter's yield varies) | "even" (its mean alone)
+  cancel_surplus: bool = True  # rl.cancel_surplus: a surplus group still generating ends at once (RunSpec)
   # Which devices the learner and the pipeline's engines compute on, where they share some (jaxrl.sim.placement);
   # None: every engine and the learner on devices of their own. The synchronous baselines keep their own devices.
   placement: Placement | None = None
@@ -351,7 +352,7 @@ def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction
                  lengths=lengths, prompt_len=run.prompt_len, steps=run.steps, seed=run.seed,
                  queue_groups=run.queue_groups, train_tokens=_packed_tokens(run) if run.pack else None,
                  slot_steps=slot_steps, pass_fraction=run.pass_fraction,
-                 filter_draws=run.filter_draws)
+                 filter_draws=run.filter_draws, cancel_surplus=run.cancel_surplus)
   pool = run.sampler_devices + run.learner_devices
   colocated = simulate_sync(padded(costs, pool), spec, colocated=True)
   costs = padded(costs, run.learner_devices)

@@ -65,17 +65,26 @@ def idle_fractions(records: list[dict], warmup: int) -> dict[str, float]:
 
 
 def pass_fraction(records: list[dict], warmup: int, group_size: int) -> float:
-  """The fraction of the groups settled over the window (trained, or dropped with a reason) that the filter kept:
-  1 - filtered / settled, from the ledger's cumulative counts (1 where the run filters nothing)."""
+  """The fraction of the groups scored over the window (settled: trained, or dropped with a reason, but cancelled
+  ones, never scored) that the filter kept: 1 - filtered / scored, from the ledger's cumulative counts (1 where the
+  run filters nothing; a run before samples_cancelled was logged cancelled none)."""
   rs = steady(records, warmup)
   missing = [k for k in ("samples_trained", "samples_dropped", "filtered_groups") if k not in rs[-1]]
   if missing:
     raise ValueError(f"metrics.jsonl lacks the ledger's {missing}: the run predates them")
   a, b = rs[0], rs[-1]
-  settled = (b["samples_trained"] - a["samples_trained"] + b["samples_dropped"] - a["samples_dropped"]) / group_size
+  cancelled = b.get("samples_cancelled", 0) - a.get("samples_cancelled", 0)
+  settled = (b["samples_trained"] - a["samples_trained"] + b["samples_dropped"] - a["samples_dropped"]
+             - cancelled) / group_size
   if settled <= 0:
     raise ValueError("no group was settled over the window: raise the steps after warm-up")
   return 1.0 - (b["filtered_groups"] - a["filtered_groups"]) / settled
+
+
+def run_pass_fraction(records: list[dict], warmup: int, rl) -> float:
+  """The planner's pass_fraction for a run of RL section `rl` (jaxrl.settings.RL): the ledger's (pass_fraction)
+  where rl.filter_groups filters, else 1."""
+  return pass_fraction(records, warmup, rl.group_size) if rl.filter_groups != "none" else 1.0
 
 
 def decode_rows(records: list[dict], warmup: int, steps_per_call: int,

@@ -116,6 +116,19 @@ class SamplerTimeline:
       started.append(sid)
     return started
 
+  def cancel(self, sids: set[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Ends samples at a decode-step boundary (a surplus group cancelled): live ones leave their slots, pending ones
+    never start. Returns ([(sample id, decode steps it ran)] of the live ones, [ids of the pending ones])."""
+    cut = [(sid, self.counter - start) for _, sid, start in self.live if sid in sids]
+    if cut:
+      self.live = [x for x in self.live if x[1] not in sids]
+      heapq.heapify(self.live)
+      self.start_sum = sum(start for *_, start in self.live)
+    never = [sid for sid, _ in self.pending if sid in sids]
+    if never:
+      self.pending = collections.deque(x for x in self.pending if x[0] not in sids)
+    return cut, never
+
   def contexts(self) -> tuple[int, int]:
     """(total, longest) context of the live samples."""
     if not self.live:

@@ -38,7 +38,11 @@ Dynamic sampling (rl.filter_groups): with pass_fraction p < 1 the filter keeps e
 bound a short step waits) or exactly p of them spread evenly ("even": the n-th finished group is kept when
 floor((n + 1) p) > floor(n p)). A filtered group gives its place back and the sampler over-asks by the kept fraction
 so far, both through the controller's own book (DeadlineBook.discard, assembly.over_ask); groups over-asked past
-their deadline are surplus, as in a run.
+their deadline are surplus, as in a run. A surplus group still generating is cancelled (cancel_surplus, as
+rl.cancel_surplus and the sampler loop's _cancel_doomed): right after the share that left it out, its live samples
+leave their engine at its first decode-step boundary (their slots free for the next admission) and its waiting ones
+never start; the tokens it generated stay generated. It is surplus unscored: the filter draws nothing for it and its
+over-ask does not count it. Off, it generates to the end and is then filtered or surplus.
 
 Shared devices: `stretch` stretches each process's work (the learner's train steps and publishes, each engine's
 decode, prefill and weight take) by a factor; the planner derives it from where the processes run
@@ -86,6 +90,7 @@ class RunSpec:
   slot_steps: Callable[[np.ndarray], np.ndarray] | None = None
   pass_fraction: float = 1.0  # finished groups the filter keeps (rl.filter_groups); 1: no filter
   filter_draws: str = "random"  # "random" (each group kept with probability pass_fraction) | "even" (module doc)
+  cancel_surplus: bool = True  # rl.cancel_surplus: a surplus group still generating ends at once (module doc)
   stretch: tuple[float, ...] = ()  # seconds per second of work of (the learner, engine 0, engine 1, ...); (): all 1
 
   def __post_init__(self):
@@ -156,7 +161,8 @@ class SimResult:
   step_start_s: np.ndarray  # [steps]
   step_end_s: np.ndarray  # [steps] end of each train step (its weights are published from here)
   samples: dict[str, np.ndarray]  # per sample: length, group, engine, start_s, finish_s, trained_s,
-  #                                 start_version, end_version, step and staleness (-1: not trained on)
+  #                                 start_version, end_version, step and staleness (-1: not trained on), generated
+  #                                 (tokens it generated: its length, fewer if cancelled; -1 while in flight)
   timeline: list[tuple[str, str, float, float]]  # (lane, kind, start, end); kinds decode | sync | train
   window_s: tuple[float, float]  # the steady-state window the rates below are measured over
   sampler_idle_frac: float
@@ -169,6 +175,9 @@ class SimResult:
   sync_s: float  # one weight publish (the learner's seconds)
   filtered_groups: int = 0  # groups generated and filtered out (pass_fraction < 1)
   surplus_groups: int = 0  # groups generated, kept by the filter, and left out past their deadline
+  # groups left out past their deadline while generating and cancelled (cancel_surplus), unscored: a run's ledger
+  # drops them as "cancelled" (surplus_groups as "surplus")
+  cancelled_groups: int = 0
 
   @property
   def trained(self) -> np.ndarray:
@@ -232,6 +241,9 @@ class _Sim:
     self.s, self.done_count = {}, np.zeros(0, np.int64)
     self._reserve(spec.total_steps * self.gb if math.isinf(self.max_groups) else self.max_groups)
     self.finished_groups = self.filtered_groups = self.surplus_groups = 0
+    self.cancelled: set[int] = set()  # cancelled groups not yet complete
+    self.cut_due: dict[int, set[int]] = {}  # engine -> its samples of cancelled groups, cut at its next boundary
+    self.cancelled_groups = 0
     self.assembly = None if self.budget else Assembly(k, self.gb, spec.total_steps, spec.samplers,
                                                       spec.queue_groups)
     self.finished_fifo: list[int] = []  # admission="budget": finished groups not yet trained on, in completion order
@@ -252,15 +264,52 @@ class _Sim:
   def _finished(self, e: SamplerTimeline, sids: list[int]):
     s = self.s
     for sid in sids:
+      s["finish_s"][sid], s["end_version"][sid], s["generated"][sid] = e.clock, e.version, s["length"][sid]
+      self._done(e, int(s["group"][sid]))
+
+  def _done(self, e: SamplerTimeline, g: int):
+    """A sample of group g ended; the group's last one completes it."""
+    self.done_count[g] += 1
+    if self.done_count[g] < self.g:
+      return
+    if self.budget:
+      self.finished_fifo.append(g)
+    elif g in self.cancelled:  # unscored: no filter draw, not in the over-ask (the sampler loop's _finish)
+      self.cancelled.remove(g)
+      self.cancelled_groups += 1
+      self.assembly.cancelled(self._rank(e), g)
+    else:
+      self._settle(self._rank(e), g)
+    self.batch_may_be_ready = True
+
+  def _cancel_doomed(self, t: float):
+    """cancel_surplus: the groups a share just left past their deadline while they generate end now (the sampler
+    loop's _cancel_doomed); each engine cuts them at its first decode-step boundary at or after t."""
+    if not self.spec.cancel_surplus or self.assembly is None:
+      return
+    for book in self.assembly.books:
+      for g in sorted(book.doomed - self.cancelled):
+        self.cancelled.add(g)
+        sids = range(g * self.g, (g + 1) * self.g)
+        e = self.engines[int(self.s["engine"][sids[0]])]  # a group's samples share the engine it was admitted to
+        self.cut_due.setdefault(e.index, set()).update(sid for sid in sids if np.isnan(self.s["finish_s"][sid]))
+        if self._sync_engine(e, t):  # else its next boundary is its own event, which cuts them (run)
+          self._cut(e)
+          self._resume(e)
+
+  def _cut(self, e: SamplerTimeline):
+    """The engine's samples of cancelled groups leave it (its clock at a decode-step boundary)."""
+    sids = self.cut_due.pop(e.index, None)
+    if not sids:
+      return
+    cut, never = e.cancel(sids)
+    s = self.s
+    for sid, steps in cut:
       s["finish_s"][sid], s["end_version"][sid] = e.clock, e.version
-      g = int(s["group"][sid])
-      self.done_count[g] += 1
-      if self.done_count[g] == self.g:
-        if self.budget:
-          self.finished_fifo.append(g)
-        else:
-          self._settle(self._rank(e), g)
-        self.batch_may_be_ready = True
+      s["generated"][sid] = min(steps, s["length"][sid])  # held slot steps past its last token generate nothing
+    s["generated"][never] = 0
+    for sid in [sid for sid, _ in cut] + never:
+      self._done(e, int(s["group"][sid]))
 
   def _settle(self, rank: int, g: int):
     """A complete group into its sampler's book, or, filtered, its place given back (the sampler loop's _finish)."""
@@ -293,6 +342,13 @@ class _Sim:
       return False
     e.decode(n)
     return True
+
+  def _resume(self, e: SamplerTimeline):
+    """An engine at a decode-step boundary after an event: a due update lands, free slots take waiting samples."""
+    if e.update_due and (self.spec.partial_rollouts or not e.live):
+      self._apply_update(e)
+    self._fill(e)
+    self._refresh(e)
 
   def _apply_update(self, e: SamplerTimeline):
     """A weight publish that reached the engine between boundaries lands at its next boundary."""
@@ -346,7 +402,7 @@ class _Sim:
     grow = max(have, groups - have)
     self.done_count = np.concatenate([self.done_count, np.zeros(grow, np.int64)])
     n = grow * self.g
-    for key in ("length", "group", "engine", "start_version", "end_version", "step", "staleness"):
+    for key in ("length", "group", "engine", "start_version", "end_version", "step", "staleness", "generated"):
       self.s[key] = np.concatenate([self.s.get(key, np.zeros(0, np.int64)), np.full(n, -1, np.int64)])
     for key in ("start_s", "finish_s", "trained_s"):
       self.s[key] = np.concatenate([self.s.get(key, np.zeros(0)), np.full(n, np.nan)])
@@ -361,12 +417,18 @@ class _Sim:
       self.blocks[block] = self.spec.lengths.sample(self.rng, n, step=self.version).reshape(self.gb, self.g)
     return self.blocks[block][g % self.gb]
 
-  def _next_batch(self) -> list[int] | None:
+  def _assemble(self, t: float):
+    """The sampler loop's order after an event: shares taken, the groups they left out cancelled, surplus counted."""
+    self.assembly.assemble()
+    self._cancel_doomed(t)
+    self.surplus_groups += self.assembly.take_surplus()
+
+  def _next_batch(self, t: float) -> list[int] | None:
     """The groups of the next learner step, or None while they are not all in."""
     if not self.budget:
       batch = self.assembly.next_batch()
       if batch is not None:
-        self.assembly.assemble()  # the samplers take the share it asks for as soon as they can
+        self._assemble(t)  # the samplers take the share it asks for as soon as they can
       return batch
     if not self.batch_may_be_ready or len(self.finished_fifo) < self.gb:
       return None
@@ -377,7 +439,7 @@ class _Sim:
     if self.learner_phase != "idle" or len(self.step_start) >= self.spec.total_steps:
       return
     step = self.consumed // self.gb
-    batch = self._next_batch()
+    batch = self._next_batch(t)
     self.batch_may_be_ready = False  # until a group finishes or the learner frees up
     if batch is None:
       return
@@ -432,13 +494,10 @@ class _Sim:
       else:
         e = self.engines[i_eng]
         self._finished(e, e.decode(e.steps_to_finish()))
-        if e.update_due and (self.spec.partial_rollouts or not e.live):
-          self._apply_update(e)
-        self._fill(e)
-        self._refresh(e)
+        self._cut(e)
+        self._resume(e)
       if self.assembly is not None:  # the sampler loop's order: finished groups, shares, then admission
-        self.assembly.assemble()
-        self.surplus_groups += self.assembly.take_surplus()
+        self._assemble(t)
       self._admit(t)
     return self
 
@@ -479,7 +538,8 @@ def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
       device_busy_frac=device_busy, tokens_per_s=trained_tokens / span,
       decode_tokens=sum(e.tokens for e in sim.engines),
       decode_busy_s=sum(busy_in(e.busy, 0.0, math.inf) for e in sim.engines), engines=e_count,
-      sync_s=sim.sync_s, filtered_groups=sim.filtered_groups, surplus_groups=sim.surplus_groups)
+      sync_s=sim.sync_s, filtered_groups=sim.filtered_groups, surplus_groups=sim.surplus_groups,
+      cancelled_groups=sim.cancelled_groups)
 
 
 def _engines(costs: Costs, devices: int) -> int:
