@@ -36,7 +36,8 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
           "jaxrl/envs/guard.py": ("test_envs_guard.py",),
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
-          "jaxrl/distributed/cross_process.py": ("test_distributed.py",)}
+          "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
+          "jaxrl/distributed/follow.py": ("test_distributed_follow.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -391,6 +392,12 @@ GUARD = (
              ("tests/test_controller_pass_rate.py::test_a_set_aside_prompt_is_skipped_and_counted_but_is_no_failure",)),
     Mutation("dynamic sampling: a surplus group trained", "jaxrl/controller/assembly.py",
              "  if group[0].left_out is not None:\n    return group[0].left_out\n", "", (REJECT,)),
+    Mutation("learner processes: the lead never drops what every follower fetched", "jaxrl/distributed/follow.py",
+             "    del self._entries[: max(0, upto - self.first)]\n    self.first = max(self.first, upto)\n", "",
+             ("tests/test_distributed_follow.py::test_the_lead_keeps_only_what_some_follower_has_not_fetched",)),
+    Mutation("learner processes: the lead's groups not recorded for the followers", "jaxrl/distributed/follow.py",
+             "    self.log.took(group)\n", "",
+             ("tests/test_distributed_follow.py::test_the_lead_hub_records_what_its_learner_loop_decides_and_takes",)),
 )
 
 MOE_TEST = "tests/test_learner_moe.py::test_"

@@ -145,7 +145,7 @@ def test_the_lead_hub_records_what_its_learner_loop_decides_and_takes():
     sent = [_group(0, 0), _group(1, 0)]
     remote.RemoteRollouts(sampler, capacity=4, max_len=MAX_LEN).put_all(list(sent))
     taken = [hub.get(), hub.get()]
-    f = _follower(server.address, 1)
+    f = _follower(server.address, 1, wait_s=2.0)
     assert f.go_on(0) and _same(f.get(), taken[0]) and _same(f.get(), taken[1])
     assert sorted(g[0].group_id for g in taken) == [0, 1]
   finally:
