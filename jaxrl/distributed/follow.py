@@ -194,7 +194,7 @@ class Follower(Coordination):
   def progress(self) -> Asks:
     raise TypeError("a follower learner process runs no sampler")
 
-  # the Rollouts' verbs
+  # the Rollouts' verbs of a learner's end
   def get(self, rank: int = 0) -> list[Rollout]:
     (group,) = packets.decode(self._next("group"), self.max_len)
     return group
@@ -204,8 +204,3 @@ class Follower(Coordination):
 
   def depth(self) -> int:
     return 0
-
-  def unsent(self) -> int:
-    return 0
-
-  send_s = 0.0

@@ -38,6 +38,7 @@ import itertools
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,13 @@ class Learners:
   @property
   def many(self) -> bool:
     return self.num_processes > 1
+
+  def wait(self, key: str, what: str, timeout_s: float):
+    """The store's value at key, waited for at most timeout_s (one line naming what was waited for)."""
+    try:
+      return self.store.get(key, timeout_s=timeout_s)
+    except TimeoutError:
+      raise TimeoutError(f"learner process {self.process_id} waited {timeout_s:g}s for {what}") from None
 
 
 class HubChannels(sides.OneProcess):
@@ -116,17 +124,18 @@ class HubChannels(sides.OneProcess):
       hub_kw = dict(lease_s=self.lease_s, orphan_s=self.orphan_s)
       hub = LeadHub(*hub_args, log=log, **hub_kw) if log is not None else Hub(*hub_args, **hub_kw)
       where = []  # every learner process's rpc address, once they are all serving
+      followed = {"follow": log.serve, "stop": _stop_asked(hub)} if log is not None else {}
       handlers = {**hub.handlers(), "register": _assigning(hub.handlers()["register"], where),
-                  "weights": weights.describe, **({"follow": log.serve} if log is not None else {})}
+                  "weights": weights.describe, **followed}
       server = rpc.Server(handlers, self.host, self.port)
     else:
       server = rpc.Server({"weights": weights.describe}, self.host, 0)
     coord = hub
     if learners.many:
-      store = learners.store
-      store.set(f"learner/{learners.process_id}", server.address)
-      store.barrier("learners_serving", list(range(learners.num_processes)), timeout_s=600.0)
-      addresses = [store.get(f"learner/{p}", timeout_s=60.0) for p in range(learners.num_processes)]
+      learners.store.set(f"learner/{learners.process_id}", server.address)
+      # every learner process built and compiled (its programs and the weights' gather) and serving
+      addresses = [learners.wait(f"learner/{p}", f"learner process {p} serving", 600.0)
+                   for p in range(learners.num_processes)]
       if learners.lead:
         where[:] = addresses
       else:
@@ -136,6 +145,19 @@ class HubChannels(sides.OneProcess):
                        coord=coord, checkpointer=side.checkpointer, metrics=side.metrics, trace=side.trace,
                        telemetry=side.telemetry)
     return LearnerProgram(c, side, coord, loop, weights, server, learners, log)
+
+
+def _stop_asked(hub: Hub):
+  """The lead's rpc "stop": a follower learner process got a signal (its host is preempted); the learner stops
+  after the current step, with a checkpoint, as on the lead's own SIGTERM."""
+
+  def handler(request: dict) -> dict:
+    print(f"jaxrl-learner: learner process {request['process']} got {request['reason']}: stopping after the current "
+          "step with a checkpoint", file=sys.stderr, flush=True)
+    hub.request_stop(request["reason"])
+    return {}
+
+  return handler
 
 
 def _assigning(register, where: list[str]):
@@ -196,8 +218,8 @@ class LearnerProgram:
     loop.weights.publish(loop.state.params, loop.version)  # with the lead's first publish (a collective)
     print(f"jaxrl-learner: learner process {self.learners.process_id} follows the lead at {follower.lead.address}; "
           f"serving weights on {self.server.address} from version {loop.version}", file=sys.stderr, flush=True)
-    with summary_lib.stop_on_signals(lambda name: None, (signal.SIGTERM,),
-                                     "jaxrl-learner: {name}: a follower stops after the lead's step"):
+    with summary_lib.stop_on_signals(self._ask_the_lead_to_stop, (signal.SIGTERM,),
+                                     "jaxrl-learner: {name}: asking the lead to stop after the current step"):
       follower.guarded("learner", loop.run)
     if follower.errors:
       follower.raise_errors()
@@ -205,6 +227,17 @@ class LearnerProgram:
       loop.finish()
     finally:
       self.close()
+
+  def _ask_the_lead_to_stop(self, name: str) -> None:
+    """From a signal handler: the lead decides when every learner process stops (a thread makes the call)."""
+    def ask():
+      try:
+        rpc.call(self.hub.lead.address, "stop", {"reason": name, "process": self.learners.process_id},
+                 timeout_s=10.0)
+      except rpc.RpcError as e:
+        print(f"jaxrl-learner: {e}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=ask, name="jaxrl-stop-request", daemon=True).start()
 
   def close(self) -> None:
     self.server.close()
@@ -224,9 +257,9 @@ class LearnerProgram:
     loop, hub = self.loop, self.hub
     extra = {}
     if self.learners.many:
-      store, n = self.learners.store, self.learners.num_processes
-      extra["learner_processes"] = [self.part()] + [store.get(f"learner_part/{p}", timeout_s=120.0)
-                                                    for p in range(1, n)]
+      parts = [self.learners.wait(f"learner_part/{p}", f"learner process {p}'s summary", 120.0)
+               for p in range(1, self.learners.num_processes)]
+      extra["learner_processes"] = [self.part(), *parts]
     return summary_lib.run_summary(self.c.mode, version=loop.version, ledger=hub.ledger.to_json(),
                                    staleness=loop.trained_staleness, samples_in_flight=loop.samples_in_flight(),
                                    busy={"learner": loop.busy}, resumed_from=self.side.resumed_from,

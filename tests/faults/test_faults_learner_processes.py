@@ -72,34 +72,39 @@ def _check_run(workdir, tmp_path, steps: int, attempts: int) -> dict:
   return summary
 
 
-@pytest.mark.timeout(600)
-def test_a_learner_over_two_processes_trains_every_step_with_equal_weights(tmp_path):
-  steps, workdir = 6, tmp_path / "run"
+def _run(tmp_path, steps: int, during=None) -> float:
+  """Two learner processes and two samplers to the end of the run; `during(learners)` returns the learner
+  processes that end it (e.g. relaunched ones). Returns the run's seconds."""
   (port,) = free_ports(1)
-  learners = _learners(tmp_path, workdir, steps, port, 0)
+  learners = _learners(tmp_path, tmp_path / "run", steps, port, 0)
   samplers = _samplers(tmp_path, steps, port)
+  procs = learners + samplers
   t0 = time.monotonic()
   try:
+    if during is not None:
+      learners = during(learners, lambda: _learners(tmp_path, tmp_path / "run", steps, port, 1))
+      procs += learners
     _finish(learners + samplers)
   finally:
-    for p in learners + samplers:
+    for p in procs:
       if p.poll() is None:
         kill(p)
-  summary = _check_run(workdir, tmp_path, steps, attempts=1)
-  print(f"two learner processes, two samplers: {steps} steps in {time.monotonic() - t0:.1f}s",
+  return time.monotonic() - t0
+
+
+@pytest.mark.timeout(600)
+def test_a_learner_over_two_processes_trains_every_step_with_equal_weights(tmp_path):
+  seconds = _run(tmp_path, 6)
+  summary = _check_run(tmp_path / "run", tmp_path, 6, attempts=1)
+  print(f"two learner processes, two samplers: 6 steps in {seconds:.1f}s",
         json.dumps({k: summary["ledger"][k] for k in ("samples_generated", "samples_trained", "samples_refused")}))
 
 
 @pytest.mark.timeout(900)
 def test_the_lead_learner_killed_the_follower_stops_and_both_resume_with_the_samplers(tmp_path):
-  steps, workdir = 8, tmp_path / "run"
-  (port,) = free_ports(1)
-  learners = _learners(tmp_path, workdir, steps, port, 0)
-  samplers = _samplers(tmp_path, steps, port)
-  procs = learners + samplers
-  try:
+  def kill_the_lead(learners, relaunch):
     end = time.monotonic() + 400
-    while _trained(workdir) < 3:  # past the checkpoint of step 2
+    while _trained(tmp_path / "run") < 3:  # past the checkpoint of step 2
       assert all(p.poll() is None for p in learners), learners[0].log.read_text()[-3000:]
       assert time.monotonic() < end, "no third step in 400s"
       time.sleep(0.2)
@@ -108,14 +113,10 @@ def test_the_lead_learner_killed_the_follower_stops_and_both_resume_with_the_sam
     code = learners[1].wait(90)  # the follower stops on its own, within a bound
     print(f"follower stopped {time.monotonic() - killed_at:.1f}s after the lead was killed, exit {code}")
     assert code != 0
-    learners = _learners(tmp_path, workdir, steps, port, 1)
-    procs += learners
-    _finish(learners + samplers)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        kill(p)
-  summary = _check_run(workdir, tmp_path, steps, attempts=2)
+    return relaunch()
+
+  _run(tmp_path, 8, kill_the_lead)
+  summary = _check_run(tmp_path / "run", tmp_path, 8, attempts=2)
   assert summary["resumed_from"] is not None and summary["resumed_from"] >= 2
-  for p in samplers:  # each registered with the first learner and again with the relaunched one
-    assert p.log.read_text().count("jaxrl-sampler: sampler ") >= 2, p.log.read_text()[-3000:]
+  for log in tmp_path.glob("sampler*.log"):  # each registered with the first learner and again with the relaunch
+    assert log.read_text().count("jaxrl-sampler: sampler ") >= 2, log.read_text()[-3000:]
