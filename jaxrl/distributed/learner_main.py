@@ -123,7 +123,7 @@ class HubChannels(sides.OneProcess):
       hub_args = (side.record, side.spec, c.sampler.max_len, side.resumed_from)
       hub_kw = dict(lease_s=self.lease_s, orphan_s=self.orphan_s)
       hub = LeadHub(*hub_args, log=log, **hub_kw) if log is not None else Hub(*hub_args, **hub_kw)
-      where = []  # every learner process's rpc address, once they are all serving
+      where = [] if learners.many else None  # every learner process's rpc address, once they all serve
       followed = {"follow": log.serve, "stop": _stop_asked(hub)} if log is not None else {}
       handlers = {**hub.handlers(), "register": _assigning(hub.handlers()["register"], where),
                   "weights": weights.describe, **followed}
@@ -160,14 +160,19 @@ def _stop_asked(hub: Hub):
   return handler
 
 
-def _assigning(register, where: list[str]):
+def _assigning(register, where: list[str] | None):
   """The hub's register, telling each sampler which learner process to pull weights from: the n-th registration
-  process n mod the learner processes (`where`: their rpc addresses; empty: the lead's, the one registered with)."""
+  process n mod the learner processes (`where`: their rpc addresses, filled once every one serves: until then a
+  sampler is asked to try again; None: one learner process, the one registered with)."""
   count = itertools.count()
 
   def handler(request: dict) -> dict:
+    if where is None:
+      return register(request)
+    if not where:
+      return {"stopping": True}  # not every learner process serves yet: the sampler tries again
     reply = register(request)
-    if "sampler" in reply and where:
+    if "sampler" in reply:
       reply["weights_at"] = where[next(count) % len(where)]
     return reply
 

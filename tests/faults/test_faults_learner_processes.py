@@ -6,11 +6,12 @@ checkpoint, the samplers reconnect and the run completes with its history and le
 
 import json
 import re
+import signal
 import sys
 import time
 
 import pytest
-from faults_util import BASE, check_history, kill, read_trace, replay, start_child
+from faults_util import BASE, check_history, committed_steps, kill, read_trace, replay, start_child
 
 from jaxrl.distributed.launch import free_ports
 
@@ -120,3 +121,30 @@ def test_the_lead_learner_killed_the_follower_stops_and_both_resume_with_the_sam
   assert summary["resumed_from"] is not None and summary["resumed_from"] >= 2
   for log in tmp_path.glob("sampler*.log"):  # each registered with the first learner and again with the relaunch
     assert log.read_text().count("jaxrl-sampler: sampler ") >= 2, log.read_text()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_follower_learner_preempted_stops_every_learner_process_after_the_same_step(tmp_path):
+  workdir = tmp_path / "run"
+  (port,) = free_ports(1)
+  learners = _learners(tmp_path, workdir, 8, port, 0)
+  samplers = _samplers(tmp_path, 8, port)
+  try:
+    end = time.monotonic() + 400
+    while _trained(workdir) < 2:
+      assert all(p.poll() is None for p in learners), learners[0].log.read_text()[-3000:]
+      assert time.monotonic() < end, "no second step in 400s"
+      time.sleep(0.2)
+    learners[1].send_signal(signal.SIGTERM)  # the follower's host preempted: the lead stops them both
+    assert learners[0].wait(120) == 143, learners[0].log.read_text()[-3000:]
+    assert learners[1].wait(60) == 0, learners[1].log.read_text()[-3000:]
+  finally:
+    for p in learners + samplers:
+      if p.poll() is None:
+        kill(p)
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["stopped_by"] == "SIGTERM" and 2 <= summary["version"] < 8
+  assert [p["version"] for p in summary["learner_processes"]] == [summary["version"]] * 2
+  assert committed_steps(workdir)[-1] == summary["version"]  # saved together, at the step both stopped after
+  check_history(read_trace(workdir / "trace.jsonl"), summary, GROUP_SIZE)
+  assert "learner process 1 got SIGTERM: stopping after the current step" in learners[0].log.read_text()
