@@ -27,8 +27,9 @@ lead's batches and stop after the same step. Every learner process publishes eac
 replicated over the learner mesh) and serves pulls on its own port (chosen freely, told to the lead): a sampler
 is told at registration which learner process to pull from (the n-th registration: process n mod the learner
 processes). The learner processes checkpoint together (each its own shards; the lead the run record) and resume
-together; SIGTERM reaches the lead (the launcher passes it to every process; a follower waits for the lead's end).
-A lead that dies ends the others within --heartbeat_timeout_s (jax.distributed) or the follow timeout.
+together. SIGTERM on any learner process stops them all after the same step, with a checkpoint (a follower asks
+the lead to stop). A lead that dies ends the others within --heartbeat_timeout_s (jax.distributed's own abort) or
+--follow_timeout_s.
 """
 
 from __future__ import annotations
@@ -108,15 +109,7 @@ class HubChannels(sides.OneProcess):
 
   def wire(self, built: sides.Built) -> LearnerProgram:
     c, side, learners = built.config, built.learner, self.learners
-    sampler_mesh = sides.Roles.single(c.mesh, jax.devices()[: c.mesh.num_devices]).sampler_meshes(c.mesh)[0]
-    dtype = jnp.dtype(compute_dtype_name(c.sampler.dtype, side.learner.model_config, sampler_mesh))
-    device, gather = None, None
-    if learners.many:  # each version replicated over the learner mesh, then served from this process's copy
-      device = next(d for d in side.mesh.devices.flat if d.process_index == jax.process_index())
-      gather = local_copy(side.mesh, device)
-      gather.compile(side.state.params)
-    weights = WeightServer(dtype=dtype, weight_dtype=c.sampler.weight_dtype, host=self.host, device=device,
-                           gather=gather)
+    weights = self._weights(c, side)
     log = FollowLog(range(1, learners.num_processes), c.sampler.max_len) if learners.many and learners.lead else None
     hub = where = None
     if learners.lead:
@@ -145,6 +138,20 @@ class HubChannels(sides.OneProcess):
                        coord=coord, checkpointer=side.checkpointer, metrics=side.metrics, trace=side.trace,
                        telemetry=side.telemetry)
     return LearnerProgram(c, side, coord, loop, weights, server, learners, log)
+
+
+  def _weights(self, c, side: sides.LearnerSide) -> WeightServer:
+    """This process's weight server, staging each version as the sampler engine takes it; over several learner
+    processes each version is replicated over the learner mesh, then served from this process's own copy."""
+    sampler_mesh = sides.Roles.single(c.mesh, jax.devices()[: c.mesh.num_devices]).sampler_meshes(c.mesh)[0]
+    dtype = jnp.dtype(compute_dtype_name(c.sampler.dtype, side.learner.model_config, sampler_mesh))
+    device, gather = None, None
+    if self.learners.many:
+      device = next(d for d in side.mesh.devices.flat if d.process_index == jax.process_index())
+      gather = local_copy(side.mesh, device)
+      gather.compile(side.state.params)
+    return WeightServer(dtype=dtype, weight_dtype=c.sampler.weight_dtype, host=self.host, device=device,
+                        gather=gather)
 
 
 def _stop_asked(hub: Hub):
