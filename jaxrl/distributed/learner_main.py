@@ -139,7 +139,6 @@ class HubChannels(sides.OneProcess):
                        telemetry=side.telemetry)
     return LearnerProgram(c, side, coord, loop, weights, server, learners, log)
 
-
   def _weights(self, c, side: sides.LearnerSide) -> WeightServer:
     """This process's weight server, staging each version as the sampler engine takes it; over several learner
     processes each version is replicated over the learner mesh, then served from this process's own copy."""
