@@ -321,8 +321,8 @@ def main(argv=None):
   flags.DEFINE_integer("num_processes", 1, "learner processes (jax.distributed among themselves; 1: none)")
   flags.DEFINE_integer("process_id", 0, "this learner process's id (0: the lead, which serves the hub)")
   flags.DEFINE_string("coordinator_address", None, "HOST:PORT of jax.distributed's coordinator (the lead's host)")
-  flags.DEFINE_float("heartbeat_timeout_s", 10.0, "a learner process silent this long ends the others "
-                     "(jax.distributed's heartbeat)")
+  flags.DEFINE_float("heartbeat_timeout_s", 60.0, "a learner process that stops heartbeating this long ends the "
+                     "others (jax.distributed's own abort; a dead one ends them at once)")
   flags.DEFINE_float("follow_timeout_s", 30.0, "a follower learner process that hears nothing from the lead this "
                      "long stops (one line)")
   flags.mark_flags_as_required(["config", "workdir"])

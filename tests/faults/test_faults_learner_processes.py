@@ -29,12 +29,13 @@ def _learners(tmp_path, workdir, steps: int, port: int, attempt: int) -> list:
   (coordinator,) = free_ports(1)
   return [start_child(_command("jaxrl.distributed.learner_main", steps, workdir=workdir, port=port if p == 0 else 0,
                                num_processes=LEARNERS, process_id=p, coordinator_address=f"127.0.0.1:{coordinator}",
-                               lease_s=8.0, heartbeat_timeout_s=10.0, follow_timeout_s=10.0),
+                               lease_s=8.0, follow_timeout_s=10.0),
                       tmp_path / f"learner{p}-{attempt}.log", JAX_NUM_CPU_DEVICES="2") for p in range(LEARNERS)]
 
 
 def _samplers(tmp_path, steps: int, port: int) -> list:
-  return [start_child(_command("jaxrl.distributed.sampler_main", steps, learner=f"127.0.0.1:{port}"),
+  # the learners compile every batch shape before they serve: minutes on a loaded box
+  return [start_child(_command("jaxrl.distributed.sampler_main", steps, learner=f"127.0.0.1:{port}", reconnect_s=600),
                       tmp_path / f"sampler{i}.log") for i in range(2)]
 
 
