@@ -4,6 +4,8 @@ independent jaxrl-sampler programs mid-run, beside the step time the planner pre
   PYTHONPATH=. nice -n 19 .venv/bin/python -m bench.elastic_samplers > /tmp/elastic.log 2>&1  # sampler_bound, smollm2
   PYTHONPATH=. nice -n 19 .venv/bin/python -m bench.elastic_samplers --workloads=sampler_bound  # ~2 min, quiet box
   PYTHONPATH=. nice -n 19 .venv/bin/python -m bench.elastic_samplers --workloads=tiny_wide
+  PYTHONPATH=. nice -n 19 .venv/bin/python -m bench.elastic_samplers --predict_only \
+      --workloads=sampler_bound,smollm2,tiny_wide  # ~3 min, no runs: the model's predictions again
 
 One run per workload, each process pinned with taskset as a 2-core box allows: the learner on core 0, the first
 sampler on core 1; after `join_after` applied steps (the learner's trace.jsonl) a second sampler starts on core 0,
@@ -21,16 +23,26 @@ wall) and the samplers' (their summed loop busy seconds / wall / samplers runnin
 The prediction: the costs the run paid before the join, fitted as `jaxrl-profile --from-run` fits a run's logs
 (jaxrl.sim.runlog.measurements: 1 sampler device, 1 learner device, no hand-off since groups reach the learner's
 pool as they finish), the run's trained completion lengths as the length distribution, and
-jaxrl.sim.planner.predict for sampler_devices = 1 and 2 (two engines of one device each, learner_devices = 1): its
-pipeline step time and trained tokens/s. What the planner does not model: the joiner sharing the learner's core
-(it gives every engine its own device), groups generated and then filtered (rl.filter_groups), and it charges the
-learner one weight copy per engine (here each sampler pulls the one published copy).
+jaxrl.sim.planner.predict for 1 and 2 samplers (learner_devices = 1), the mean over SEEDS of STEPS simulated steps:
+its pipeline step time and trained tokens/s, term by term (`model`; the last is `predicted`):
+  own devices:     every engine and the learner on a device of its own, no filter, a weight copy pushed to each
+                   engine (the planner before issue 43 (d));
+  + filter's mean: rl.filter_groups keeps the pass fraction of the groups the pre-join window settled (the ledger's
+                   counts, runlog.pass_fraction), spread evenly; + its variance: each group kept at random;
+  + weight pulls:  the learner stages one copy a version and each sampler takes it (bench/weight_pull.py's float32
+                   take rate, left out of the calibration's decode rows);
+  + shared core:   the placement the run used (CORES: the joiner on the learner's core), time-shared
+                   (jaxrl.sim.placement), with the learner process's CPU beside its train step and publish (its
+                   /proc CPU seconds a step before the join, less both) as load on its core.
+Without running: `--predict_only` recomputes the predictions of the JSON's entries from the pre-join records and
+lengths each keeps in `inputs` (`--inputs_from=KEY=WORKDIR` reads them from a run's kept workdir, once).
 JSON: bench/results/elastic_samplers.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -187,57 +199,112 @@ def figures(w: dict, workdir: Path, started: int | None, joined: int | None, sam
   after = None
   if joined is not None and (n := min(max(trains) + 1 - joined - w["skip"], w["after_steps"])) >= 2:
     after = _window(records, trains, joined + w["skip"], joined + w["skip"] + n, 2, samples_TxM)
-  lengths = [n for e in trains.values() for n in e["lengths"]]
-  pred = predict(w, [records[v] for v in sorted(records) if v < stop], lengths)
-  p1, p2 = pred["predicted"]["1"], pred["predicted"]["2"]
   out = dict(join_after=w["join_after"], joiner_started_after=started, joiner_registered_at=joined, before=before,
-             after=after, **pred, predicted_ratio=p2["tokens_per_s"] / p1["tokens_per_s"],
-             step_error_1=before["step_s"] / p1["step_s"] - 1)
-  if after is not None:
-    out.update(measured_ratio=after["tokens_per_s"] / before["tokens_per_s"],
-               measured_step_ratio=after["step_s"] / before["step_s"], step_error_2=after["step_s"] / p2["step_s"] - 1)
+             after=after, inputs=_inputs_from(workdir, stop))
+  return {**out, **compare(w, out)}
+
+
+# Simulated steps per prediction, and the seeds a prediction is the mean over (a random filter's yield, the lengths)
+STEPS, SEEDS = 256, (0, 1, 2)
+# What the prediction reads of the pre-join steps' records (kept in the JSON: predictions are recomputed from it)
+_RECORD_KEYS = ("step", "time", "version", "step_time_s", "train_s", "wait_s", "train_tokens", "publish_s",
+                "completion_len", "samples_trained", "samples_dropped", "filtered_groups", "sampler/decode_calls",
+                "sampler/live_rows", "sampler/context_tokens", "sampler/busy_s", "sampler/update_seconds")
+
+
+def compare(w: dict, r: dict, shapes: tuple[int, float] | None = None) -> dict:
+  """The planner's predictions from an entry's inputs, and their errors against its measured windows."""
+  pred = predict(w, r["inputs"]["records"], r["inputs"]["lengths"], _learner_cpu_s(r["before"]), shapes)
+  p1, p2 = pred["predicted"]["1"], pred["predicted"]["2"]
+  out = dict(**pred, predicted_ratio=p2["tokens_per_s"] / p1["tokens_per_s"],
+             step_error_1=r["before"]["step_s"] / p1["step_s"] - 1)
+  if r["after"] is not None:
+    a, b = r["after"], r["before"]
+    out.update(measured_ratio=a["tokens_per_s"] / b["tokens_per_s"], measured_step_ratio=a["step_s"] / b["step_s"],
+               step_error_2=a["step_s"] / p2["step_s"] - 1)
   return out
 
 
-def predict(w: dict, records: list[dict], lengths: list[int]) -> dict:
-  """The planner's pipeline step time and tokens/s for 1 and 2 sampler devices, from the pre-join costs."""
+def _learner_cpu_s(before: dict) -> float | None:
+  """CPU seconds per step the learner's process used before the join (/proc), None where they were not logged."""
+  share = before.get("cpu", {}).get("learner", math.nan)
+  return None if math.isnan(share) else share * before["wall_s"] / before["steps"]
+
+
+def _pull_bandwidth() -> float:
+  """Bytes/s of a sampler's take (pull + checksum) of a float32 version: bench/weight_pull.py's figure."""
+  return json.loads((REPO / "bench/results/weight_pull.json").read_text())["float32"]["take_gb_s"] * 1e9
+
+
+def predict(w: dict, records: list[dict], lengths: list[int], learner_cpu_s: float | None,
+            shapes: tuple[int, float] | None = None) -> dict:
+  """The planner's pipeline step time and tokens/s for 1 and 2 samplers from the pre-join costs, term by term: each
+  engine on its own device (the model before issue 43 (d)), then with the filter's pass fraction, then with each
+  sampler pulling every version (its take), then with the placement's shared core: the last is `predicted`.
+  shapes: (prompt tokens, weight bytes) where known (run_shapes loads the model's tokenizer)."""
   from jaxrl import config as config_lib
   from jaxrl.controller import build as build_lib
   from jaxrl.sim import planner, runlog
   from jaxrl.sim.calibrate import fit_calibration
   from jaxrl.sim.lengths import Empirical
+  from jaxrl.sim.placement import Placement
 
   spec = importlib.util.spec_from_file_location("elastic_config", REPO / w["config"])
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = config_lib.validate(config_lib.override(module.get_config(), **COMMON, **w["flags"]))
-  prompt_len, weight_bytes = build_lib.run_shapes(c)
-  # multi_process=False: a hub's samplers deliver each group as it finishes, into the learner process's pool, so
-  # there is no per-step hand-off (runlog.handoff_s would take the least generation wait of a sampler-bound run)
-  m, details = runlog.measurements(records, warmup=w["warmup"], steps_per_call=c.sampler.steps_per_call,
-                                   max_batch=c.sampler.max_slots, learner_devices=1, sampler_devices=1,
-                                   weight_bytes=weight_bytes, multi_process=False)
-  cal = fit_calibration(m)
-  predicted = {}
-  for s in (1, 2):
-    p = planner.predict(cal, planner.RunDescription(
-        sampler_devices=s, learner_devices=1, batch_size=c.rl.group_size * c.rl.groups_per_step,
-        group_size=c.rl.group_size, lengths=Empirical(lengths), max_staleness=c.rl.max_staleness,
-        prompt_len=prompt_len, steps=16, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len, pack=c.rl.pack,
-        max_segments=c.rl.max_segments, num_minibatches=c.rl.num_minibatches,
-        steps_per_call=c.sampler.steps_per_call, overlap_calls=1))
-    predicted[str(s)] = dict(step_s=p.pipeline_step_s, tokens_per_s=p.pipeline.tokens_per_s,
-                             sampler_idle=p.pipeline.sampler_idle_frac, learner_idle=p.pipeline.learner_idle_frac)
-  d = cal.decode
+  prompt_len, weight_bytes = shapes or build_lib.run_shapes(c)
+  pull = _pull_bandwidth()
+
+  def calibrate(take_s: float):
+    # multi_process=False: a hub's samplers deliver each group as it finishes, into the learner process's pool, so
+    # there is no per-step hand-off (runlog.handoff_s would take the least generation wait of a sampler-bound run)
+    m, details = runlog.measurements(records, warmup=w["warmup"], steps_per_call=c.sampler.steps_per_call,
+                                     max_batch=c.sampler.max_slots, learner_devices=1, sampler_devices=1,
+                                     weight_bytes=weight_bytes, multi_process=False, take_s=take_s)
+    return fit_calibration(m), details
+
+  pushed, details = calibrate(0.0)
+  pulled = dataclasses.replace(calibrate(weight_bytes / pull)[0], pull_bandwidth=pull)
+  passed = runlog.pass_fraction(records, w["warmup"], c.rl.group_size) if c.rl.filter_groups != "none" else 1.0
+  # the learner process's CPU beside its train step and publish (the hub serving the sampler); 0 where not logged
+  host_s = 0.0 if learner_cpu_s is None else max(learner_cpu_s - details["train_step_s"] - details["transfer_s"], 0.0)
+  cores = tuple(sorted(set(CORES.values())))
+  terms = {"own devices": (pushed, 1.0, "even", False), "+ filter's mean": (pushed, passed, "even", False),
+           "+ its variance": (pushed, passed, "random", False), "+ weight pulls": (pulled, passed, "random", False),
+           "+ shared core": (pulled, passed, "random", True)}
+  model = {}
+  for term, (cal, pass_fraction, draws, shared) in terms.items():
+    model[term] = {}
+    for s in (1, 2):
+      placement = Placement(cores, (CORES["learner"],), ((CORES["sampler"],), (CORES["joiner"],))[:s],
+                            learner_host_s=host_s) if shared else None
+      ps = [planner.predict(cal, planner.RunDescription(
+          sampler_devices=s, learner_devices=1, batch_size=c.rl.group_size * c.rl.groups_per_step,
+          group_size=c.rl.group_size, lengths=Empirical(lengths), max_staleness=c.rl.max_staleness,
+          prompt_len=prompt_len, steps=STEPS, seed=seed, queue_groups=c.rl.queue_groups, seq_len=c.rl.seq_len,
+          pack=c.rl.pack, max_segments=c.rl.max_segments, num_minibatches=c.rl.num_minibatches,
+          steps_per_call=c.sampler.steps_per_call, overlap_calls=1, pass_fraction=pass_fraction,
+          filter_draws=draws, placement=placement)) for seed in SEEDS]
+      steps = [p.pipeline_step_s for p in ps]
+      model[term][str(s)] = dict(
+          step_s=float(np.mean(steps)), step_s_range=[min(steps), max(steps)],
+          tokens_per_s=float(np.mean([p.pipeline.tokens_per_s for p in ps])),
+          sampler_idle=float(np.mean([p.pipeline.sampler_idle_frac for p in ps])),
+          learner_idle=float(np.mean([p.pipeline.learner_idle_frac for p in ps])),
+          stretch=np.mean([p.stretch or (1.0,) for p in ps], axis=0).tolist())
+  d = pushed.decode
   fed = dict(prompt_len=prompt_len, weight_bytes=weight_bytes, lengths_median=float(np.median(lengths)),
              lengths_mean=float(np.mean(lengths)), decode_overhead_ms=d.overhead_s * 1e3,
-             decode_weights_ms=d.weights_s * 1e3, decode_fit_rms=cal.fit["rms_rel_error"],
-             train_tokens_per_s=cal.train_tokens_per_s_per_device, **details)
-  return dict(calibration=fed, predicted=predicted)
+             decode_weights_ms=d.weights_s * 1e3, decode_fit_rms=pushed.fit["rms_rel_error"],
+             train_tokens_per_s=pushed.train_tokens_per_s_per_device, **details, pass_fraction=passed,
+             take_s=weight_bytes / pull, learner_cpu_s=learner_cpu_s, learner_host_s=host_s)
+  return dict(calibration=fed, model=model, predicted=model["+ shared core"])
 
 
 def _shares(window: dict) -> str:
-  return " ".join(f"{role} {share:.0%}" for role, share in window["cpu"].items() if not math.isnan(share))
+  return " ".join(f"{role} {share:.0%}" for role, share in window.get("cpu", {}).items()
+                  if not math.isnan(share))
 
 
 def _line(name: str, r: dict) -> str:
@@ -248,9 +315,38 @@ def _line(name: str, r: dict) -> str:
       f"{a['tokens_per_s']:.1f} tokens/s (x{r['measured_ratio']:.2f}), step {a['step_s']:.2f} s, learner busy "
       f"{a['learner_busy']:.0%}, samplers busy {a['sampler_busy']:.0%}, load {a['load_average']:.1f}, CPU {_shares(a)}")
   err = "" if a is None else f", {r['step_error_2']:+.0%} with 2"
+  terms = ", ".join(f"{t}: {m['1']['step_s']:.3g} -> {m['2']['step_s']:.3g} s "
+                    f"(x{m['2']['tokens_per_s'] / m['1']['tokens_per_s']:.2f})" for t, m in r["model"].items())
   return (f"{name}: 1 sampler: {one}; 2 samplers: {two}; planner: step {p['1']['step_s']:.2f} s -> "
           f"{p['2']['step_s']:.2f} s, tokens/s x{r['predicted_ratio']:.2f} (measured step / predicted - 1: "
-          f"{r['step_error_1']:+.0%} with 1{err})")
+          f"{r['step_error_1']:+.0%} with 1{err}); by term: {terms}")
+
+
+def _inputs_from(workdir: Path, started: int) -> dict:
+  """The prediction's inputs, read from a run's kept workdir (what figures() keeps of it)."""
+  from jaxrl.metrics import read_jsonl
+
+  records = {r["version"] - 1: r for r in read_jsonl(workdir / "metrics.jsonl")}
+  return dict(records=[{k: r[k] for k in _RECORD_KEYS if k in r} for v, r in sorted(records.items()) if v < started],
+              lengths=[n for e in _trains(workdir) for n in e["lengths"]])
+
+
+def predict_only(out: Path, names: list[str], inputs_from: dict[str, str]) -> None:
+  """Recomputes the predictions of the JSON's entries for `names` (and their other_runs) without running: from
+  each entry's `inputs`, or from the workdir inputs_from names for it (then kept in the entry)."""
+  report = json.loads(out.read_text())
+  others = [(r["workload"], f"other_runs.{i}", r) for i, r in enumerate(report.get("other_runs", []))]
+  entries = [(n, n, report[n]) for n in names] + [e for e in others if e[0] in names]
+  for name, key, r in entries:
+    if key in inputs_from:
+      r["inputs"] = _inputs_from(Path(inputs_from[key]), r["joiner_started_after"])
+    if "inputs" not in r:
+      print(f"{key}: no inputs kept and none given (--inputs_from={key}=WORKDIR): left as it was", file=sys.stderr)
+      continue
+    cal = r["calibration"]
+    r.update(compare(WORKLOADS[name], r, (cal["prompt_len"], cal["weight_bytes"])))
+    print(_line(key, r), flush=True)
+  write_json(out, report)
 
 
 def main() -> None:
@@ -260,11 +356,18 @@ def main() -> None:
   parser.add_argument("--cache", default="/tmp/jaxrl-elastic-cache", help="persistent compilation cache")
   parser.add_argument("--max_minutes", type=float, default=40.0, help="a run is stopped after this long, with the "
                       "windows it reached")
+  parser.add_argument("--predict_only", action="store_true", help="no runs: recompute the predictions of --out's "
+                      "entries for --workloads (and their other_runs) from the inputs they keep")
+  parser.add_argument("--inputs_from", default="", help="with --predict_only, KEY=WORKDIR,...: an entry without "
+                      "inputs (KEY: a workload, or other_runs.N) reads them from its run's kept workdir")
   opts = parser.parse_args()
   from jaxrl import platforms
 
   platforms.skip_tpu_probe()  # this process only calibrates and simulates
   out = Path(opts.out)
+  if opts.predict_only:
+    predict_only(out, opts.workloads.split(","), dict(kv.split("=", 1) for kv in opts.inputs_from.split(",") if kv))
+    return
   tmp = tempfile.mkdtemp(prefix="jaxrl-elastic-")  # kept: the runs' logs and workdirs
   print(f"elastic_samplers: runs in {tmp}", file=sys.stderr, flush=True)
   for name in opts.workloads.split(","):

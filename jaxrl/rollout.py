@@ -40,7 +40,7 @@ class Rollout:
   completion_tokens: np.ndarray  # int32 [C]
   logprobs: np.ndarray  # float32 [C], log p_behavior(token) under the distribution actually sampled from
   versions: np.ndarray  # int32 [C], policy version of the params that computed the token's logits
-  finish_reason: str  # "eos" | "stop" | "length"
+  finish_reason: str  # "eos" | "stop" | "length" | "cancelled" (Sampler.cancel: a surplus group ended early)
   group_id: int  # samples of one prompt (a GRPO group) share it
   sample_index: int = 0  # index within the group
   sampling: SamplingParams = SamplingParams()
@@ -56,6 +56,10 @@ class Rollout:
   # input token whose logits drew completion token i (the token before it), as the sampler chose them; -1 where
   # nothing was recorded (a dense layer, an environment's observation token). None: a dense model.
   experts: np.ndarray | None = None
+  # int16 [P - 1, N, k] (mixture of experts): the routing of the prompt's inputs before its last token (whose routing
+  # is experts[0]), as the prefill that wrote the keys/values the sample read chose it. None: not recorded (the
+  # learner routes the prompt afresh).
+  prompt_experts: np.ndarray | None = None
 
   def __post_init__(self):
     c = len(self.completion_tokens)
@@ -69,6 +73,14 @@ class Rollout:
     if self.experts is not None and (np.ndim(self.experts) != 3 or len(self.experts) != c):
       raise ValueError(f"rollout arrays disagree: {c} completion tokens, routing of shape "
                        f"{np.shape(self.experts)} (want [{c}, layers, experts per token])")
+    p = len(self.prompt_tokens)
+    if self.prompt_experts is not None and (np.ndim(self.prompt_experts) != 3 or len(self.prompt_experts) != p - 1):
+      raise ValueError(f"rollout arrays disagree: {p} prompt tokens, prompt routing of shape "
+                       f"{np.shape(self.prompt_experts)} (want [{p - 1}, layers, experts per token])")
+    if (self.experts is not None and self.prompt_experts is not None
+        and np.shape(self.experts)[1:] != np.shape(self.prompt_experts)[1:]):
+      raise ValueError(f"rollout routing disagrees: completion {np.shape(self.experts)[1:]}, prompt "
+                       f"{np.shape(self.prompt_experts)[1:]} (layers, experts per token)")
 
   @property
   def model_mask(self) -> np.ndarray:
@@ -124,8 +136,9 @@ class Batch:
   group_ids_B: jax.Array  # int32, -1 for padding rows
   sample_mask_B: jax.Array  # float32, 0 for padding rows
   # int16 [B, L, N, k] (mixture of experts, routing replay): the experts the sampler routed the token at each
-  # column through, per layer (k: experts per token); -1 where none was recorded (prompt, padding: routed afresh).
-  # Column t holds what Rollout.experts records for completion token t + 1. None: a dense model.
+  # column through, per layer (k: experts per token); -1 where none was recorded (padding, observations, a prompt
+  # without Rollout.prompt_experts: routed afresh). Column t holds what Rollout.experts records for completion token
+  # t + 1, and a prompt's earlier columns Rollout.prompt_experts. None: a dense model.
   experts_BxLxNxK: jax.Array | None = None
 
   @property
@@ -171,7 +184,7 @@ def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ..
   rewards = np.zeros(samples_shape, np.float32)
   group_ids = np.full(samples_shape, -1, np.int32)
   sample_mask = np.zeros(samples_shape, np.float32)
-  routed = [r.experts for r, *_ in placements if r.experts is not None]
+  routed = [e for r, *_ in placements for e in (r.experts, r.prompt_experts) if e is not None]
   experts = np.full((rows, seq_len, *routed[0].shape[1:]), -1, np.int16) if routed else None
   for r, row, start, segment, index in placements:
     p, end = start + len(r.prompt_tokens), start + r.num_tokens
@@ -184,6 +197,8 @@ def fill_batch(placements, rows: int, seq_len: int, samples_shape: tuple[int, ..
     versions[row, p:end] = r.versions
     if r.experts is not None:
       experts[row, p - 1 : end - 1] = r.experts
+    if r.prompt_experts is not None:
+      experts[row, start : p - 1] = r.prompt_experts
     rewards[index] = r.reward
     group_ids[index] = r.group_id
     sample_mask[index] = 1.0

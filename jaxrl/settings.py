@@ -363,6 +363,10 @@ class RL:
   filter_groups: str = Choice("none", FILTER_GROUPS, 'groups not trained: "zero_variance" (all rewards equal)')
   max_filtered_in_a_row: int = Int(1000, 1, "groups filtered in a row with no applied update before the run stops "
                                    "(a prompt set the policy always solves or always fails)")
+  # An over-asked group a share left out past its deadline is never trained: still generating, it holds decode slots
+  # and pages that groups a step can train could use
+  cancel_surplus: bool = Bool(True, "end a surplus group still generating at once (Sampler.cancel), not when it "
+                              "finishes")
   seq_len: int = Int(48, 2, "learner sequence length (prompt + completion, right-padded), the packed row length")
   # Several samples per row of seq_len tokens (first-fit decreasing, each sample its own segment), rows rounded up
   # to a few buckets (one compilation each): train cost follows the real tokens, not batch x seq_len

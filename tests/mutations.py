@@ -37,6 +37,7 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/envs/guard.py": ("test_envs_guard.py",),
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
           "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
+          "jaxrl/distributed/packets.py": ("test_distributed.py",),
           "jaxrl/distributed/follow.py": ("test_distributed_follow.py",)}
 
 
@@ -258,6 +259,17 @@ CONTROLLER = (
     Mutation("assembly: back-pressure one group late", AS, "len(self.finished) >= self.max_finished",
              "len(self.finished) > self.max_finished",
              (BOOK + "finished_groups_waiting_for_the_learner_stop_admission",)),
+    Mutation("dynamic sampling: surplus groups never cancelled", "jaxrl/controller/sampler_loop.py",
+             "        self._finish(self._complete_groups(self._cancel_doomed()))\n", "",
+             ("tests/faults/test_faults_filter.py::test_only_groups_with_signal_are_trained_and_every_filtered_"
+              "group_is_counted[sync]",)),
+    Mutation("sampler: a cancelled slot left running", "jaxrl/sampler/sampler.py",
+             "        self.cache.state = self.engine.release(self.cache.state, slot)  # results in flight for it are "
+             "dropped\n        self._free(slot)\n", "",
+             ("tests/test_sampler_paged.py::test_cancel_ends_a_group_and_frees_its_slots_and_pages_for_the_others",)),
+    Mutation("assembly: back-pressure off (a run's finished groups pile up)", AS,
+             "if self.max_finished is not None and len(self.finished) >= self.max_finished:",
+             "if False:", ("tests/faults/test_faults_load.py::test_finished_groups_waiting_stop_admission",)),
     Mutation("assembly: an infinite reward trained", AS, "if any(not np.isfinite(r.reward) for r in group):",
              "if any(np.isnan(r.reward) for r in group):", (REJECT,)),
     Mutation("assembly: a group that fills seq_len exactly is too long", AS,
@@ -421,6 +433,14 @@ MOE = (
     Mutation("routing replay: a batch puts the routing at the token's own column", "jaxrl/rollout.py",
              "experts[row, p - 1 : end - 1] = r.experts", "experts[row, p:end] = r.experts",
              (MOE_TEST + "batches_and_packing_carry_the_routing", REPLAY)),
+    Mutation("routing replay: the prompt's routing not recorded", "jaxrl/sampler/admission.py",
+             "prompt_experts=g.prefix.experts_PxNxK)", "prompt_experts=None)", (RECORDED,)),
+    Mutation("routing replay: packets across processes drop the routing", "jaxrl/distributed/packets.py",
+             "left_out=LEFT_OUT[int(row[14])], experts=experts,\n                prompt_experts=prompt_experts)",
+             "left_out=LEFT_OUT[int(row[14])])",
+             ("tests/test_distributed_multiprocess.py::test_a_mixture_of_experts_policy_trains_across_processes_on_"
+              "its_recorded_routing", "tests/test_distributed.py::test_packet_carries_mixture_of_experts_routing_"
+              "bit_for_bit")),
 )
 MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD + MOE
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl.controller.coordinator import LocalCoordinator
-from jaxrl.controller.learner_loop import LearnerLoop
+from jaxrl.controller.learner_loop import LearnerLoop, routing_recorded
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.settings import RL, Sampler, Task
@@ -119,3 +119,23 @@ def test_a_group_drawn_with_other_sampling_settings_stops_the_step():
   with pytest.raises(ValueError, match=r"rollout \(group 0, sample 0\) was drawn with"):
     loop.run()
   assert loop.version == 0 and not weights.published
+
+
+def test_routing_recorded_counts_the_model_tokens_routed_as_the_sampler_did():
+  """Of 3 + 4 model tokens (prompts of one token: no input before the last): the first sample's observation token
+  (loss mask 0) does not count, a token with every layer -1 was not recorded, a token with one layer recorded was; a
+  sample without routing records none."""
+  a = Rollout(np.array([1], np.int32), np.array([2, 3, 4, 5], np.int32), np.zeros(4, np.float32),
+              np.array([0, -1, 0, 0], np.int32), "length", 0, loss_mask=np.array([1, 0, 1, 1], np.float32),
+              experts=np.array([[[1, 2], [-1, -1]], [[-1, -1], [-1, -1]], [[-1, -1], [-1, -1]], [[-1, -1], [3, 0]]],
+                               np.int16))
+  b = Rollout(np.array([1], np.int32), np.array([2, 3, 4, 5], np.int32), np.zeros(4, np.float32),
+              np.zeros(4, np.int32), "length", 0, sample_index=1)
+  assert routing_recorded([a]) == 2 / 3
+  assert routing_recorded([a, b]) == 2 / 7
+  assert routing_recorded([]) == 0.0
+  # a prompt of 3 tokens: its 2 inputs before the last one count, one recorded (the other -1 in every layer)
+  c = Rollout(np.array([1, 2, 3], np.int32), np.array([4], np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32),
+              "length", 1, experts=np.zeros((1, 2, 2), np.int16),
+              prompt_experts=np.array([[[-1, -1], [-1, -1]], [[0, 1], [2, 3]]], np.int16))
+  assert routing_recorded([c]) == 2 / 3

@@ -91,12 +91,34 @@ def test_packet_carries_the_loss_mask_of_multi_turn_samples():
 def test_packet_errors_name_the_problem():
   with pytest.raises(ValueError, match="group 3 sample 0 has 9 tokens, more than max_len=8"):
     packets.encode([[_rollout(3, 0, [1] * 5, [2] * 4, 1.0)]], max_len=8)
-  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 39\]\)"):
+  with pytest.raises(ValueError, match=r"does not match max_len=8 \(expected \[rows, 41\], routing None\)"):
     packets.decode(np.zeros((2, 5), np.int32), max_len=8)
-  routed = _rollout(4, 1, [1, 2], [3], 1.0)
+  routed, dense = _rollout(4, 1, [1, 2], [3], 1.0), _rollout(4, 0, [1, 2], [3], 1.0)
   routed.experts = np.zeros((1, 2, 2), np.int16)
-  with pytest.raises(ValueError, match="group 4 sample 1 carries MoE routing"):
-    packets.encode([[routed]], max_len=8)
+  with pytest.raises(ValueError, match=r"must share a routing shape .*\(2, 2\)"):
+    packets.encode([[dense, routed]], max_len=8)
+  packet = packets.encode([[routed]], max_len=8)
+  with pytest.raises(ValueError, match=r"expected \[rows, 57\], routing \(2, 2\)"):
+    packets.decode(packet[:, :-1], max_len=8)
+
+
+def test_packet_carries_mixture_of_experts_routing_bit_for_bit():
+  """Routing replay across processes: each completion token's and prompt input's recorded experts (layers x
+  experts per token, -1 where none was recorded) come back exactly, an odd count of int16 entries included; the
+  width says the shape. A prompt without recorded routing comes back without."""
+  rng = np.random.default_rng(0)
+  samples = [_rollout(5, i, [1, 2, 3], list(range(4 + i)), 0.5) for i in range(2)]
+  for r in samples:
+    r.experts = rng.integers(-1, 64, (len(r.completion_tokens), 3, 3)).astype(np.int16)
+  samples[0].prompt_experts = rng.integers(0, 64, (2, 3, 3)).astype(np.int16)
+  packet = packets.encode([samples], max_len=11)  # 11 * 3 * 3 = 99 int16 entries: one padded word
+  assert packet.shape == (2, packets.packet_width(11, (3, 3))) == (2, 17 + 33 + 50)
+  back, = packets.decode(packet, max_len=11)
+  for want, got in zip(samples, back, strict=True):
+    assert got.experts.dtype == np.int16 and got.experts.tobytes() == want.experts.tobytes()
+  assert back[0].prompt_experts.tobytes() == samples[0].prompt_experts.tobytes() and back[1].prompt_experts is None
+  dense, = packets.decode(packets.encode([[_rollout(6, 0, [1], [2, 3], 1.0)]], max_len=11), max_len=11)
+  assert dense[0].experts is None
 
 
 # ---- roles ---------------------------------------------------------------------------------------------------------

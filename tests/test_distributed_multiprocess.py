@@ -359,3 +359,28 @@ def test_an_int8_sampler_process_receives_each_version_quantized_by_the_learner(
 
 def _param_name(path: str) -> str:
   return re.search(r"\['(\w+)'\]\.value$", path).group(1)
+
+
+MOE = dict(architecture="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+           router_aux_loss_coef=0.01)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_policy_trains_across_processes_on_its_recorded_routing(tmp_path):
+  """A Qwen3-MoE policy in a job of a learner and a sampler process: its rollouts cross in packets with their routing,
+  so every trained model token is routed by the learner as the sampler routed it (routing replay), on every step."""
+  config = tmp_path / "tiny_moe.py"
+  config.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'configs')!r})\nimport tiny\n\n\n"
+                    f"def get_config(arg=None):\n  c = tiny.get_config(arg)\n"
+                    f"  c.model.tiny = dict(c.model.tiny) | {MOE!r}\n  return c\n")
+  workdir, log = tmp_path / "run", tmp_path / "launch.log"
+  steps = 3
+  code = _launch(2, [f"--config={config}", f"--workdir={workdir}", f"--config.num_steps={steps}",
+                     "--config.mesh.sampler_devices=1", "--config.eval.num_examples=0"], log).wait(timeout=300)
+  assert code == 0, log.read_text()[-5000:]
+  records = read_jsonl(workdir / "metrics.jsonl")
+  assert [r["step"] for r in records] == list(range(1, steps + 1))
+  assert [r["routing_recorded"] for r in records] == [1.0] * steps  # not one token routed afresh
+  assert all(r["loss/router_aux"] > 0 for r in records)
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["ledger"]["samples_trained"] == steps * 16

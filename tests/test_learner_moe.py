@@ -111,9 +111,10 @@ def test_rollout_routing_must_match_the_completion():
 
 @pytest.mark.parametrize("kv", ["dense", "paged"])
 def test_sampler_records_the_routing_and_replay_scores_it(kv):
-  """Every completion token's rollout carries the experts the sampler's decode step routed its input through: the
-  learner's own routing of the same tokens (same params), and with replay the train step's ratios are 1 (to the
-  float32 rounding between the decode path and the full forward, as for a dense model)."""
+  """Every completion token's rollout carries the experts the sampler's decode step routed its input through, and
+  every prompt input the experts its prefill routed it through: the learner's own routing of the same tokens (same
+  params), and with replay the train step's ratios are 1 (to the float32 rounding between the decode path and the
+  full forward, as for a dense model)."""
   cfg = CFG.replace(eos_token_ids=(1,))
   graphdef, abstract = abstract_params(cfg)
   params = random_params(abstract, 0, 0.08)
@@ -122,13 +123,14 @@ def test_sampler_records_the_routing_and_replay_scores_it(kv):
   rollouts = run_groups(Sampler(engine, params, seed=3), SamplingParams(), groups=B // 2, vocab_size=cfg.vocab_size,
                         seed=1, max_prompt=6, max_tokens=8)
   assert all(r.experts.shape == (len(r.completion_tokens), cfg.num_layers, cfg.num_experts_per_tok)
+             and r.prompt_experts.shape == (len(r.prompt_tokens) - 1, cfg.num_layers, cfg.num_experts_per_tok)
              for r in rollouts)
   batch = make_batch(rollouts, B, L)
   _, routing = nnx.merge(graphdef, params)(batch.tokens_BxL, batch.positions_BxL, batch.segment_ids_BxL,
                                            routing=True)
   recorded = np.asarray(batch.experts_BxLxNxK)
   at = recorded[..., 0, 0] >= 0
-  assert at.sum() == sum(len(r.completion_tokens) for r in rollouts)
+  assert at.sum() == sum(len(r.completion_tokens) + len(r.prompt_tokens) - 1 for r in rollouts)  # all but padding
   np.testing.assert_array_equal(recorded[at], np.asarray(routing.experts_BxTxNxK)[at])
   _, m = _train(_step_config(cfg, graphdef=graphdef), params, batch)
   np.testing.assert_allclose([m["ratio_max"], m["ratio_min"]], 1.0, rtol=0, atol=2e-6)

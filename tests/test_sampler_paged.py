@@ -74,6 +74,40 @@ def test_out_of_pages_preempts_and_keeps_every_sample(model, engines):
   assert sampler.cache.pages.num_free == small.num_pages
 
 
+@pytest.mark.parametrize("which", ["dense", "small"])
+def test_cancel_ends_a_group_and_frees_its_slots_and_pages_for_the_others(model, engines, which):
+  """Cancelling group 1 once one of its samples has drawn tokens returns each of its samples not finished yet
+  once, as it is (finish_reason "cancelled": what it drew so far, none if it was never placed); no sample of it comes
+  out after that, the other groups' samples come out token for token as without the cancel, and every page is free
+  at the end."""
+  _, params, _ = model
+  engine = dict(zip(("dense", "paged", "small"), engines, strict=True))[which]
+  want, _ = _run(engine, params, seed=2)
+  sampler = Sampler(engine, params, seed=0, eos_token_ids=())
+  _groups(sampler, 2)
+  out = []
+  while not any(s is not None and s.group.request.group_id == 1 and s.tokens for s in sampler._slots):
+    out += sampler.step()  # until a sample of group 1 has drawn tokens (dense: 2 steps; the small pool: more)
+  cancelled = sampler.cancel(1)
+  assert sampler.cancel(1) == []
+  done = {(r.group_id, r.sample_index) for r in out}
+  assert sorted((r.group_id, r.sample_index) for r in cancelled) == [(1, i) for i in range(3) if (1, i) not in done]
+  assert {r.finish_reason for r in cancelled} == {"cancelled"} and sampler.stats.cancelled == len(cancelled)
+  assert any(len(r.completion_tokens) for r in cancelled) and any(not len(r.completion_tokens) for r in cancelled)
+  for r in cancelled:  # cut short: a prefix of what it would have drawn
+    full = want[(1, r.sample_index)].completion_tokens
+    assert len(r.completion_tokens) < len(full)
+    np.testing.assert_array_equal(r.completion_tokens, full[: len(r.completion_tokens)])
+  rest = _drain(sampler)
+  assert not any(g == 1 for g, _ in rest)
+  got = {(r.group_id, r.sample_index): r for r in out} | rest
+  assert sorted(got) == sorted(k for k in want if k[0] != 1 or k in done)
+  for k, r in got.items():
+    np.testing.assert_array_equal(r.completion_tokens, want[k].completion_tokens)
+  if which != "dense":
+    assert sampler.cache.pages.num_free == engine.num_pages
+
+
 def test_continuous_batching_with_shared_prompts_equals_one_at_a_time(model, engines):
   graphdef, params, _ = model
   _, _, small = engines  # a small pool: samples it preempts must resume the same greedy sequence

@@ -113,3 +113,25 @@ def test_presets_have_sources():
 def test_bad_input_raises(bad):
   with pytest.raises(ValueError):
     bad()
+
+
+def test_pulled_weights_are_staged_once_and_taken_by_each_engine():
+  c = costs.Costs(decode=costs.DecodeCurve(0.01, 0.0, 0.0), devices_per_engine=1, max_batch=4, prefill_s_per_token=0.0,
+                  train_tokens_per_s_per_device=1.0, weight_bytes=1e9, link_bandwidth=1e9, sync_overhead_s=0.5)
+  assert c.update_times(1, 4) == (4.5, 4.5)  # pushed: a copy per engine (4 GB at 1 GB/s), each engine waits for it
+  pulled = c.replace(pull_bandwidth=2.5e8)
+  assert pulled.update_times(1, 4) == (1.5, 4.0)  # one staged copy; each engine's take is bytes / pull_bandwidth
+  with pytest.raises(ValueError, match=r"pull_bandwidth must be >= 0 \(got -1.0\)"):
+    c.replace(pull_bandwidth=-1.0)
+
+
+def test_slowed_stretches_the_sampler_and_the_learner_apart():
+  c = costs.Costs(decode=costs.DecodeCurve(0.01, 1e-6, 1e-4, overhead_s=0.002), devices_per_engine=1, max_batch=4,
+                  prefill_s_per_token=1e-3, train_tokens_per_s_per_device=100.0, weight_bytes=1.0, link_bandwidth=1.0,
+                  train_overhead_s=0.5, rebuild_s_per_token=1e-3, train_scaling=((1, 100.0), (4, 50.0)))
+  assert c.slowed() == c
+  s = c.slowed(decode_x=2.0, train_x=3.0)
+  assert s.decode.step_time(3, 30) == pytest.approx(2 * c.decode.step_time(3, 30), rel=1e-12)
+  assert (s.prefill_s_per_token, s.rebuild_s_per_token) == (2e-3, 2e-3)
+  for devices in (1, 2, 4):
+    assert s.train_time(1000, devices) == pytest.approx(3 * c.train_time(1000, devices), rel=1e-12)

@@ -1,6 +1,7 @@
 """Planner: the mission configuration's optimum split and speedup, predict(), dropped configs, CLI."""
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -223,3 +224,18 @@ def test_the_reasoning_workload_on_h100s_is_generation_bound_and_the_plan_says_p
   assert p.sync[16].learner_idle_frac > 0.9  # generation-bound: the learner waits
   with pytest.raises(ValueError, match="unknown argument 'x'"):
     load_config("plan_reasoning", "x")
+
+
+def test_a_plan_configs_pass_fraction_reaches_every_simulation():
+  c = load_config("plan_reasoning", "batch16")
+  base = build(c)
+  with c.unlocked():
+    c.pass_fraction = 0.5
+  b = build(c)
+  assert (base["workload"].pass_fraction, b["workload"].pass_fraction) == (1.0, 0.5)
+  p, q = run_plan(base), run_plan(b)
+  for plain, filtered in ((p.sync[16], q.sync[16]), (p.best_result(), q.best_result())):
+    assert plain.filtered_groups == 0
+    kept = filtered.trained.sum() // 8 + filtered.surplus_groups  # trained, or over-asked beyond a step's places
+    settled = kept + filtered.filtered_groups
+    assert abs(kept / settled - 0.5) < 3 * math.sqrt(0.25 / settled)  # random draws: half, within 3 deviations

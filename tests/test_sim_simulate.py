@@ -156,6 +156,11 @@ def test_timeline_accounts_busy_time():
     (dict(batch_size=30, group_size=4), "not a multiple of group_size"),
     (dict(max_staleness=-1), "max_staleness"),
     (dict(lengths=[10, 20]), "LengthDist"),
+    (dict(pass_fraction=0.0), r"pass_fraction must be in \(0, 1\]"),
+    (dict(pass_fraction=1.5), r"pass_fraction must be in \(0, 1\]"),
+    (dict(pass_fraction=0.5, admission="budget"), "pass_fraction < 1 needs admission='deadline'"),
+    (dict(filter_draws="lucky"), "filter_draws must be 'random' or 'even'"),
+    (dict(stretch=(1.0, 0.5)), r"stretch must hold factors >= 1"),
 ])
 def test_bad_runspec(kw, match):
   base = dict(sampler_devices=2, learner_devices=2, batch_size=8, group_size=4, max_staleness=1,
@@ -170,3 +175,59 @@ def test_sampler_too_small_for_an_engine():
   spec = RunSpec(2, 2, 8, 4, 1, L.LogNormal(10.0, 0.5, 50))
   with pytest.raises(ValueError, match="hold no engine of 4 devices"):
     simulate_pipeline(costs, spec)
+
+
+# ---- dynamic sampling, shared devices, weight pulls ---------------------------------------------------------------
+def one_engine_run(**kw):
+  """A sampler-bound run with a closed form: 1 engine of 4 slots, groups of 4 samples of 10 tokens at 10 ms a decode
+  step (0.1 s a group), 2 groups a step (0.2 s), a learner that costs nothing."""
+  costs = make_costs(C.DecodeCurve(weights_s=0.01, kv_s_per_token=0.0, compute_s_per_seq=0.0), max_batch=4)
+  spec = RunSpec(1, 1, 8, 4, 1, L.Empirical([10]), prompt_len=1, steps=8, **kw)
+  return simulate_pipeline(costs, spec)
+
+
+def test_a_pass_fraction_of_one_half_doubles_the_generated_groups_and_the_step():
+  r = one_engine_run(pass_fraction=0.5, filter_draws="even")
+  trained_groups = r.trained.sum() // 4
+  assert r.filtered_groups == trained_groups == 20 and r.surplus_groups == 0
+  assert r.step_time_s == pytest.approx(0.4, rel=1e-9)  # twice the 0.2 s of the unfiltered run
+  assert one_engine_run().step_time_s == pytest.approx(0.2, rel=1e-9)
+  assert one_engine_run(pass_fraction=0.25, filter_draws="even").step_time_s == pytest.approx(0.8, rel=1e-9)
+
+
+def test_no_filter_leaves_the_run_as_it_was():
+  base = one_engine_run()
+  for draws in ("random", "even"):
+    r = one_engine_run(pass_fraction=1.0, filter_draws=draws)
+    np.testing.assert_array_equal(r.step_end_s, base.step_end_s)
+    assert r.filtered_groups == r.surplus_groups == 0
+
+
+def test_random_filter_draws_keep_about_the_pass_fraction_and_depend_on_the_seed_alone():
+  costs = make_costs(C.DecodeCurve(weights_s=0.01, kv_s_per_token=0.0, compute_s_per_seq=0.0), max_batch=8)
+  spec = RunSpec(2, 1, 8, 4, 1, L.LogNormal(20.0, 0.5, 80), prompt_len=1, steps=200, pass_fraction=0.3, seed=5)
+  a, b = simulate_pipeline(costs, spec), simulate_pipeline(costs, spec)
+  np.testing.assert_array_equal(a.step_end_s, b.step_end_s)
+  kept = a.trained.sum() // 4 + a.surplus_groups
+  settled = kept + a.filtered_groups
+  assert abs(kept / settled - 0.3) < 3 * math.sqrt(0.3 * 0.7 / settled)  # within 3 standard deviations
+  # the lengths are drawn from their own stream: the filter does not change which lengths the groups get
+  unfiltered = simulate_pipeline(costs, spec.replace(pass_fraction=1.0))
+  np.testing.assert_array_equal(a.samples["length"][:32], unfiltered.samples["length"][:32])  # groups 0-7
+
+
+def test_stretch_slows_its_own_process():
+  assert one_engine_run(stretch=(1.0, 2.0)).step_time_s == pytest.approx(0.4, rel=1e-9)  # the engine at half rate
+  assert one_engine_run(stretch=(3.0, 1.0)).step_time_s == pytest.approx(0.2, rel=1e-9)  # a free learner, 3x
+  with pytest.raises(ValueError, match="stretch has 3 factors for the learner and 1 engines"):
+    one_engine_run(stretch=(1.0, 1.0, 1.0))
+
+
+def test_pulled_weights_stall_each_engine_for_its_take_and_the_learner_for_one_publish():
+  curve = C.DecodeCurve(weights_s=0.01, kv_s_per_token=0.0, compute_s_per_seq=0.0)
+  costs = C.Costs(decode=curve, devices_per_engine=1, max_batch=4, prefill_s_per_token=0.0,
+                  train_tokens_per_s_per_device=1e30, weight_bytes=1e6, link_bandwidth=1e8, pull_bandwidth=2e7)
+  r = simulate_pipeline(costs, RunSpec(2, 1, 8, 4, 1, L.Empirical([10]), prompt_len=1, steps=4))
+  assert r.sync_s == pytest.approx(0.01)  # one staged copy at link_bandwidth, not one per engine
+  takes = {round(e - s, 12) for lane, kind, s, e in r.timeline if kind == "sync" and lane != "learner"}
+  assert takes == {0.05}  # each engine pulls 1 MB at 20 MB/s

@@ -2,6 +2,7 @@
 times of a recorded bench/pipeline.py session within 15%; and the modelling pieces that comparison rests on (replayed
 lengths, fixed-shape learner steps, whole engine calls, contention, the KV recompute of in-flight updates)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -138,15 +139,19 @@ def test_contention_and_update_cost_slow_only_the_pipeline():
 
 def test_calibration_json_keeps_contention_and_update_cost_and_reads_old_files(tmp_path):
   cal = fit_calibration(_measurements(decode_contention=3.0, train_contention=1.25, update_s=0.02))
+  cal = dataclasses.replace(cal, pull_bandwidth=3e8)
   cal.save(tmp_path / "cal.json")
   back = Calibration.load(tmp_path / "cal.json")
   assert (back.decode_contention, back.train_contention, back.update_s) == (3.0, 1.25, 0.02)
+  assert back.pull_bandwidth == back.costs().pull_bandwidth == 3e8
   assert back.measurements == cal.measurements
   old = cal.to_json()
+  del old["pull_bandwidth"]
   for key in ("decode_contention", "train_contention", "update_s"):
     del old[key], old["measurements"][key]
   legacy = Calibration.from_json(json.loads(json.dumps(old)))
-  assert (legacy.decode_contention, legacy.train_contention, legacy.update_s) == (1.0, 1.0, 0.0)
+  assert (legacy.decode_contention, legacy.train_contention, legacy.update_s, legacy.pull_bandwidth) == (1.0, 1.0,
+                                                                                                       0.0, 0.0)
 
 
 @pytest.mark.parametrize("field,value,message", [

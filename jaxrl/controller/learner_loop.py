@@ -161,6 +161,8 @@ class LearnerLoop:
     self.ledger.zero_advantage_groups += sum(map(scored_alike, groups))
     metrics.update(sample_metrics(samples, step), applied=applied,
                    train_tokens=float(batch.tokens_BxL.size))  # what the step computed over (padding included)
+    if self.spec.routing is not None:
+      metrics["routing_recorded"] = routing_recorded(samples)
     return metrics
 
   def _after_step(self, metrics: dict[str, Any], step_time: float) -> None:
@@ -240,3 +242,18 @@ def sample_metrics(samples: list[Rollout], step: int) -> dict[str, float]:
   if accuracy:
     out["accuracy"] = float(np.mean(accuracy))
   return out
+
+
+def routing_recorded(samples: list[Rollout]) -> float:
+  """A mixture-of-experts run: the fraction of the inputs the learner replays the routing of (the prompt's, the
+  model's tokens') that the sampler recorded; an unrecorded one is routed afresh by the learner, silently off the
+  sampler's routing. An environment's observation tokens are not counted (never recorded)."""
+  recorded = total = 0
+  for r in samples:
+    mask = r.model_mask
+    total += int(mask.sum()) + len(r.prompt_tokens) - 1
+    if r.experts is not None:
+      recorded += int((np.asarray(r.experts) >= 0).any(axis=(1, 2))[mask].sum())
+    if r.prompt_experts is not None:
+      recorded += int((np.asarray(r.prompt_experts) >= 0).any(axis=(1, 2)).sum())
+  return recorded / max(total, 1)

@@ -43,6 +43,7 @@ class SamplerLoop:
     # groups scored (here, and by the run before its resume) and of those not trainable: over_ask's rate
     self.finished_groups = self.rejected_groups = 0
     self.pass_rate: PassRateTable | None = None  # task.pass_rate_filter: made when the loop starts
+    self._cancelled: set[int] = set()  # surplus groups ended early (Sampler.cancel), not yet complete here
 
   @property
   def ledger(self):
@@ -77,6 +78,7 @@ class SamplerLoop:
         if share is None:
           break
         self._outbox += share
+        self._finish(self._complete_groups(self._cancel_doomed()))
       self._outbox += self._surplus()
       self.busy += time.perf_counter() - t0
       if not (self._outbox or self.sampler.num_active or self.sampler.num_waiting):
@@ -87,10 +89,29 @@ class SamplerLoop:
         self.rollouts.put_all(self._outbox)  # blocks when the learner is behind (back-pressure)
         self.busy += self.rollouts.send_s - sent  # sending is the loop's work (a packet's encoding and copy-out)
 
+  def _cancel_doomed(self) -> list[Rollout]:
+    """Ends the groups that a share just left past their deadline while they still generate (surplus once they
+    finish, never trained): their slots and pages go to groups a step can still train. The cut samples finish the
+    groups here, unscored; they reach the learner as surplus, counted."""
+    out = []
+    if not self.spec.rl.cancel_surplus:
+      return out
+    for gid in sorted(self.book.doomed - self._cancelled):
+      ended = self.sampler.cancel(gid)
+      if ended:
+        self._cancelled.add(gid)
+        out += ended
+    return out
+
   def _finish(self, groups: list[list[Rollout]]) -> None:
     """Finished, scored groups into the book, or (not trainable) on their own to the learner, which drops and counts
-    them; with rl.filter_groups, the rate of the latter sets how far admission over-asks."""
+    them; with rl.filter_groups, the rate of the latter sets how far admission over-asks. A cancelled group is
+    surplus: it says nothing of the filter's rate nor of its prompt's pass rate (it was not scored)."""
     for g in groups:
+      if g[0].group_id in self._cancelled:
+        self._cancelled.remove(g[0].group_id)
+        self.book.finish(g)  # doomed: to the surplus
+        continue
       if self.pass_rate is not None:
         self.pass_rate.observe(g)
       if reject_reason(g, self.spec.rl.seq_len, self.spec.rl.filter_groups) is None:
@@ -146,11 +167,14 @@ class SamplerLoop:
     for r in rollouts:
       group = self.assembler.add(r)
       if group is not None:
-        self.score(group)
         groups.append(group)
+        # A cancelled group is surplus, never trained: not scored, and its cut lengths are not its lengths
+        cancelled = group[0].group_id in self._cancelled
+        if not cancelled:
+          self.score(group)
         if self.trace is not None:  # every generated group's lengths: jaxrl-profile --from-run fits them
-          self.trace({"event": "generated", "group": group[0].group_id, "version": self.sampler.version,
-                      "lengths": [s.num_model_tokens for s in group]})
+          self.trace({"event": "cancelled" if cancelled else "generated", "group": group[0].group_id,
+                      "version": self.sampler.version, "lengths": [s.num_model_tokens for s in group]})
     return groups
 
   def finished_held(self) -> list[list[Rollout]]:

@@ -134,7 +134,8 @@ class Outbox:
       with self._lock:
         seq, self._seq = self._seq, self._seq + 1
         self._pending[seq] = (jax.device_put(packet, self.device), len(packet))
-      self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet)})
+      self.log.append({"kind": "rollouts", "sampler": self.rank, "seq": seq, "rows": len(packet),
+                       "width": packet.shape[1]})  # a mixture-of-experts policy's packets carry its routing too
       del groups[: len(chunk)]
       self.send_s += time.perf_counter() - t0
 
@@ -457,7 +458,7 @@ class Ferry:
   def _copy_rollouts(self, entry: dict) -> None:
     rank = entry["sampler"]
     mine = not self.is_learner and rank == self.topology.sampler_rank
-    shape = (entry["rows"], packets.packet_width(self.max_len))
+    shape = (entry["rows"], entry["width"])
     copies = copy_packet(self.outbox.take(entry["seq"]) if mine else None, shape,
                          self.topology.sampler_devices[rank][0], self._learner_inputs)
     if self.is_learner:

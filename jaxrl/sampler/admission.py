@@ -64,7 +64,8 @@ class Admission:
     self.policy.place(slot, g, settings)
     self.count += 1
     start = r.meta.get("episode")
-    sample = Sample(g, g.placed, admitted=self.count, episode=start.driver.open(start) if start is not None else None)
+    sample = Sample(g, g.placed, admitted=self.count, episode=start.driver.open(start) if start is not None else None,
+                    prompt_experts=g.prefix.experts_PxNxK)
     g.placed += 1
     if g.placed == r.n:
       self.waiting.popleft()
@@ -82,6 +83,7 @@ class Admission:
     drawn, limit = sample.budget()
     settings = self.engine.slot_settings(g.keys[sample.index], r.sampling, limit, g.stop_ids)
     self.policy.insert(slot, prefix, settings, drawn)
+    sample.prompt_experts = prefix.experts_PxNxK  # the keys/values it reads from now on
     self.count += 1
     sample.admitted = self.count
     return sample

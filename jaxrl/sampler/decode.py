@@ -17,10 +17,16 @@ from jaxrl.sampler.sampling import sample
 
 
 def prefill(graphdef, cfg, params, tokens_P, length) -> Prefix:
+  """The prompt's keys/values; a mixture-of-experts model's routing of every prompt position too (the learner
+  replays it on the prompt's tokens, whose keys and values every completion token reads)."""
   bucket = tokens_P.shape[0]
   cache = init_cache(cfg, 1, bucket)
-  _, cache = forward_cached(graphdef, params, tokens_P[None], jnp.arange(bucket)[None], cache)
-  return Prefix(cache, tokens_P, length)
+  if not cfg.is_moe:
+    _, cache = forward_cached(graphdef, params, tokens_P[None], jnp.arange(bucket)[None], cache)
+    return Prefix(cache, tokens_P, length)
+  (_, cache), routing = forward_cached(graphdef, params, tokens_P[None], jnp.arange(bucket)[None], cache,
+                                       routing=True)
+  return Prefix(cache, tokens_P, length, experts_PxNxK=routing.experts_BxTxNxK[0].astype(jnp.int16))
 
 
 def fill_slot(state: DecodeState, cache, prefix: Prefix, slot, settings: SlotSettings, num_generated

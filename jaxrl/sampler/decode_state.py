@@ -40,6 +40,9 @@ class Prefix:
   tokens_P: jax.Array  # int32 [bucket], the prompt right-padded with 0
   length: jax.Array  # int32 scalar, the true prompt length
   version: int = flax.struct.field(pytree_node=False, default=0)
+  # int16 [bucket, N, k] of a mixture-of-experts model (None: dense): the experts each layer routed each prompt
+  # position through, as the prefill computed the keys/values the slot reads (Rollout.prompt_experts)
+  experts_PxNxK: jax.Array | None = None
 
 
 @flax.struct.dataclass

@@ -46,6 +46,7 @@ class SamplerStats:
   preemptions: int = 0  # paged: samples whose pages were taken back (and recomputed later)
   observed_tokens: int = 0  # multi-turn: observation tokens appended to slots
   finished: int = 0
+  cancelled: int = 0  # samples ended by cancel() (counted in finished too): their slots and pages freed early
   seconds: float = 0.0  # wall time inside step()
   live_rows: int = 0  # live slots summed over decode calls (rows / calls: a call's mean live batch)
   context_tokens: int = 0  # positions of the live slots at dispatch, summed over decode calls
@@ -239,6 +240,34 @@ class Sampler:
         finished.append(self._rollout(sample, reason))
         self._free(slot)
     return finished
+
+  def cancel(self, group_id: int) -> list[Rollout]:
+    """Ends group `group_id` now, freeing its slots, pages and waiting places (a group no learner step can train
+    any more: dynamic sampling's surplus); returns its samples that had not finished, as they are (finish_reason
+    "cancelled", none scored; never placed: no tokens). A multi-turn group is left to finish: its environments hold
+    state. [] when the sampler holds nothing of it."""
+    mine = lambda s: s is not None and s.group.request.group_id == group_id
+    waiting = [g for g in self.admission.waiting if g.request.group_id == group_id]
+    held = [s.group for s in (*self.admission.preempted, *self._slots) if mine(s)]
+    if any(g.request.meta.get("episode") is not None for g in waiting + held):
+      return []
+    ended: list[Sample] = []
+    for g in waiting:
+      self.admission.waiting.remove(g)
+      self.cache.release_group(g)
+      g.prefix = g.shared = None
+      ended += [Sample(g, i) for i in range(g.placed, g.request.n)]
+    for s in [s for s in self.admission.preempted if mine(s)]:
+      self.admission.preempted.remove(s)
+      ended.append(s)
+    for slot, s in enumerate(self._slots):
+      if mine(s):
+        self.cache.state = self.engine.release(self.cache.state, slot)  # results in flight for it are dropped
+        self._free(slot)
+        ended.append(s)
+    self.stats.cancelled += len(ended)
+    self.stats.finished += len(ended)
+    return [self._rollout(s, "cancelled") for s in ended]
 
   def _continue_episodes(self) -> list[Rollout]:
     """Continues every parked sample whose env answered (multi_turn.py); rollouts of the episodes that ended."""

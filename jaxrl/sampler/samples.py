@@ -51,6 +51,9 @@ class Sample:
   # A mixture-of-experts model's routing per completion token ([N, k] int16, Rollout.experts), None where none was
   # recorded (an environment's observation)
   experts: list = dataclasses.field(default_factory=list)
+  # ... and of its prompt: the prefill's int16 [bucket, N, k] (Prefix.experts_PxNxK) that wrote the keys/values the
+  # sample read (a preempted sample's: the prefill that resumed it), read back when the sample ends
+  prompt_experts: Any = None
   admitted: int = 0  # admission order (paged: the most recent live sample is preempted first)
   episode: Any = None  # jaxrl.envs.episodes.Episode of a multi-turn sample
   turn: int = 0  # model turns started: results of a call dispatched in an earlier turn are stale
@@ -92,9 +95,11 @@ def to_rollout(sample: Sample, reason: str) -> Rollout:
   if sample.episode is not None:
     meta["episode"], loss_mask = sample.episode.outcome, sample.episode.loss_mask(len(sample.tokens))
   routed = [e for e in sample.experts if e is not None]
-  experts = None
+  experts = prompt_experts = None
   if routed:  # -1: no record, routed afresh by the learner
     experts = np.stack([np.full_like(routed[0], -1) if e is None else e for e in sample.experts])
+  if sample.prompt_experts is not None:  # the inputs before the last prompt token (its routing is experts[0])
+    prompt_experts = np.asarray(sample.prompt_experts)[: len(sample.group.prompt) - 1]
   return Rollout(
       prompt_tokens=sample.group.prompt,
       completion_tokens=np.asarray(sample.tokens, np.int32),
@@ -107,4 +112,5 @@ def to_rollout(sample: Sample, reason: str) -> Rollout:
       meta=meta,
       loss_mask=loss_mask,
       experts=experts,
+      prompt_experts=prompt_experts,
   )

@@ -82,7 +82,8 @@ class SlotEngine:
     self._state_shardings = self.decode_state_shardings()
     self._result_shardings = ResultTokens(*(self._named("batch", None),) * 3, self._named("batch"), self._named(),
                                           self._named("batch", None, None, None) if cfg.is_moe else None)
-    prefix_shardings = Prefix(self.kv_shardings(batch_axis=None), self._named(None), self._named())
+    prefix_shardings = Prefix(self.kv_shardings(batch_axis=None), self._named(None), self._named(),
+                              experts_PxNxK=self._named(None, None, None) if cfg.is_moe else None)
     # Each engine jits its own function objects: jit keeps one cache per function, so compile_count() counts this
     # engine's programs only (not those of other engines over the same module-level function).
     # Under the mesh: a MoE model's experts run in shard_map over its expert axis (jaxrl/models/moe.py)
@@ -158,6 +159,8 @@ class SlotEngine:
     padded = np.zeros(self.bucket(true_length), np.int32)
     padded[:true_length] = tokens[:true_length]
     prefix = self._prefill(params.params, padded, np.int32(true_length))
+    if prefix.experts_PxNxK is not None:  # read back when the sample ends: started now, off the decode's path
+      prefix.experts_PxNxK.copy_to_host_async()
     return prefix.replace(version=params.version)
 
   def slot_settings(self, key, sampling, max_new: int, stop_ids=()) -> SlotSettings:

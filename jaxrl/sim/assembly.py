@@ -6,16 +6,17 @@ whenever the learner has asked for one more than it was handed; the learner asks
 it has taken step s's (jaxrl.controller.learner_loop), and trains a step once every sampler's share is in. The
 simulator's engines are the samplers' (engine i belongs to sampler i % samplers) and groups are plain ids.
 
-What the simulator does not model, and so never calls: skipped updates (the book's `skipped`), the adaptive
-admission bound (`admit_k`), and rejected groups (reject_reason: a simulated reward never fails, no sample
-outgrows its row).
+Dynamic sampling: a group the filter drops gives its place back (`settle`), and the book over-asks by the kept
+fraction so far, as the sampler loop's _finish does. What the simulator does not model, and so never calls:
+skipped updates (the book's `skipped`), the adaptive admission bound (`admit_k`), and the other rejections
+(reject_reason: a simulated reward never fails, no sample outgrows its row).
 """
 
 from __future__ import annotations
 
 import collections
 
-from jaxrl.controller.assembly import DeadlineBook
+from jaxrl.controller.assembly import DeadlineBook, over_ask
 
 
 class Assembly:
@@ -32,6 +33,7 @@ class Assembly:
     self.steps = steps
     self.asked = 1  # shares asked of every sampler: the first step's at the start
     self.shares: list[collections.deque[list[int]]] = [collections.deque() for _ in range(samplers)]
+    self.scored = [[0, 0] for _ in range(samplers)]  # (rejected, finished) groups of each sampler: its over_ask
 
   def room(self, rank: int, version: int) -> int:
     return self.books[rank].room(version)
@@ -41,6 +43,24 @@ class Assembly:
 
   def finish(self, rank: int, group: int) -> None:
     self.books[rank].finish(group)
+
+  def settle(self, rank: int, group: int, kept: bool) -> None:
+    """A complete group: into the book if the filter kept it, else its place given back; then the over-ask."""
+    book, scored = self.books[rank], self.scored[rank]
+    if kept:
+      self.finish(rank, group)
+    else:
+      book.discard(group)
+      scored[0] += 1
+    scored[1] += 1
+    book.over_ask = over_ask(*scored)
+
+  def take_surplus(self) -> int:
+    """Groups the books left out past their deadline since the last call (over-asked beyond their step's places)."""
+    n = sum(len(b.surplus) for b in self.books)
+    for b in self.books:
+      b.surplus.clear()
+    return n
 
   def assemble(self) -> None:
     """Every sampler takes the shares asked of it that it can form now (the end of a sampler-loop iteration)."""

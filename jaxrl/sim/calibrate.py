@@ -9,7 +9,8 @@ JSON format (`Calibration.save` / `Calibration.load`), format tag "jaxrl.sim.cal
   {"format": ..., "devices_per_engine": int, "max_batch": int,
    "decode": {"overhead_s", "weights_s", "kv_s_per_token", "compute_s_per_seq", "knee_sharpness" (null: inf)},
    "prefill_s_per_token", "train_tokens_per_s_per_device", "weight_bytes", "link_bandwidth",
-   "decode_contention", "train_contention" (1.0 when absent), "update_s", "train_overhead_s" (0.0 when absent),
+   "decode_contention", "train_contention" (1.0 when absent), "update_s", "train_overhead_s", "pull_bandwidth"
+   (0.0 when absent),
    "fit": {"n", "rms_rel_error", "max_rel_error", "batch_range", "context_range"},
    "measurements": {"decode": [[batch, context, seconds], ...], "train_tokens_per_s_per_device": ...}}
 """
@@ -88,12 +89,13 @@ class Calibration:
   train_contention: float = 1.0
   update_s: float = 0.0
   train_overhead_s: float = 0.0  # see Measurements
+  pull_bandwidth: float = 0.0  # Costs.pull_bandwidth: samplers pull each version (the weight service); 0: pushed
 
   def costs(self, **overrides) -> Costs:
     kw = dict(decode=self.decode, devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
               prefill_s_per_token=self.prefill_s_per_token, train_overhead_s=self.train_overhead_s,
               train_tokens_per_s_per_device=self.train_tokens_per_s_per_device, weight_bytes=self.weight_bytes,
-              link_bandwidth=self.link_bandwidth)
+              link_bandwidth=self.link_bandwidth, pull_bandwidth=self.pull_bandwidth)
     kw.update(overrides)
     return Costs(**kw)
 
@@ -105,7 +107,7 @@ class Calibration:
                train_tokens_per_s_per_device=self.train_tokens_per_s_per_device, weight_bytes=self.weight_bytes,
                link_bandwidth=self.link_bandwidth, decode_contention=self.decode_contention,
                train_contention=self.train_contention, update_s=self.update_s,
-               train_overhead_s=self.train_overhead_s, fit=self.fit)
+               train_overhead_s=self.train_overhead_s, pull_bandwidth=self.pull_bandwidth, fit=self.fit)
     if self.measurements is not None:
       m = dataclasses.asdict(self.measurements)
       m["decode"] = [list(r) for r in self.measurements.decode]
@@ -129,7 +131,8 @@ class Calibration:
                train_tokens_per_s_per_device=d["train_tokens_per_s_per_device"], weight_bytes=d["weight_bytes"],
                link_bandwidth=d["link_bandwidth"], fit=d["fit"], measurements=m,
                decode_contention=d.get("decode_contention", 1.0), train_contention=d.get("train_contention", 1.0),
-               update_s=d.get("update_s", 0.0), train_overhead_s=d.get("train_overhead_s", 0.0))
+               update_s=d.get("update_s", 0.0), train_overhead_s=d.get("train_overhead_s", 0.0),
+               pull_bandwidth=d.get("pull_bandwidth", 0.0))
 
   def save(self, path: str):
     with open(path, "w") as f:

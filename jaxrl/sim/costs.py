@@ -259,6 +259,10 @@ class Costs:
   extra_forward_passes: int = 0
   kv: str = "dense"  # KV cache layout: what an in-flight update recomputes (see rebuild_time)
   rebuild_s_per_token: float = 0.0  # in-flight update: recompute per KV position (a chunked prefill); 0: free
+  # Weight service (independent sampler programs, issue 43): the learner stages each version once and every engine
+  # pulls it, taking weight_bytes / pull_bandwidth seconds (the pull and its checksum: the weight_pull bench's
+  # take); 0: the learner pushes a copy to every engine (one job), at link_bandwidth.
+  pull_bandwidth: float = 0.0
 
   def __post_init__(self):
     _check_positive("Costs", devices_per_engine=self.devices_per_engine, max_batch=self.max_batch,
@@ -266,7 +270,8 @@ class Costs:
                     weight_bytes=self.weight_bytes, link_bandwidth=self.link_bandwidth)
     _check_nonnegative("Costs", prefill_s_per_token=self.prefill_s_per_token,
                        train_overhead_s=self.train_overhead_s, sync_overhead_s=self.sync_overhead_s,
-                       extra_forward_passes=self.extra_forward_passes, rebuild_s_per_token=self.rebuild_s_per_token)
+                       extra_forward_passes=self.extra_forward_passes, rebuild_s_per_token=self.rebuild_s_per_token,
+                       pull_bandwidth=self.pull_bandwidth)
     for field in ("train_scaling", "sync_train_scaling"):
       points = getattr(self, field)
       if any(len(p) != 2 or not p[0] >= 1 or not p[1] > 0 for p in points):
@@ -299,10 +304,29 @@ class Costs:
     return self.rebuild_s_per_token * positions
 
   def sync_time(self, sender_devices: int, receiver_devices: int) -> float:
-    """One weight publish: every engine of the receivers gets a full copy."""
-    engines = receiver_devices // self.devices_per_engine
+    """One weight publish: every engine of the receivers gets a full copy (one staged copy where they pull it)."""
+    engines = 1 if self.pull_bandwidth else receiver_devices // self.devices_per_engine
     return self.sync_overhead_s + transfer_time(self.weight_bytes, self.link_bandwidth, sender_devices,
                                                 receiver_devices, copies=max(engines, 1))
+
+  def update_times(self, sender_devices: int, receiver_devices: int) -> tuple[float, float]:
+    """(the learner's seconds per publish, an engine's pause for it): pushed, both are the publish; pulled, the
+    learner stages one copy and each engine pays its own take."""
+    publish_s = self.sync_time(sender_devices, receiver_devices)
+    return publish_s, self.weight_bytes / self.pull_bandwidth if self.pull_bandwidth else publish_s
+
+  def slowed(self, decode_x: float = 1.0, train_x: float = 1.0) -> Costs:
+    """These costs with the engines' decode, prefill and KV recompute stretched by decode_x and the learner's train
+    steps by train_x (contention, shared devices)."""
+    d = self.decode
+    decode = dataclasses.replace(d, weights_s=d.weights_s * decode_x, kv_s_per_token=d.kv_s_per_token * decode_x,
+                                 compute_s_per_seq=d.compute_s_per_seq * decode_x, overhead_s=d.overhead_s * decode_x)
+    return self.replace(decode=decode, prefill_s_per_token=self.prefill_s_per_token * decode_x,
+                        train_tokens_per_s_per_device=self.train_tokens_per_s_per_device / train_x,
+                        train_overhead_s=self.train_overhead_s * train_x,
+                        train_scaling=tuple((n, tps / train_x) for n, tps in self.train_scaling),
+                        sync_train_scaling=tuple((n, tps / train_x) for n, tps in self.sync_train_scaling),
+                        rebuild_s_per_token=self.rebuild_s_per_token * decode_x)
 
 
 def roofline_costs(model: ModelSpec, hw: Hardware, *, devices_per_engine: int, slot_tokens: int,

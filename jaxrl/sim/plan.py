@@ -57,7 +57,8 @@ def build(config) -> dict:
                      group_size=config.group_size, max_staleness=config.ks[0], lengths=lengths,
                      prompt_len=config.prompt_len, steps=config.steps, seed=config.seed,
                      queue_groups=config.queue_groups, admission=config.admission,
-                     admission_budget=config.admission_budget, partial_rollouts=config.partial_rollouts)
+                     admission_budget=config.admission_budget, partial_rollouts=config.partial_rollouts,
+                     pass_fraction=config.pass_fraction)
   return dict(model=model, hardware=hw, costs=costs, workload=workload, pool=config.pool,
               staleness_bound=config.staleness_bound, batch_sizes=tuple(config.batch_sizes), ks=tuple(config.ks),
               splits=tuple(config.splits),

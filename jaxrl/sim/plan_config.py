@@ -44,6 +44,7 @@ def base() -> ml_collections.ConfigDict:
   c.admission_budget = 0.0  # with "budget": steps of groups admitted ahead of the learner (fractional allowed)
   c.partial_rollouts = True  # live samples continue on new weights; False: engines drain before each update
   c.queue_groups = 0  # finished groups the rollout queue holds (0: bounded by admission only)
+  c.pass_fraction = 1.0  # dynamic sampling: the finished groups the filter keeps (runlog.pass_fraction); 1: no filter
   c.staleness_bound = 1  # configurations with k above this are dropped
   c.splits = ()  # sampler device counts to sweep; empty: every whole-engine split
   c.steps = 6  # learner steps measured per simulation (after max_staleness + 1 warmup steps)

@@ -20,6 +20,8 @@ from jaxrl.learner.packing import packed_rows, row_buckets
 from jaxrl.sim.calibrate import Calibration
 from jaxrl.sim.costs import Costs
 from jaxrl.sim.lengths import Empirical, LengthDist
+from jaxrl.sim.placement import Placement
+from jaxrl.sim.sampler_timeline import busy_in
 from jaxrl.sim.simulate import RunSpec, SimResult, simulate_pipeline, simulate_sync
 
 
@@ -208,6 +210,13 @@ class RunDescription:
   # one (Sampler(overlap=True), its default), so a finished slot idles one call before it is refilled: 1 for its
   # runs (at the headline's median of 12 tokens and 8 steps per call that is 30% more slot time than the tokens).
   overlap_calls: int = 0
+  # Dynamic sampling (rl.filter_groups): the fraction of finished groups the filter keeps (a run log's ledger:
+  # runlog.pass_fraction); the samplers generate 1 / pass_fraction of the trained groups. 1: no filter.
+  pass_fraction: float = 1.0
+  filter_draws: str = "random"  # RunSpec.filter_draws: "random" (the filter's yield varies) | "even" (its mean alone)
+  # Which devices the learner and the pipeline's engines compute on, where they share some (jaxrl.sim.placement);
+  # None: every engine and the learner on devices of their own. The synchronous baselines keep their own devices.
+  placement: Placement | None = None
 
 
 @dataclasses.dataclass
@@ -221,6 +230,7 @@ class Prediction:
   pipeline: SimResult
   decode_slowdown: float = 1.0  # contention charged to the pipeline's decode steps (1: none)
   train_slowdown: float = 1.0  # ... and to its train steps
+  stretch: tuple[float, ...] = ()  # under a placement: each process's time stretch (learner, engine 0, ...)
 
 
 def _packed_tokens(run: RunDescription):
@@ -240,15 +250,6 @@ def _packed_tokens(run: RunDescription):
   return tokens
 
 
-def _slowed(costs: Costs, decode_x: float, train_x: float) -> Costs:
-  d = costs.decode
-  decode = dataclasses.replace(d, weights_s=d.weights_s * decode_x, kv_s_per_token=d.kv_s_per_token * decode_x,
-                               compute_s_per_seq=d.compute_s_per_seq * decode_x, overhead_s=d.overhead_s * decode_x)
-  return costs.replace(decode=decode, prefill_s_per_token=costs.prefill_s_per_token * decode_x,
-                       train_tokens_per_s_per_device=costs.train_tokens_per_s_per_device / train_x,
-                       train_overhead_s=costs.train_overhead_s * train_x)
-
-
 def _slowdown(contention: float, other_busy: float) -> float:
   """Time stretch of work that runs at rate 1 / contention while the other side is busy, else at rate 1."""
   return 1 / ((1 - other_busy) + other_busy / contention)
@@ -265,7 +266,7 @@ def _contended_pipeline(costs: Costs, spec: RunSpec, decode_c: float, train_c: f
   def run(decode_x):
     train_x = 1.0
     for _ in range(3 if train_c != 1.0 else 1):
-      pipe = simulate_pipeline(_slowed(costs, decode_x, train_x), spec)
+      pipe = simulate_pipeline(costs.slowed(decode_x, train_x), spec)
       train_x_next = _slowdown(train_c, 1 - pipe.sampler_idle_frac)
       if train_x_next == train_x:
         break
@@ -285,6 +286,36 @@ def _contended_pipeline(costs: Costs, spec: RunSpec, decode_c: float, train_c: f
   return pipe, decode_x, train_x
 
 
+def _busy(pipe: SimResult, host_s: float) -> np.ndarray:
+  """The fraction of the measured window each process (the learner, then each engine) wants its devices: its
+  simulated work, and the learner's host work beside it (host_s a step)."""
+  lo, hi = pipe.window_s
+  lanes = ["learner", *(f"engine {i}" for i in range(pipe.engines))]
+  spans = {lane: [] for lane in lanes}
+  for lane, kind, start, end in pipe.timeline:
+    spans[lane].append((kind, start, end))
+  busy = np.array([busy_in(spans[lane], lo, hi, ("decode", "train", "sync")) / (hi - lo) for lane in lanes])
+  busy[0] += host_s / pipe.step_time_s
+  return np.minimum(busy, 1.0)
+
+
+def _shared_pipeline(costs: Costs, spec: RunSpec, placement: Placement, decode_c: float, train_c: float,
+                     rounds: int = 40) -> tuple[SimResult, np.ndarray]:
+  """The pipeline at the fixed point of the placement's time-sharing (and the calibrated contention, as in
+  _contended_pipeline): (result, each process's stretch). A stretch slows its process, which frees its devices for
+  the others: the stretches are damped (the geometric mean of the last and the implied one) until they hold."""
+  stretch = np.ones(1 + len(placement.engines))
+  for i in range(rounds):
+    pipe = simulate_pipeline(costs, spec.replace(stretch=tuple(stretch)))
+    busy = _busy(pipe, placement.learner_host_s * stretch[0])
+    implied = 1 / placement.rates(busy)
+    implied[1:] *= _slowdown(decode_c, min(busy[0], 1 - pipe.learner_idle_frac))
+    implied[0] *= _slowdown(train_c, 1 - pipe.sampler_idle_frac)
+    if np.allclose(implied, stretch, rtol=1e-3) or i == rounds - 1:
+      return pipe, stretch
+    stretch = np.sqrt(stretch * implied)
+
+
 def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction:
   """Predicted sync and pipeline step times of a run from a calibration (or any Costs).
 
@@ -293,6 +324,8 @@ def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction
   field: the sampler runs at rate 1 while the learner idles and 1 / decode_contention while it trains, so over a
   step its decode steps take 1 / ((1 - f) + f / decode_contention) longer, f being the learner's busy fraction;
   likewise train steps with the sampler's busy fraction. Iterated from the uncontended run to a fixed point.
+  A placement that shares devices stretches each process by its share of them (jaxrl.sim.placement), found with the
+  contention at one fixed point (_shared_pipeline).
   """
   costs = calibration.costs() if isinstance(calibration, Calibration) else calibration
   contention, update_s = (1.0, 1.0), 0.0
@@ -317,14 +350,25 @@ def predict(calibration: Calibration | Costs, run: RunDescription) -> Prediction
                  batch_size=run.batch_size, group_size=run.group_size, max_staleness=run.max_staleness,
                  lengths=lengths, prompt_len=run.prompt_len, steps=run.steps, seed=run.seed,
                  queue_groups=run.queue_groups, train_tokens=_packed_tokens(run) if run.pack else None,
-                 slot_steps=slot_steps)
+                 slot_steps=slot_steps, pass_fraction=run.pass_fraction,
+                 filter_draws=run.filter_draws)
   pool = run.sampler_devices + run.learner_devices
   colocated = simulate_sync(padded(costs, pool), spec, colocated=True)
   costs = padded(costs, run.learner_devices)
   sync = simulate_sync(costs, spec, colocated=False)
   # Only the pipeline updates weights under live samples (sync updates between steps, with empty slots).
   pipe_costs = costs.replace(sync_overhead_s=costs.sync_overhead_s + update_s)
-  pipe, decode_x, train_x = _contended_pipeline(pipe_costs, spec, *contention)
+  stretch = ()
+  if run.placement is None:
+    pipe, decode_x, train_x = _contended_pipeline(pipe_costs, spec, *contention)
+  else:
+    engines = run.sampler_devices // costs.devices_per_engine
+    if len(run.placement.engines) != engines:
+      raise ValueError(f"the placement places {len(run.placement.engines)} engines; the run has {engines} "
+                       f"({run.sampler_devices} sampler devices, {costs.devices_per_engine} per engine)")
+    pipe, stretch = _shared_pipeline(pipe_costs, spec, run.placement, *contention)
+    decode_x, train_x, stretch = float(np.mean(stretch[1:])), float(stretch[0]), tuple(map(float, stretch))
   return Prediction(sync_step_s=sync.step_time_s, sync_colocated_step_s=colocated.step_time_s,
                     pipeline_step_s=pipe.step_time_s, speedup=sync.step_time_s / pipe.step_time_s, sync=sync,
-                    sync_colocated=colocated, pipeline=pipe, decode_slowdown=decode_x, train_slowdown=train_x)
+                    sync_colocated=colocated, pipeline=pipe, decode_slowdown=decode_x, train_slowdown=train_x,
+                    stretch=stretch)

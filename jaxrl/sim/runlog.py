@@ -11,8 +11,10 @@ Every learner step's record in workdir/metrics.jsonl carries (jaxrl.controller.l
 With log.trace, workdir/trace.jsonl also holds every generated group's completion lengths ("generated" events,
 jaxrl.controller.sampler_loop) and each train step's ("train" events): group_lengths reads the first, so that a
 natural-length run's own lengths are replayed.
-Between two records the deltas give one decode row (mean live batch, mean context, busy seconds less updates per
-decode step); the fit is calibrate.fit_decode's. Everything the sampler loop does per call is folded into the decode
+Between two records the deltas give one decode row (mean live batch, mean context, busy seconds less updates, and
+less the weight take where samplers pull each version inside their loop, per decode step); the fit is
+calibrate.fit_decode's. The ledger's cumulative counts (`samples_trained`, `samples_dropped`, `filtered_groups`) give
+the filter's pass fraction (dynamic sampling). Everything the sampler loop does per call is folded into the decode
 rows (prefill_s_per_token is 0). Sampler and learner of the headline run on disjoint cores or one after the other:
 no contention is charged.
 """
@@ -62,15 +64,34 @@ def idle_fractions(records: list[dict], warmup: int) -> dict[str, float]:
   return dict(sampler_idle=1 - sampler / wall, learner_idle=1 - sum(r["train_s"] for r in rs[1:]) / wall)
 
 
-def decode_rows(records: list[dict], warmup: int, steps_per_call: int) -> list[tuple[float, float, float]]:
-  """(mean live batch, mean context, seconds per decode step) between consecutive records with decode calls."""
-  rows = []
+def pass_fraction(records: list[dict], warmup: int, group_size: int) -> float:
+  """The fraction of the groups settled over the window (trained, or dropped with a reason) that the filter kept:
+  1 - filtered / settled, from the ledger's cumulative counts (1 where the run filters nothing)."""
+  rs = steady(records, warmup)
+  missing = [k for k in ("samples_trained", "samples_dropped", "filtered_groups") if k not in rs[-1]]
+  if missing:
+    raise ValueError(f"metrics.jsonl lacks the ledger's {missing}: the run predates them")
+  a, b = rs[0], rs[-1]
+  settled = (b["samples_trained"] - a["samples_trained"] + b["samples_dropped"] - a["samples_dropped"]) / group_size
+  if settled <= 0:
+    raise ValueError("no group was settled over the window: raise the steps after warm-up")
+  return 1.0 - (b["filtered_groups"] - a["filtered_groups"]) / settled
+
+
+def decode_rows(records: list[dict], warmup: int, steps_per_call: int,
+                take_s: float = 0.0) -> list[tuple[float, float, float]]:
+  """(mean live batch, mean context, seconds per decode step) between consecutive records with decode calls;
+  take_s: a weight take inside the loop's busy time (one version a step), charged apart as updates are. Sampler
+  stats reach the learner when the sampler sends: a record with no news leaves its step's take to the next row."""
+  rows, steps = [], 0
   rs = steady(records, warmup)
   for a, b in zip(rs[:-1], rs[1:], strict=True):
     calls, live = b[_CALLS] - a[_CALLS], b[_ROWS] - a[_ROWS]
+    steps += 1
     if calls >= 1 and live >= 1:
-      busy = b[_BUSY] - a[_BUSY] - (b[_UPDATE] - a[_UPDATE])  # updates are charged apart (update_s)
+      busy = b[_BUSY] - a[_BUSY] - (b[_UPDATE] - a[_UPDATE]) - take_s * steps  # charged apart (update_s, takes)
       rows.append((live / calls, (b[_CONTEXT] - a[_CONTEXT]) / live, busy / (calls * steps_per_call)))
+      steps = 0
   return rows
 
 
@@ -82,11 +103,14 @@ def handoff_s(records: list[dict], warmup: int) -> float:
 
 
 def measurements(records: list[dict], *, warmup: int, steps_per_call: int, max_batch: int, learner_devices: int,
-                 sampler_devices: int, weight_bytes: float, multi_process: bool = False) -> tuple[Measurements, dict]:
+                 sampler_devices: int, weight_bytes: float, multi_process: bool = False,
+                 take_s: float = 0.0) -> tuple[Measurements, dict]:
   """The Measurements a run's records imply, with the per-step figures they come from. multi_process: the run's
-  learner and sampler were separate processes; its hand-off (handoff_s) is charged as learner overhead."""
+  learner and sampler were separate processes; its hand-off (handoff_s) is charged as learner overhead. take_s:
+  seconds of the weight take per version inside the sampler loop (independent samplers pull each version; the
+  planner charges it apart, Costs.pull_bandwidth), left out of the decode rows."""
   rs = steady(records, warmup)
-  rows = decode_rows(records, warmup, steps_per_call)
+  rows = decode_rows(records, warmup, steps_per_call, take_s)
   if len(rows) < 3:
     raise ValueError(f"only {len(rows)} steps after warm-up saw decode calls: need 3 to fit the decode curve")
   # Means over the window, as the step time measured over it is: a load burst the run paid is a cost it paid.

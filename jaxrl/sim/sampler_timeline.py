@@ -22,7 +22,7 @@ class SamplerTimeline:
 
   def __init__(self, index: int, costs: Costs, prompt_len: int):
     d = costs.decode
-    self.index, self.max_batch, self.prompt_len = index, costs.max_batch, prompt_len
+    self.index, self.max_batch, self.prompt_len, self.costs = index, costs.max_batch, prompt_len, costs
     self.curve = d
     self.o, self.kv, self.c, self.p = d.overhead_s, d.kv_s_per_token, d.compute_s_per_seq, d.knee_sharpness
     self.prefill_s = costs.prefill_s_per_token * prompt_len

@@ -32,6 +32,17 @@ Two variants other frameworks use, selected in RunSpec:
   group in, so staleness is measured, not bounded.
 - partial_rollouts=False: an engine takes new weights only once its live samples have finished on the old ones,
   starting no new sample meanwhile (no sample spans two versions; the engine drains before each update).
+
+Dynamic sampling (rl.filter_groups): with pass_fraction p < 1 the filter keeps each finished group with probability p
+(filter_draws="random", a stream of its own: a real filter's yield varies from step to step, and under the staleness
+bound a short step waits) or exactly p of them spread evenly ("even": the n-th finished group is kept when
+floor((n + 1) p) > floor(n p)). A filtered group gives its place back and the sampler over-asks by the kept fraction
+so far, both through the controller's own book (DeadlineBook.discard, assembly.over_ask); groups over-asked past
+their deadline are surplus, as in a run.
+
+Shared devices: `stretch` stretches each process's work (the learner's train steps and publishes, each engine's
+decode, prefill and weight take) by a factor; the planner derives it from where the processes run
+(jaxrl.sim.placement).
 """
 
 from __future__ import annotations
@@ -73,6 +84,9 @@ class RunSpec:
   # Decode steps a sample holds its slot for, from its lengths (an engine that lets samples leave only between
   # calls of several steps holds them longer than their tokens); None: its length. Tokens trained stay its length.
   slot_steps: Callable[[np.ndarray], np.ndarray] | None = None
+  pass_fraction: float = 1.0  # finished groups the filter keeps (rl.filter_groups); 1: no filter
+  filter_draws: str = "random"  # "random" (each group kept with probability pass_fraction) | "even" (module doc)
+  stretch: tuple[float, ...] = ()  # seconds per second of work of (the learner, engine 0, engine 1, ...); (): all 1
 
   def __post_init__(self):
     for name in ("sampler_devices", "learner_devices", "batch_size", "group_size", "prompt_len", "steps", "samplers"):
@@ -100,6 +114,16 @@ class RunSpec:
     if self.admission == "deadline" and self.admission_budget:
       raise ValueError("RunSpec.admission_budget needs admission='budget' (the deadline rule admits by "
                        "max_staleness)")
+    if not 0 < self.pass_fraction <= 1:
+      raise ValueError(f"RunSpec.pass_fraction must be in (0, 1], the finished groups the filter keeps (got "
+                       f"{self.pass_fraction})")
+    if self.filter_draws not in ("random", "even"):
+      raise ValueError(f"RunSpec.filter_draws must be 'random' or 'even' (got {self.filter_draws!r})")
+    if self.pass_fraction < 1 and self.admission != "deadline":
+      raise ValueError("RunSpec.pass_fraction < 1 needs admission='deadline' (the book that gives a filtered "
+                       "group's place back)")
+    if any(not x >= 1 for x in self.stretch):
+      raise ValueError(f"RunSpec.stretch must hold factors >= 1 (got {self.stretch})")
 
   @property
   def groups_per_step(self) -> int:
@@ -142,7 +166,9 @@ class SimResult:
   decode_tokens: int  # tokens decoded by all engines over the whole run
   decode_busy_s: float  # engine-seconds spent decoding or prefilling over the whole run
   engines: int
-  sync_s: float  # one weight transfer
+  sync_s: float  # one weight publish (the learner's seconds)
+  filtered_groups: int = 0  # groups generated and filtered out (pass_fraction < 1)
+  surplus_groups: int = 0  # groups generated, kept by the filter, and left out past their deadline
 
   @property
   def trained(self) -> np.ndarray:
@@ -179,24 +205,33 @@ class SimResult:
 class _Sim:
   """State of one simulated run (kept inside `simulate`; everything outside is pure)."""
 
-  def __init__(self, costs: Costs, spec: RunSpec, engines: int, learner_devices: int, k: int, sync_s: float,
-               colocated: bool = False):
-    self.costs, self.spec, self.k, self.sync_s, self.colocated = costs, spec, k, sync_s, colocated
+  def __init__(self, costs: Costs, spec: RunSpec, engines: int, learner_devices: int, k: int,
+               update_s: tuple[float, float], colocated: bool = False):
+    self.costs, self.spec, self.k, self.colocated = costs, spec, k, colocated
     self.budget = spec.admission == "budget"
     self.learner_devices = learner_devices
     self.gb, self.g = spec.groups_per_step, spec.group_size
-    self.engines = [SamplerTimeline(i, costs, spec.prompt_len) for i in range(engines)]
+    if spec.stretch and len(spec.stretch) != 1 + engines:
+      raise ValueError(f"RunSpec.stretch has {len(spec.stretch)} factors for the learner and {engines} engines "
+                       f"(need {1 + engines})")
+    self.stretch = spec.stretch or (1.0,) * (1 + engines)
+    self.sync_s = update_s[0] * self.stretch[0]  # the learner's publish (Costs.update_times)
+    self.take_s = [update_s[1] * x for x in self.stretch[1:]]  # each engine's pause for it
+    self.engines = [SamplerTimeline(i, costs.slowed(decode_x=x) if x != 1 else costs, spec.prompt_len)
+                    for i, x in enumerate(self.stretch[1:])]
     self.rng = np.random.default_rng(spec.seed)
+    self.filter_rng = np.random.default_rng([spec.seed, 1])  # its own stream: the lengths drawn stay the same
     self.blocks: dict[int, np.ndarray] = {}
     if len(self.engines) % spec.samplers:
       raise ValueError(f"{len(self.engines)} engines cannot be shared by {spec.samplers} samplers")
-    # Deadline admission stops at the run's last step; the budget rule runs this many groups ahead at most.
+    # Deadline admission stops at the run's last step; the budget rule runs this many groups ahead at most. With a
+    # filter, admission goes on while filtered groups give their places back (the arrays grow).
     self.max_groups = (spec.total_steps + (spec.lookahead + 1 if self.budget else 0)) * self.gb
-    n = self.max_groups * self.g
-    self.s = {key: np.full(n, -1, np.int64) for key in ("length", "group", "engine", "start_version",
-                                                         "end_version", "step", "staleness")}
-    self.s.update(start_s=np.full(n, np.nan), finish_s=np.full(n, np.nan), trained_s=np.full(n, np.nan))
-    self.done_count = np.zeros(self.max_groups, np.int64)
+    if spec.pass_fraction < 1:
+      self.max_groups = math.inf
+    self.s, self.done_count = {}, np.zeros(0, np.int64)
+    self._reserve(spec.total_steps * self.gb if math.isinf(self.max_groups) else self.max_groups)
+    self.finished_groups = self.filtered_groups = self.surplus_groups = 0
     self.assembly = None if self.budget else Assembly(k, self.gb, spec.total_steps, spec.samplers,
                                                       spec.queue_groups)
     self.finished_fifo: list[int] = []  # admission="budget": finished groups not yet trained on, in completion order
@@ -224,8 +259,22 @@ class _Sim:
         if self.budget:
           self.finished_fifo.append(g)
         else:
-          self.assembly.finish(self._rank(e), g)
+          self._settle(self._rank(e), g)
         self.batch_may_be_ready = True
+
+  def _settle(self, rank: int, g: int):
+    """A complete group into its sampler's book, or, filtered, its place given back (the sampler loop's _finish)."""
+    n, p = self.finished_groups, self.spec.pass_fraction
+    self.finished_groups += 1
+    if p == 1:
+      kept = True
+    elif self.spec.filter_draws == "random":
+      kept = bool(self.filter_rng.random() < p)
+    else:
+      kept = math.floor((n + 1) * p + 1e-9) > math.floor(n * p + 1e-9)
+    if not kept:
+      self.filtered_groups += 1
+    self.assembly.settle(rank, g, kept)
 
   def _fill(self, e: SamplerTimeline):
     if e.update_due and not self.spec.partial_rollouts:
@@ -248,7 +297,7 @@ class _Sim:
   def _apply_update(self, e: SamplerTimeline):
     """A weight publish that reached the engine between boundaries lands at its next boundary."""
     t, version = e.update_due
-    e.stall(t, self.sync_s + self.costs.rebuild_time(*e.contexts()))
+    e.stall(t, self.take_s[e.index] + e.costs.rebuild_time(*e.contexts()))
     e.version, e.update_due = version, None
 
   # -- controller -----------------------------------------------------------------------------------------
@@ -276,6 +325,7 @@ class _Sim:
       at_boundary = self._sync_engine(e, t)
       g = self.started
       self.started += 1
+      self._reserve(self.started)
       if not self.budget:
         self.assembly.admit(self._rank(e), g, self.version)
       lengths = self._group_lengths(g)
@@ -287,6 +337,19 @@ class _Sim:
       if at_boundary:
         self._fill(e)
       self._refresh(e)
+
+  def _reserve(self, groups: int):
+    """Room in the per-sample arrays for `groups` groups (doubling: a filtered run admits without a set cap)."""
+    have = self.done_count.size
+    if groups <= have:
+      return
+    grow = max(have, groups - have)
+    self.done_count = np.concatenate([self.done_count, np.zeros(grow, np.int64)])
+    n = grow * self.g
+    for key in ("length", "group", "engine", "start_version", "end_version", "step", "staleness"):
+      self.s[key] = np.concatenate([self.s.get(key, np.zeros(0, np.int64)), np.full(n, -1, np.int64)])
+    for key in ("start_s", "finish_s", "trained_s"):
+      self.s[key] = np.concatenate([self.s.get(key, np.zeros(0)), np.full(n, np.nan)])
 
   def _group_lengths(self, g: int) -> np.ndarray:
     """Lengths are drawn a step's worth of groups at a time, in group order, at the version the first group
@@ -325,7 +388,7 @@ class _Sim:
     self.s["trained_s"][sids] = t
     lengths = self.s["length"][sids] + self.spec.prompt_len
     tokens = self.spec.train_tokens(lengths) if self.spec.train_tokens else int(lengths.sum())
-    dt = self.costs.train_time(tokens, self.learner_devices, self.colocated)
+    dt = self.costs.train_time(tokens, self.learner_devices, self.colocated) * self.stretch[0]
     self.step_start.append(t)
     self.learner_spans.append(["train", t, t + dt])
     self.learner_phase, self.learner_until = "train", t + dt
@@ -375,6 +438,7 @@ class _Sim:
         self._refresh(e)
       if self.assembly is not None:  # the sampler loop's order: finished groups, shares, then admission
         self.assembly.assemble()
+        self.surplus_groups += self.assembly.take_surplus()
       self._admit(t)
     return self
 
@@ -415,7 +479,7 @@ def _result(sim: _Sim, mode: str, total_devices: int) -> SimResult:
       device_busy_frac=device_busy, tokens_per_s=trained_tokens / span,
       decode_tokens=sum(e.tokens for e in sim.engines),
       decode_busy_s=sum(busy_in(e.busy, 0.0, math.inf) for e in sim.engines), engines=e_count,
-      sync_s=sim.sync_s)
+      sync_s=sim.sync_s, filtered_groups=sim.filtered_groups, surplus_groups=sim.surplus_groups)
 
 
 def _engines(costs: Costs, devices: int) -> int:
@@ -428,7 +492,7 @@ def simulate_pipeline(costs: Costs, spec: RunSpec) -> SimResult:
   """Sampler and learner on disjoint devices, running at the same time with staleness bound k."""
   engines = _engines(costs, spec.sampler_devices)
   sim = _Sim(costs, spec, engines, spec.learner_devices, spec.max_staleness,
-             costs.sync_time(spec.learner_devices, engines * costs.devices_per_engine)).run()
+             costs.update_times(spec.learner_devices, engines * costs.devices_per_engine)).run()
   return _result(sim, "pipeline", spec.sampler_devices + spec.learner_devices)
 
 
@@ -438,14 +502,14 @@ def simulate_sync(costs: Costs, spec: RunSpec, colocated: bool = True) -> SimRes
   colocated: every device of the run (sampler + learner devices) samples, then every device trains.
   Otherwise the sampler devices sample and the learner devices train, one after the other.
   """
-  spec0 = spec.replace(max_staleness=0, admission="deadline", admission_budget=0.0)
+  spec0 = spec.replace(max_staleness=0, admission="deadline", admission_budget=0.0, stretch=())
   if colocated:
     pool = spec.sampler_devices + spec.learner_devices
     engines = _engines(costs, pool)
-    sim = _Sim(costs, spec0, engines, pool, 0, costs.sync_time(pool, engines * costs.devices_per_engine),
+    sim = _Sim(costs, spec0, engines, pool, 0, costs.update_times(pool, engines * costs.devices_per_engine),
                colocated=True).run()
     return _result(sim, "sync_colocated", pool)
   engines = _engines(costs, spec.sampler_devices)
   sim = _Sim(costs, spec0, engines, spec.learner_devices, 0,
-             costs.sync_time(spec.learner_devices, engines * costs.devices_per_engine)).run()
+             costs.update_times(spec.learner_devices, engines * costs.devices_per_engine)).run()
   return _result(sim, "sync", spec.sampler_devices + spec.learner_devices)

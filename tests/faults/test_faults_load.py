@@ -13,7 +13,7 @@ from faults_util import NUM_STEPS, TALLY, inject, tiny_config
 from jaxrl import train as train_lib
 
 LONG_STEPS = 24
-QUEUE_GROUPS = 2
+QUEUE_GROUPS = 8  # two shares: a put does not block, so the book's stop is what holds the sampler back
 RSS_GROWTH_LIMIT_MIB = 64  # from the end of step 4 (everything compiled, buffers allocated) to the end of the run
 # Process CPU seconds per wall second while every loop thread waits. A spinning loop costs ~1.0 (a core); the
 # waiting process measured 8.2-10.1% on the 2-core box (2026-12-03, alone and in the full suite: the runtime's
@@ -53,17 +53,38 @@ def slow_learner_run(tmp_path_factory):
       weakref.finalize(r, forget)
       return r
 
+    # Finished groups not yet taken by the learner: in the book, the sampler's outbox or the queue. Counted on the
+    # sampler loop's thread, the only one that moves a group between them (a watcher thread summing the three at
+    # different instants counted a moving share twice: a peak of 10 against the bound of 8, once in a full suite).
+    rollouts, real_put_all, real_sampler_step = run.controller.rollouts, run.controller.rollouts.put_all, \
+        sampling.sampler.step
+
+    def note_waiting():
+      if sampling.book is not None:
+        waiting = len(sampling.book.finished) + len(sampling._outbox) + rollouts.depth()
+        stats["peak_waiting"] = max(stats["peak_waiting"], waiting)
+
+    def noted_put_all(groups):  # the share has left the book for the outbox: the most that waits
+      note_waiting()
+      return real_put_all(groups)
+
+    def noted_sampler_step():
+      note_waiting()
+      return real_sampler_step()
+
+    def noted_finish(groups):  # the groups just finished are in the book
+      real_finish(groups)
+      note_waiting()
+
     ctl.train_step, sampling.sampler._rollout = slow_step, counted_rollout
-    stats["ctl"], stats["sampling"], stats["rollouts"] = ctl, sampling, run.controller.rollouts
+    real_finish = sampling._finish
+    rollouts.put_all, sampling.sampler.step, sampling._finish = noted_put_all, noted_sampler_step, noted_finish
+    stats["ctl"], stats["rollouts"] = ctl, rollouts
 
   def watch():
     while not done.wait(0.02):
       ctl = stats.get("ctl")  # steps done, from a host list (the learner owns the device state)
       stats["rss"].append((len(ctl.step_times) if ctl is not None else 0, _rss_mib()))
-      book = stats["sampling"].book if ctl is not None else None
-      if book is not None:  # finished groups not yet taken by the learner: in the book, the outbox or the queue
-        waiting = len(book.finished) + len(stats["sampling"]._outbox) + stats["rollouts"].depth()
-        stats["peak_waiting"] = max(stats["peak_waiting"], waiting)
 
   watcher = threading.Thread(target=watch, daemon=True)
   watcher.start()
@@ -80,16 +101,23 @@ def slow_learner_run(tmp_path_factory):
   return summary, stats
 
 
+def waiting_bound(c) -> int:
+  """The most finished groups that can wait for the learner: the queue's bound; the shares the learner asked for
+  (one ahead of the one it waits on) in the sampler's outbox; and the book's stop (max(queue, a share) finished
+  groups) plus every group open when admission stopped (decode slots and the waiting list, 2 * max_slots samples),
+  which still finish."""
+  return (QUEUE_GROUPS + 2 * c.rl.groups_per_step + max(QUEUE_GROUPS, c.rl.groups_per_step)
+          + 2 * c.sampler.max_slots // c.rl.group_size)
+
+
 def test_finished_groups_waiting_stop_admission(slow_learner_run):
   summary, stats = slow_learner_run
   c = tiny_config()
   assert summary["steps"] == LONG_STEPS
   assert stats["rollouts"].max_depth <= QUEUE_GROUPS  # never past its bound
-  # Admission stops at max(queue, a step's groups) finished groups in the book; what was generating then still
-  # finishes. The learner asks one share ahead, so a share leaves the book at once and waits in the sampler's outbox
-  # and the queue (the loop blocked on the full queue admits nothing). Without the stops, k = 50 would let the
-  # sampler run the whole run's groups ahead of the learner.
-  bound = max(QUEUE_GROUPS, c.rl.groups_per_step) + c.sampler.max_slots // c.rl.group_size
+  # The queue holds two shares, so the sampler is not held back by a blocked put: only the book's stop keeps it
+  # from running the whole run's groups ahead of the learner under k = 50 (without it: 92 waiting, 2026-12-07).
+  bound = waiting_bound(c)
   print(f"peak finished groups waiting {stats['peak_waiting']} (bound {bound})")
   assert c.rl.groups_per_step <= stats["peak_waiting"] <= bound, stats["peak_waiting"]
 
@@ -97,8 +125,8 @@ def test_finished_groups_waiting_stop_admission(slow_learner_run):
 def test_samples_in_memory_and_rss_stay_bounded(slow_learner_run):
   summary, stats = slow_learner_run
   c = tiny_config()
-  # Finished samples alive at once: the queue, the learner's batch, the sampler's outbox and open groups.
-  bound = (QUEUE_GROUPS + c.rl.groups_per_step) * c.rl.group_size + 2 * c.sampler.max_slots
+  # Finished samples alive at once: the groups waiting, the learner's batch, and the open groups' samples.
+  bound = (waiting_bound(c) + c.rl.groups_per_step) * c.rl.group_size + 2 * c.sampler.max_slots
   assert stats["peak_alive"] <= bound
   assert summary["ledger"]["samples_generated"] >= LONG_STEPS * 16  # many times what was ever held at once
   after_warmup = [rss for steps, rss in stats["rss"] if steps >= 4]
