@@ -38,7 +38,8 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
           "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
           "jaxrl/distributed/packets.py": ("test_distributed.py",),
-          "jaxrl/distributed/hub.py": ("test_distributed_hub.py",)}
+          "jaxrl/distributed/hub.py": ("test_distributed_hub.py",),
+          "jaxrl/distributed/follow.py": ("test_distributed_follow.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -426,6 +427,12 @@ GUARD = (
     Mutation("independent samplers: a share asked again while a sampler still generates", HUB,
              "self._pending.get(sid, (None, 0.0))[0] == 0 and", "True or",
              (HUB_T + "a_step_that_lacks_groups_nobody_generates_is_asked_again_as_one_more_share",)),
+    Mutation("learner processes: the lead never drops what every follower fetched", "jaxrl/distributed/follow.py",
+             "    del self._entries[: max(0, upto - self.first)]\n    self.first = max(self.first, upto)\n", "",
+             ("tests/test_distributed_follow.py::test_the_lead_keeps_only_what_some_follower_has_not_fetched",)),
+    Mutation("learner processes: the lead's groups not recorded for the followers", "jaxrl/distributed/follow.py",
+             "    self.log.took(group)\n", "",
+             ("tests/test_distributed_follow.py::test_the_lead_hub_records_what_its_learner_loop_decides_and_takes",)),
 )
 
 MOE_TEST = "tests/test_learner_moe.py::test_"

@@ -378,6 +378,8 @@ def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):
   assert launch.main(["--num_processes=2"]) == 2
   with pytest.raises(ValueError, match="at least 2 processes"):
     launch.launch(1, [])
+  assert launch.main(["--independent_samplers=1", "--learner_processes=0", "--", "--workdir=x"]) == 2
+  assert "jaxrl.launch: --learner_processes must be at least 1 (got 0)" in capsys.readouterr().err
 
 
 # ---- config checks and launch scripts ----------------------------------------------------------------------------

@@ -19,7 +19,14 @@ from jax.sharding import SingleDeviceSharding
 from sampling_util import random_params
 
 from jaxrl.controller.weights import WeightPublisher
-from jaxrl.distributed.weight_service import ChecksumError, WeightClient, WeightServer, checksums
+from jaxrl.distributed.weight_service import (
+  ChecksumError,
+  WeightClient,
+  WeightServer,
+  checksums,
+  digest,
+  local_copy,
+)
 from jaxrl.models import ModelConfig, init_params, lora
 from jaxrl.sampler import make_engine
 from jaxrl.sharding import make_mesh
@@ -84,6 +91,26 @@ def test_two_samplers_pull_the_same_version_each_by_its_own_uuid():
     assert got.version == 3
     _assert_same(got.params, _params(2))
   assert replies[0]["uuid"] != replies[1]["uuid"]
+
+
+def test_params_sharded_over_a_mesh_are_served_from_a_gathered_full_copy_with_equal_checksums():
+  """A learner over several processes serves its own copy of each version (local_copy); on one process of 8
+  devices the same gather yields the bytes and checksums of the params themselves, on the device asked for."""
+  mesh = make_mesh({"fsdp": 8}, jax.devices()[:8])
+  params = {"w": jnp.arange(64, dtype=jnp.float32).reshape(16, 4) / 7, "b": jnp.linspace(-1, 1, 8)}
+  sharded = jax.device_put(params, jax.sharding.NamedSharding(mesh, P("fsdp")))
+  device = jax.devices()[3]
+  gather = local_copy(mesh, device)
+  gather.compile(sharded)
+  copy = gather(sharded)
+  assert all(x.devices() == {device} for x in jax.tree.leaves(copy))
+  _assert_same(copy, params)
+  plain, gathered = WeightServer(), WeightServer(device=device, gather=gather)
+  plain.publish(params, 2)
+  gathered.publish(sharded, 2)
+  assert gathered.digests == plain.digests == {2: digest(checksums(jax.tree.leaves(params)))}
+  _assert_same(WeightClient(gathered.describe, _on_one(params), timeout_s=30).take_newer(-1).params, params)
+  assert gathered.served == 1 and plain.served == 0
 
 
 @pytest.mark.parametrize("x", [jnp.arange(-3, 4, dtype=jnp.int8), jnp.linspace(-1, 1, 5, dtype=jnp.bfloat16),

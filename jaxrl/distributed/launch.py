@@ -5,7 +5,9 @@
       --config.mesh.num_devices=2 --config.mesh.sampler_devices=1 --workdir=/tmp/jaxrl-ind
 
 --independent_samplers=N starts no jax.distributed job: a jaxrl-learner and N jaxrl-sampler programs
-(distributed.learner_main, distributed.sampler_main), each with its own JAX runtime, on loopback (launch_independent).
+(distributed.learner_main, distributed.sampler_main), each with its own JAX runtime, on loopback (launch_independent);
+with --learner_processes=M, M jaxrl-learner processes joined by jax.distributed among themselves (one learner mesh
+over all their devices), the samplers outside that job.
 
 Every process runs `python -m jaxrl.distributed.job` (or --module) with the arguments after `--`, with
 JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; its output is prefixed by
@@ -130,28 +132,35 @@ def launch_colocated(args: list[str], devices: int, *, grace_s: float = 30.0, ti
 
 
 def launch_independent(num_samplers: int, args: list[str], *, devices_per_process: int = 2, grace_s: float = 30.0,
-                       timeout_s: float = 0.0, cpu_affinity: str = "") -> int:
-  """A learner program (jaxrl-learner) and num_samplers independent sampler programs (jaxrl-sampler) on loopback:
-  no jax.distributed job. A sampler that fails or is killed stops nothing (the learner generates its groups
-  again with the others); the learner's exit ends the launch (the samplers get grace_s to hear the run is done)
+                       timeout_s: float = 0.0, cpu_affinity: str = "", learner_processes: int = 1) -> int:
+  """learner_processes jaxrl-learner processes (jax.distributed among themselves when more than one; the first is
+  the lead, which the samplers call) and num_samplers independent sampler programs (jaxrl-sampler) on loopback,
+  outside the learners' job. A sampler that fails or is killed stops nothing (the learner generates its groups
+  again with the others); the learners' exit ends the launch (the samplers get grace_s to hear the run is done)
   and is its status."""
-  pinned = cpu_sets(cpu_affinity, 1 + num_samplers, os.sched_getaffinity(0))
-  (port,) = free_ports(1)
+  if learner_processes < 1:
+    raise ValueError(f"--learner_processes must be at least 1 (got {learner_processes})")
+  pinned = cpu_sets(cpu_affinity, learner_processes + num_samplers, os.sched_getaffinity(0))
+  port, coordinator = free_ports(2)
   env = {"JAX_NUM_CPU_DEVICES": str(devices_per_process)}
   start = time.monotonic()
-  learner = _start("p0", ["jaxrl.distributed.learner_main", *args, f"--port={port}"], env,
-                   pinned[0] if pinned else None, start)
+  joined = [] if learner_processes == 1 else [f"--num_processes={learner_processes}",
+                                              f"--coordinator_address=127.0.0.1:{coordinator}"]
+  learners = [_start(f"p{i}", ["jaxrl.distributed.learner_main", *args, *joined, f"--process_id={i}",
+                               f"--port={port if i == 0 else 0}"], env, pinned[i] if pinned else None, start)
+              for i in range(learner_processes)]
   own = [a for a in args if not a.startswith("--workdir")]  # a sampler writes nothing
-  samplers = [_start(f"p{i + 1}", ["jaxrl.distributed.sampler_main", *own, f"--learner=127.0.0.1:{port}"], env,
-                     pinned[i + 1] if pinned else None, start) for i in range(num_samplers)]
-  code = _supervise([learner], start, grace_s, timeout_s)
+  samplers = [_start(f"p{learner_processes + i}", ["jaxrl.distributed.sampler_main", *own,
+                                                   f"--learner=127.0.0.1:{port}"], env,
+                     pinned[learner_processes + i] if pinned else None, start) for i in range(num_samplers)]
+  code = _supervise(learners, start, grace_s, timeout_s)
   end = time.monotonic() + grace_s
   for i, p in enumerate(samplers):
     try:
       p.wait(max(0.0, end - time.monotonic()))
     except subprocess.TimeoutExpired:
-      print(f"jaxrl.launch: killing sampler process {i + 1}, still running {grace_s:.0f}s after the learner ended",
-            flush=True)
+      print(f"jaxrl.launch: killing sampler process {learner_processes + i}, still running {grace_s:.0f}s after the "
+            "learner ended", flush=True)
       p.kill()
   return code
 
@@ -236,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--num_processes", type=int, default=0, help="processes of one jax.distributed job")
   parser.add_argument("--independent_samplers", type=int, default=0,
                       help="instead: a jaxrl-learner and this many independent jaxrl-sampler programs")
+  parser.add_argument("--learner_processes", type=int, default=1,
+                      help="with --independent_samplers: learner processes (jax.distributed among themselves)")
   parser.add_argument("--devices_per_process", type=int, default=2,
                       help="CPU devices of each process (2: configs/tiny.py's split fits 4 processes as is)")
   parser.add_argument("--module", default="jaxrl.distributed.job", help="what every process runs (python -m)")
@@ -250,8 +261,13 @@ def main(argv: list[str] | None = None) -> int:
   opts = parser.parse_args(argv[:split])
   job = argv[split + 1 :]
   if opts.independent_samplers:
-    return launch_independent(opts.independent_samplers, job, devices_per_process=opts.devices_per_process,
-                              grace_s=opts.grace_s, timeout_s=opts.timeout_s, cpu_affinity=opts.cpu_affinity)
+    try:
+      return launch_independent(opts.independent_samplers, job, devices_per_process=opts.devices_per_process,
+                                grace_s=opts.grace_s, timeout_s=opts.timeout_s, cpu_affinity=opts.cpu_affinity,
+                                learner_processes=opts.learner_processes)
+    except ValueError as e:
+      print(f"jaxrl.launch: {e}", file=sys.stderr)
+      return 2
   run_job = functools.partial(launch, opts.num_processes, devices_per_process=opts.devices_per_process,
                               module=opts.module, grace_s=opts.grace_s, timeout_s=opts.timeout_s,
                               cpu_affinity=opts.cpu_affinity)

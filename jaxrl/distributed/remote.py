@@ -59,6 +59,7 @@ class RemoteCoordinator(Coordination):
     self.resumed_pass_rate = registered["pass_rate"]
     self.resumed_filter = tuple(registered["filter"])
     self.tokens: dict[int, int] = {}  # group -> fencing token, for the groups this registration holds
+    self.weights_at: str | None = registered.get("weights_at")  # the learner process to pull from (None: this one)
     self.costs: dict = {}
     self.ended: str | None = "done" if registered["done"] else None  # "done", "expired" or "lost"
     # Every sampler hears every ask (with its part of each share); one that joins late counts from the share the
@@ -68,11 +69,12 @@ class RemoteCoordinator(Coordination):
     self._asks = self._told(self._seen)
     self.book: Callable[[], DeadlineBook | None] = lambda: None  # the sampler loop's deadline book (sampler_main)
 
-  def call(self, method: str, *, allow_expired: bool = False, **request) -> dict:
-    """The hub's reply; a learner that cannot be reached or an expired lease ends this registration (Stopped)."""
+  def call(self, method: str, *, allow_expired: bool = False, at: str | None = None, **request) -> dict:
+    """The hub's reply (or that of the learner process at `at`); a learner that cannot be reached or an expired
+    lease ends this registration (Stopped)."""
     try:
-      reply = rpc.call(self.address, method, {"sampler": self.sampler, "incarnation": self.incarnation, **request},
-                       timeout_s=self.timeout_s)
+      reply = rpc.call(at or self.address, method,
+                       {"sampler": self.sampler, "incarnation": self.incarnation, **request}, timeout_s=self.timeout_s)
     except rpc.RpcError as e:
       if e.waited_for == "handler":
         raise

@@ -36,13 +36,14 @@ from jaxrl.sharding import Versioned
 
 
 class PulledWeights:
-  """controller.interfaces.Weights over the weight service; a learner that does not answer ends the registration."""
+  """controller.interfaces.Weights over the weight service (of the learner process the hub named at registration);
+  a learner that does not answer ends the registration."""
 
   timed_out = False  # a pull of this process timed out (its thread cannot be cancelled)
 
   def __init__(self, coord: remote.RemoteCoordinator, shardings, timeout_s: float):
     self.coord = coord
-    describe = lambda request: coord.call("weights", **request)  # noqa: E731
+    describe = lambda request: coord.call("weights", at=coord.weights_at, **request)  # noqa: E731
     self.client = WeightClient(describe, shardings, sampler=coord.sampler, timeout_s=timeout_s)
 
   def take_newer(self, version: int) -> Versioned | None:
@@ -120,8 +121,8 @@ class SamplerProgram:
                                                                            self.c.sampler.max_len),
                        weights=weights, coord=coord, num_samplers=1)
     coord.book = lambda: loop.book  # its admission bound, and the shares it has taken
-    print(f"jaxrl-sampler: sampler {coord.sampler} of {coord.address} from version {first.version}",
-          file=sys.stderr, flush=True)
+    print(f"jaxrl-sampler: sampler {coord.sampler} of {coord.address} from version {first.version}, weights from "
+          f"{coord.weights_at or coord.address}", file=sys.stderr, flush=True)
     coord.guarded("sampler", loop.run, ch.poll_s)
     coord.raise_errors()
     self.generated += loop.ledger.samples_generated

@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import hashlib
+import json
 import secrets
 import threading
 import time
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import transfer as jax_transfer
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxrl.sharding import Versioned, transfer
 
@@ -78,6 +80,25 @@ def checksums(leaves: list[jax.Array]) -> list[list[int]]:
   return np.asarray(_checksums(list(leaves))).tolist()
 
 
+def digest(sums: list[list[int]]) -> str:
+  """One short string for a tree's checksums: equal trees, equal digests."""
+  return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
+
+
+def local_copy(mesh, device) -> Callable:
+  """params sharded over `mesh` (a learner over several processes) -> a full copy on `device`, one of this
+  process's: the params replicated over the mesh, then this process's replica on `device`. The replication is a
+  collective, so every learner process gathers every version, in the same order (`.compile(params)` ahead)."""
+  replicate = jax.jit(lambda params: params, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+  def gather(params):
+    return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards if s.device == device),
+                        replicate(params))
+
+  gather.compile = lambda params: replicate.lower(params).compile()
+  return gather
+
+
 def _bounded(fn: Callable, timeout_s: float, what: str):
   """fn() in a daemon thread, waited for at most timeout_s (TimeoutError(what) after; the thread is left behind:
   neither the rpc nor a transfer pull can be cancelled)."""
@@ -111,19 +132,24 @@ class WeightServer:
   checksums; describe() serves the newest to one sampler pull. A LoRA learner publishes its adapters alone."""
 
   def __init__(self, *, dtype=None, weight_dtype: str = "float", host: str = "127.0.0.1", device=None,
-               serve_s: float = 120.0, chunk_bytes: int = CHUNK_BYTES):
-    """serve_s: how long a described pull stays registered (then the transfer server drops it and its references)."""
-    self._dtype, self._weight_dtype, self._serve_s = dtype, weight_dtype, serve_s
+               serve_s: float = 120.0, chunk_bytes: int = CHUNK_BYTES, gather: Callable | None = None):
+    """serve_s: how long a described pull stays registered (then the transfer server drops it and its references);
+    gather: params -> a full copy on `device`, for params this process does not hold whole (local_copy)."""
+    self._dtype, self._weight_dtype, self._serve_s, self._gather = dtype, weight_dtype, serve_s, gather
     self._where = SingleDeviceSharding(device or jax.local_devices()[0])
     self._server = transfer_server(host, chunk_bytes)
     self.address = self._server.address()
     self._lock = threading.Lock()
     self._newest: tuple[int, list[jax.Array], dict] | None = None
     self.published = 0
+    self.served = 0  # pulls registered for samplers (describe)
+    self.digests: dict[int, str] = {}  # version -> a digest of its checksums, for every version published
     self.timings: dict[str, float] = {}  # the last publish's seconds: staging (cast, quantize, copy), checksums
 
   def publish(self, params, version: int) -> None:
     start = time.perf_counter()
+    if self._gather is not None:
+      params = self._gather(params)
     staged = transfer(params, version, self._where, self._dtype, self._weight_dtype).params
     # The learner donates its params to the next step: what is served must not share their buffers (a leaf that
     # needed no cast nor move, already on this device, does).
@@ -139,6 +165,7 @@ class WeightServer:
         raise ValueError(f"published version {version} is not newer than {self._newest[0]}")
       self._newest = (int(version), leaves, info)  # older versions live on only in pulls still registered
       self.published += 1
+      self.digests[int(version)] = digest(info["checksums"])
 
   def describe(self, request: dict) -> dict:
     """{"sampler", "have"} -> {"version": the newest (-1: none yet)}, plus, when newer than "have", the pull:
@@ -152,6 +179,8 @@ class WeightServer:
     uuid = secrets.randbits(62)
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._serve_s)
     self._server.await_pull(uuid, leaves, timeout=deadline)
+    with self._lock:
+      self.served += 1
     return {"version": version, "address": self.address, "uuid": uuid, **copy.deepcopy(info)}  # a caller's own
 
   def close(self) -> None:
