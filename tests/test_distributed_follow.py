@@ -60,6 +60,37 @@ def test_followers_get_the_leads_decisions_and_groups_in_order_bit_for_bit(lead)
     assert f.stop.is_set() and "the lead learner ended (done)" in f.stop_reason
 
 
+def test_the_lead_waits_until_every_follower_has_its_end_before_it_closes(lead):
+  """A lead whose last step needs no checkpoint reaches its end at once: it keeps serving until each follower has
+  acked what stopped it (a go_on the lead decided False, or the end), and names the ones that did not within
+  end_wait_s."""
+  log, address = lead
+  log.end_wait_s = 0.3
+  log.went_on(0, False)
+  log.end("SIGTERM")
+  assert log.wait_fetched() == [1, 2]  # nobody fetched anything: both named after 0.3 s
+  f = _follower(address, 1)
+  assert f.go_on(0) is False
+  assert log.wait_fetched() == [2]
+  assert _follower(address, 2).go_on(0) is False and log.wait_fetched() == []
+  done = threading.Event()
+  threading.Thread(target=lambda: (log.wait_fetched(), done.set())).start()
+  assert done.wait(1.0)  # nothing left to fetch: no wait
+  # a lead that ended mid-step: a follower stopped in get by the end acks it too
+  ended = follow.FollowLog([1], MAX_LEN, hold_s=0.1, end_wait_s=2.0)
+  server = rpc.Server({"follow": ended.serve})
+  try:
+    ended.went_on(0, True)
+    ended.end("SIGTERM")
+    f = _follower(server.address, 1)
+    assert f.go_on(0) is True
+    with pytest.raises(Stopped):
+      f.get()
+    assert ended.wait_fetched() == []
+  finally:
+    server.close()
+
+
 def test_a_follower_waiting_in_get_stops_at_the_leads_end(lead):
   log, address = lead
   f = _follower(address, 1)

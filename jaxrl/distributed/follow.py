@@ -16,6 +16,7 @@ bounded and its one-line error names the lead and the entry waited for.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -35,12 +36,13 @@ class FollowLog:
   """The lead's record of its learner loop for the followers (learner process ids): entries [kind, value], numbered
   from 0; `serve` is the rpc method "follow"."""
 
-  def __init__(self, followers: Iterable[int], max_len: int, *, hold_s: float = 1.0):
-    self.max_len, self.hold_s = max_len, hold_s
+  def __init__(self, followers: Iterable[int], max_len: int, *, hold_s: float = 1.0, end_wait_s: float = 30.0):
+    self.max_len, self.hold_s, self.end_wait_s = max_len, hold_s, end_wait_s
     self._cond = threading.Condition()
     self._entries: list[list] = []  # entries first, first + 1, ...
     self.first = 0
     self._fetched = {int(f): 0 for f in followers}  # follower -> the entries it has (all below this number)
+    self._end_at: int | None = None  # the end's entry
 
   def went_on(self, version: int, decision: bool) -> None:
     self._append(["go_on", [int(version), bool(decision)]])
@@ -50,6 +52,7 @@ class FollowLog:
 
   def end(self, why: str) -> None:
     self._append(["end", why])
+    self._end_at = self.first + len(self._entries) - 1
 
   def _append(self, entry: list) -> None:
     with self._cond:
@@ -61,6 +64,22 @@ class FollowLog:
     """Entries kept (not yet fetched by every follower)."""
     with self._cond:
       return len(self._entries)
+
+  def wait_fetched(self) -> list[int]:
+    """After end(): waits up to end_wait_s until every follower has every entry before the end (a follower that stopped,
+    at a go_on the lead decided False or at the end, acks what it has); the followers that have not. The lead's rpc
+    server must outlive that: a stop that needs no last checkpoint (one was saved at that step) let the lead close
+    before a follower fetched its end, which then failed on a refused connection and took the job down with it
+    (jax.distributed aborts the others)."""
+    end = time.monotonic() + self.end_wait_s
+    with self._cond:
+      if self._end_at is None:
+        raise RuntimeError("wait_fetched before the lead's end")
+      while True:
+        behind = sorted(f for f, n in self._fetched.items() if n < self._end_at)
+        if not behind or time.monotonic() >= end:
+          return behind
+        self._cond.wait(end - time.monotonic())
 
   def _drop_fetched(self) -> None:
     upto = min(self._fetched.values(), default=self.first + len(self._entries))
@@ -79,6 +98,7 @@ class FollowLog:
                           f"{self.first}): a follower cannot rejoin a running lead; relaunch every learner process")
       self._fetched[follower] = max(self._fetched[follower], n)
       self._drop_fetched()
+      self._cond.notify_all()  # wait_fetched
       end = time.monotonic() + self.hold_s
       while n >= self.first + len(self._entries) and time.monotonic() < end:
         self._cond.wait(end - time.monotonic())
@@ -140,6 +160,14 @@ class Lead:
     self._next += 1
     return self._batch.pop(0)
 
+  def ack(self) -> None:
+    """Tells the lead this follower has every entry so far (after the end: the lead then closes); best effort."""
+    try:
+      rpc.call(self.address, "follow", {"follower": self.follower, "next": self._next}, timeout_s=self.timeout_s)
+    except rpc.RpcError as e:
+      print(f"jaxrl-learner: learner process {self.follower} could not tell the lead it has the end: {e}",
+            file=sys.stderr, flush=True)
+
 
 class Follower(Coordination):
   """A follower's coordinator and rollouts (controller.interfaces) for its learner loop: the lead's decisions and
@@ -152,6 +180,7 @@ class Follower(Coordination):
   def _next(self, want: str) -> list:
     kind, value = self.lead.next(want, self.stop)
     if kind == "end":
+      self.lead.ack()
       self.request_stop(f"the lead learner ended ({value})")
       raise Stopped
     if kind != want:
@@ -168,6 +197,8 @@ class Follower(Coordination):
     if lead_version != version:
       raise RuntimeError(f"follow: learner process {self.lead.follower} is at version {version}, the lead learner "
                          f"at {self.lead.address} at {lead_version}: the learner processes are not in lock step")
+    if not decision:
+      self.lead.ack()  # the loop stops here: the lead may close once every follower has its decision
     return decision
 
   def ask(self) -> None:

@@ -110,7 +110,8 @@ class HubChannels(sides.OneProcess):
   def wire(self, built: sides.Built) -> LearnerProgram:
     c, side, learners = built.config, built.learner, self.learners
     weights = self._weights(c, side)
-    log = FollowLog(range(1, learners.num_processes), c.sampler.max_len) if learners.many and learners.lead else None
+    log = (FollowLog(range(1, learners.num_processes), c.sampler.max_len, end_wait_s=self.follow_timeout_s)
+           if learners.many and learners.lead else None)
     hub = where = None
     if learners.lead:
       hub_args = (side.record, side.spec, c.sampler.max_len, side.resumed_from)
@@ -217,6 +218,10 @@ class LearnerProgram:
         end = time.monotonic() + linger_s
         while hub.registered() and time.monotonic() < end:
           time.sleep(0.05)
+      if self.log is not None:  # a follower still fetching the end would find the lead's server closed
+        behind = self.log.wait_fetched()
+        if behind:
+          print(f"jaxrl-learner: learner processes {behind} did not fetch the lead's end", file=sys.stderr, flush=True)
       self.close()
     loop.drain()
     hub.raise_errors()
