@@ -94,16 +94,10 @@ def _run(tmp_path, steps: int, during=None) -> float:
   return time.monotonic() - t0
 
 
-@pytest.mark.timeout(600)
-def test_a_learner_over_two_processes_trains_every_step_with_equal_weights(tmp_path):
-  seconds = _run(tmp_path, 6)
-  summary = _check_run(tmp_path / "run", tmp_path, 6, attempts=1)
-  print(f"two learner processes, two samplers: 6 steps in {seconds:.1f}s",
-        json.dumps({k: summary["ledger"][k] for k in ("samples_generated", "samples_trained", "samples_refused")}))
-
-
 @pytest.mark.timeout(900)
 def test_the_lead_learner_killed_the_follower_stops_and_both_resume_with_the_samplers(tmp_path):
+  """Also the clean run's checks (a test of its own before; this one makes every one of them, across a resume): every
+  step trained once in lock step, equal weights at every version, pulls served by the follower."""
   def kill_the_lead(learners, relaunch):
     end = time.monotonic() + 400
     while _trained(tmp_path / "run") < 3:  # past the checkpoint of step 2
@@ -117,8 +111,10 @@ def test_the_lead_learner_killed_the_follower_stops_and_both_resume_with_the_sam
     assert code != 0
     return relaunch()
 
-  _run(tmp_path, 8, kill_the_lead)
+  seconds = _run(tmp_path, 8, kill_the_lead)
   summary = _check_run(tmp_path / "run", tmp_path, 8, attempts=2)
+  print(f"two learner processes, two samplers, the lead killed after step 3: 8 steps in {seconds:.1f}s",
+        json.dumps({k: summary["ledger"][k] for k in ("samples_generated", "samples_trained", "samples_refused")}))
   assert summary["resumed_from"] is not None and summary["resumed_from"] >= 2
   for log in tmp_path.glob("sampler*.log"):  # each registered with the first learner and again with the relaunch
     assert log.read_text().count("jaxrl-sampler: sampler ") >= 2, log.read_text()[-3000:]
