@@ -105,8 +105,9 @@ def test_a_train_step_never_runs_while_a_checkpoint_save_still_reads_the_state(t
 def test_every_packed_row_bucket_is_compiled_before_the_first_step(tmp_path):
   """A packed run compiles its train step once per row bucket at build time, so no step mid-run pays a compilation
   (the headline's sync runs paid 1.5 s at the first 8-row step before this; issue 17)."""
+  # one group a step: 4 rows at most, so 4 row buckets (1, 2, 3, 4) to compile, not the 8 of 16 rows
   c = override(tiny.get_config("pipeline"), num_steps=4, mesh__num_devices=2, mesh__sampler_devices=1,
-               log__tensorboard=False, log__progress=False, rl__pack=True,
+               log__tensorboard=False, log__progress=False, rl__pack=True, rl__groups_per_step=1,
                sampler__forced_lengths__median=3.0, sampler__forced_lengths__p99_ratio=10.0)
   run = build(c, tmp_path)
   steps = run.controller.learner_loop.train_step
