@@ -94,7 +94,7 @@ class SamplerLoop:
   def _cancel_doomed(self) -> list[Rollout]:
     """Ends the groups that a share just left past their deadline while they still generate (surplus once they
     finish, never trained): their slots and pages go to groups a step can still train. The cut samples finish the
-    groups here, unscored; they reach the learner as surplus, counted."""
+    groups here, unscored; they reach the learner left out as "cancelled", counted (_finish)."""
     out = []
     if not self.spec.rl.cancel_surplus:
       return out
@@ -174,7 +174,7 @@ class SamplerLoop:
       group = self.assembler.add(r)
       if group is not None:
         groups.append(group)
-        # A cancelled group is surplus, never trained: not scored, and its cut lengths are not its lengths
+        # A cancelled group is never trained: not scored, and its cut lengths are not its lengths
         cancelled = group[0].group_id in self._cancelled
         if not cancelled:
           self.score(group)

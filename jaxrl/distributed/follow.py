@@ -51,14 +51,16 @@ class FollowLog:
     self._append(["group", packets.encode([group], self.max_len)])
 
   def end(self, why: str) -> None:
-    self._append(["end", why])
-    self._end_at = self.first + len(self._entries) - 1
+    self._end_at = self._append(["end", why])
 
-  def _append(self, entry: list) -> None:
+  def _append(self, entry: list) -> int:
+    """Appends the entry; its number."""
     with self._cond:
       self._entries.append(entry)
+      at = self.first + len(self._entries) - 1
       self._drop_fetched()
       self._cond.notify_all()
+      return at
 
   def held(self) -> int:
     """Entries kept (not yet fetched by every follower)."""
@@ -141,8 +143,7 @@ class Lead:
       if stop.is_set():
         raise Stopped
       try:
-        reply = rpc.call(self.address, "follow", {"follower": self.follower, "next": self._next},
-                         timeout_s=self.timeout_s)
+        reply = self._follow()
       except rpc.RpcError as e:
         if e.waited_for == "handler":
           raise RuntimeError(f"follow: {e}") from None
@@ -160,10 +161,14 @@ class Lead:
     self._next += 1
     return self._batch.pop(0)
 
+  def _follow(self) -> dict:
+    """The lead's entries from the next one on; the call also tells it this follower has every entry before."""
+    return rpc.call(self.address, "follow", {"follower": self.follower, "next": self._next}, timeout_s=self.timeout_s)
+
   def ack(self) -> None:
     """Tells the lead this follower has every entry so far (after the end: the lead then closes); best effort."""
     try:
-      rpc.call(self.address, "follow", {"follower": self.follower, "next": self._next}, timeout_s=self.timeout_s)
+      self._follow()
     except rpc.RpcError as e:
       print(f"jaxrl-learner: learner process {self.follower} could not tell the lead it has the end: {e}",
             file=sys.stderr, flush=True)
