@@ -138,10 +138,8 @@ class HubChannels(sides.OneProcess):
                     vocab_size=side.learner.model_config.vocab_size)
       hub = LeadHub(*hub_args, log=log, **hub_kw) if log is not None else Hub(*hub_args, **hub_kw)
       where = [] if learners.many else None  # every learner process's rpc address, once they all serve
-      followed = {"follow": log.serve, "stop": _stop_asked(hub)} if log is not None else {}
-      handlers = {**hub.handlers(), "register": _assigning(hub.handlers()["register"], where),
-                  "weights": _registered_only(hub, weights.describe), **followed}
-      server = rpc.Server(handlers, self.bind, self.port, secret=secret, limits=limits)
+      server = rpc.Server(lead_handlers(hub, weights.describe, log, where), self.bind, self.port, secret=secret,
+                          limits=limits)
     else:  # a follower's pulls are told by the lead's hub: what it checks here is the secret
       server = rpc.Server({"weights": weights.describe}, self.bind, 0, secret=secret, limits=limits)
     server.advertised = f"{self.host}:{server.address.rpartition(':')[2]}"
@@ -205,6 +203,14 @@ def data_prompts(c):
   if isinstance(task, EnvTask):
     return None
   return lambda gid: prompts(gid)[0]
+
+
+def lead_handlers(hub: Hub, describe, log: FollowLog | None = None, where: list[str] | None = None) -> dict:
+  """The lead's rpc methods: the hub's, the weights (described to registered samplers only) and, over several
+  learner processes, the follow log and a follower's stop request."""
+  followed = {"follow": log.serve, "stop": _stop_asked(hub)} if log is not None else {}
+  return {**hub.handlers(), "register": _assigning(hub.handlers()["register"], where),
+          "weights": _registered_only(hub, describe), **followed}
 
 
 def _registered_only(hub: Hub, describe):

@@ -205,7 +205,7 @@ class Server:
       raise ValueError("an rpc server needs the run's secret (distributed.secret)")
     self.handlers, self.secret, self.limits = dict(handlers), bytes(secret), limits
     # SO_REUSEADDR (create_server's default): a restarted learner binds its port again at once
-    self._listener = socket.create_server((host, port), backlog=128)
+    self._listener = socket.create_server((host, port), backlog=1024)  # a burst waits in the kernel, not refused
     self._listener.setblocking(False)
     self.address = f"{host}:{self._listener.getsockname()[1]}"
     self.advertised = self.address  # what peers are told (a learner listening on 0.0.0.0 tells its --host)
@@ -297,9 +297,9 @@ class Server:
   def _close(self, selector, waiting, sock: socket.socket, reason: str, what: str) -> None:
     w = waiting.pop(sock)
     selector.unregister(sock)
-    sock.close()
-    self.refused[reason] += 1
+    self.refused[reason] += 1  # counted before the peer can see the close
     self._log(w.peer, what)
+    sock.close()
 
   # authenticated connections: a thread each
   def _serve(self, sock: socket.socket, peer) -> None:
