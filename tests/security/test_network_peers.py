@@ -256,7 +256,8 @@ def test_a_flood_of_idle_connections_and_oversized_frames_costs_bounded_threads_
       served.append(time.monotonic() - start)
     assert max(served) < 2.0
     assert threading.active_count() - threads <= 8  # no thread per connection
-    assert all(_closed(s) for s in [*big, huge, slow])
+    # refused before reading (closed well within the read timeout); the silent one at the read timeout
+    assert all(_closed(s, LIMITS.read_timeout_s / 2) for s in [*big, huge]) and _closed(slow)
     assert _rss_mb() - rss <= 100
     gids = _admit(honest, 2)
     assert _deliver(honest, [_group(g) for g in gids])["accepted"] == 2
@@ -265,6 +266,17 @@ def test_a_flood_of_idle_connections_and_oversized_frames_costs_bounded_threads_
       sock.close()
   assert server.refused["handshakes_full"] >= 1000 - LIMITS.max_handshakes and server.refused["frame"] >= 5
   assert hub.ledger.samples_generated == 2 * GROUP and not hub.stop.is_set()
+
+
+def test_authenticated_connections_past_the_cap_are_closed_at_once():
+  server = secret_util.server({"ping": lambda r: {}}, limits=dataclasses.replace(LIMITS, max_connections=2))
+  try:
+    held = [_send(_authenticated(server), b"\0") for _ in range(2)]  # two requests that never finish
+    assert _closed(_authenticated(server), LIMITS.read_timeout_s / 2) and server.refused["busy"] == 1
+    assert all(_closed(s) for s in held)  # at the read timeout: the slots are free again
+    assert secret_util.call(server.address, "ping", {}, timeout_s=5) == {}
+  finally:
+    server.close()
 
 
 def test_weights_are_described_to_registered_samplers_and_pending_describes_are_capped(lead):
