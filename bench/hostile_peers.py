@@ -9,7 +9,8 @@ cap of the run's packets); the honest sampler is a real remote registration (dis
 "generates" (sleeps --generate_s per group) and delivers real packets; the learner loop takes each step's groups
 from the hub, settles them and "trains" (sleeps --train_s). So what is measured is the channel and the hub under
 attack with the compute simulated: the work a flood takes from an honest run is its CPU and the honest calls it
-delays or breaks. The flood, from threads of this process: --idle connections held open without a handshake
+delays or breaks. The flood comes from a child process (an attacker is another program; on this machine it still
+takes cores from the learner's): --idle connections held open without a handshake
 (re-opened as the server closes them), handshakes with a wrong secret in a loop, and, every 50 ms, peers holding the
 secret that declare a 64 MB header or a 2**40-byte array. Rounds alternate a quiet phase and a flooded one; reported
 per phase: trained groups per minute, the server's refusals by reason, this process's peak RSS growth and thread
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -38,6 +41,9 @@ from jaxrl.distributed.hub import Hub
 from jaxrl.rollout import Rollout
 
 SECRET = b"b" * 64
+# With --pin, the learner's process and the flood run on disjoint cores: an attacker is another machine, whose CPU
+# is not the learner's; what is measured is what the flood costs the learner's own process.
+FLOOD_CORES: set[int] = set()
 MAX_LEN, GROUP, GROUPS_PER_STEP = 64, 4, 4
 
 
@@ -172,25 +178,41 @@ def _open(sock: socket.socket) -> bool:
   return not closed
 
 
-def phase(honest: Honest, server: rpc.Server, seconds: float, flood: Flood | None) -> dict:
+def flood_main(port: int, idle: int, seconds: float) -> None:
+  """The child process: floods 127.0.0.1:port for `seconds`, then prints what it sent."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 2 * idle + 256)), hard))
+  flood = Flood(port, idle)
+  threads = flood.start()
+  time.sleep(seconds)
+  flood.stop.set()
+  for t in threads:
+    t.join(5)
+  print(json.dumps(flood.sent), flush=True)
+
+
+def phase(honest: Honest, server: rpc.Server, seconds: float, flood: bool, idle: int) -> dict:
   refused, trained, errors = dict(server.refused), honest.trained, len(honest.errors)
-  threads = flood.start() if flood is not None else []
+  child = None
+  if flood:
+    port = server.address.rpartition(":")[2]
+    child = subprocess.Popen([sys.executable, "-m", "bench.hostile_peers", f"--flood_port={port}", f"--idle={idle}",
+                              f"--phase_s={seconds}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             preexec_fn=(lambda: os.sched_setaffinity(0, FLOOD_CORES)) if FLOOD_CORES else None)
   rss0, peak_rss, peak_threads = _rss_mb(), _rss_mb(), threading.active_count()
   start = time.monotonic()
   while time.monotonic() - start < seconds:
     time.sleep(0.1)
     peak_rss, peak_threads = max(peak_rss, _rss_mb()), max(peak_threads, threading.active_count())
   elapsed = time.monotonic() - start
-  out = {"flood": flood is not None, "seconds": round(elapsed, 2),
+  out = {"flood": flood, "seconds": round(elapsed, 2),
          "groups_per_minute": 60 * (honest.trained - trained) / elapsed,
          "honest_call_errors": len(honest.errors) - errors, "rss_growth_mb": round(peak_rss - rss0, 1),
          "peak_threads": peak_threads,
          "refused": {k: v - refused.get(k, 0) for k, v in server.refused.items() if v - refused.get(k, 0)}}
-  if flood is not None:
-    flood.stop.set()
-    for t in threads:
-      t.join(5)
-    out["sent"] = dict(flood.sent)
+  if child is not None:
+    sent, _ = child.communicate(timeout=30)
+    out["sent"] = json.loads(sent.strip().splitlines()[-1]) if sent.strip() else None
   return out
 
 
@@ -202,9 +224,19 @@ def main(argv=None) -> int:
   parser.add_argument("--generate_s", type=float, default=0.02, help="simulated generation per admitted group")
   parser.add_argument("--train_s", type=float, default=0.05, help="simulated train step")
   parser.add_argument("--out", default="bench/results/hostile_peers.json")
+  parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                      help="the learner's process on the first half of this process's cores, the flood on the rest")
+  parser.add_argument("--flood_port", type=int, default=0, help="(the flooding child process's own flag)")
   args = parser.parse_args(argv)
+  if args.flood_port:
+    flood_main(args.flood_port, args.idle, args.phase_s)
+    return 0
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
   resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.idle + 256)), hard))
+  cores = sorted(os.sched_getaffinity(0))
+  if args.pin and len(cores) > 1:
+    os.sched_setaffinity(0, set(cores[: len(cores) // 2]))
+    FLOOD_CORES.update(cores[len(cores) // 2 :])
   rl = settings.RL(group_size=GROUP, groups_per_step=GROUPS_PER_STEP, seq_len=MAX_LEN, queue_groups=8)
   spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=1 << 30, max_staleness=2)
   hub = Hub(RunRecord(), spec, MAX_LEN, lease_s=10.0, hold_s=0.2, orphan_s=60.0, prompt_of=_prompt, vocab_size=512)
@@ -216,11 +248,10 @@ def main(argv=None) -> int:
   for w in workers:
     w.start()
   time.sleep(2.0)  # warm: the first steps
-  port = int(server.address.rpartition(":")[2])
   phases = []
   for r in range(args.rounds):
     for flooded in (False, True):
-      phases.append({"round": r, **phase(honest, server, args.phase_s, Flood(port, args.idle) if flooded else None)})
+      phases.append({"round": r, **phase(honest, server, args.phase_s, flooded, args.idle)})
       print(json.dumps(phases[-1]), flush=True)
   honest.done.set()
   hub.stop.set()
@@ -228,7 +259,8 @@ def main(argv=None) -> int:
   quiet = [p["groups_per_minute"] for p in phases if not p["flood"]]
   flooded = [p["groups_per_minute"] for p in phases if p["flood"]]
   report = {"what": "honest trained groups per minute, flooded / quiet, side by side in one process (loopback)",
-            "args": vars(args), "phases": phases,
+            "args": vars(args), "learner_cores": sorted(os.sched_getaffinity(0)), "flood_cores": sorted(FLOOD_CORES),
+            "phases": phases,
             "ratio_per_round": [f / q for q, f in zip(quiet, flooded, strict=True)],
             "ratio": sum(flooded) / sum(quiet), "max_rss_growth_mb": max(p["rss_growth_mb"] for p in phases),
             "ledger_refused": dict(hub.ledger.samples_refused), "honest_call_errors": honest.errors[:5]}
