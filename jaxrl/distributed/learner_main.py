@@ -199,7 +199,11 @@ def data_prompts(c):
   hub's check of every delivered group; None for a multi-turn env task (its first turn is the env's own reset,
   which runs no code of an env on the learner)."""
   model_cfg, tokenizer, _ = build_lib.model_source(c.model, c.sampler.max_len)
-  task, prompts = make_prompt_source(c.task, c.seed, tokenizer, model_cfg, episodes=False)
+  try:
+    task, prompts = make_prompt_source(c.task, c.seed, tokenizer, model_cfg, episodes=False)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:  # the learner's host needs the task's data too
+    raise config_lib.ConfigError(f"task {c.task.name!r} (the learner checks each delivered group's prompt): {e}") \
+      from e
   if isinstance(task, EnvTask):
     return None
   return lambda gid: prompts(gid)[0]

@@ -7,10 +7,14 @@ count and time."""
 
 import dataclasses
 import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +26,11 @@ from jaxrl import settings
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord, RunSpec
 from jaxrl.distributed import follow, learner_main, packets, remote, rpc
+from jaxrl.distributed.launch import free_ports
 from jaxrl.distributed.weight_service import WeightServer
 from jaxrl.rollout import Rollout, SamplingParams, check_sampling
 
+ROOT = Path(__file__).resolve().parents[2]
 MAX_LEN, GROUP, VOCAB = 12, 2, 64
 LIMITS = rpc.Limits(handshake_s=1.0, read_timeout_s=2.0, max_header_bytes=64 << 10,
                     max_frame_bytes=(64 << 10) + 4 * 4 * GROUP * packets.packet_width(MAX_LEN))
@@ -71,9 +77,9 @@ def _admit(coord, n):
   return got
 
 
-def _deliver(coord, groups, **request):
+def _deliver(coord, groups, max_len=MAX_LEN, **request):
   tokens = [[g[0].group_id, coord.tokens.get(g[0].group_id)] for g in groups]
-  return coord.call("deliver", allow_expired=True, packet=packets.encode(groups, MAX_LEN), tokens=tokens, **request)
+  return coord.call("deliver", allow_expired=True, packet=packets.encode(groups, max_len), tokens=tokens, **request)
 
 
 def _port(server):
@@ -297,3 +303,71 @@ def test_weights_are_described_to_registered_samplers_and_pending_describes_are_
   finally:
     server.close()
     weights.close()
+
+
+@pytest.mark.timeout(400)
+def test_a_real_learner_trains_beside_hostile_peers_and_counts_their_groups_refused(tmp_path):
+  """The one end to end run: jaxrl-learner (its secret made in its workdir) and an honest jaxrl-sampler given the
+  secret file, while peers without the secret call every kind of method and hold idle connections, and a peer with
+  it delivers a group of another prompt and one of another temperature: the run trains every step and counts both."""
+  workdir, (port,) = tmp_path / "run", free_ports(1)
+  address = f"127.0.0.1:{port}"
+  env = {**{k: v for k, v in os.environ.items() if k != "JAXRL_RUN_SECRET"}, "JAX_NUM_CPU_DEVICES": "2",
+         "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+  config = ["--config=configs/tiny.py", "--config.num_steps=4", "--config.mesh.num_devices=2",
+            "--config.mesh.sampler_devices=1", "--config.checkpoint.every_steps=4", "--config.log.tensorboard=False",
+            "--config.log.progress=False"]
+  start = lambda args, log: subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=ROOT,  # noqa: E731
+                                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / log, "wb"))
+  learner = start(["jaxrl.distributed.learner_main", *config, f"--workdir={workdir}", f"--port={port}",
+                   "--host=127.0.0.1", "--bind=127.0.0.1", "--lease_s=8"], "learner.log")
+  sampler = idle = None
+  try:
+    secret_file = workdir / "run.secret"
+    _until(lambda: secret_file.exists() and secret_file.read_text().strip(), learner, "the learner's run.secret")
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text().strip().encode()
+    sampler = start(["jaxrl.distributed.sampler_main", *config, f"--learner={address}",
+                     f"--secret_file={secret_file}"], "sampler.log")
+    _until(lambda: _refused_without_the_secret(address, "register"), learner, "the learner's rpc port")
+    for method in ("stop", "weights", "follow", "deliver", "admit"):
+      assert _refused_without_the_secret(address, method)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+    hostile = remote.register(address, secret=secret, timeout_s=10, reconnect_s=10)
+    gids = _admit(hostile, 2)
+    wrong_prompt = _group(gids[0], reward=1e6, prompt_tokens=np.array([7, 7, 7], np.int32))
+    hotter = _group(gids[1], sampling=SamplingParams(temperature=0.5))
+    for group in (wrong_prompt, hotter):  # tiny's group size is 4
+      assert _deliver(hostile, [group + [dataclasses.replace(r, sample_index=r.sample_index + GROUP)
+                                         for r in group]], max_len=32)["accepted"] == 0
+    hostile.call("goodbye")
+    assert learner.wait(300) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+    assert sampler.wait(60) == 0
+  finally:
+    for proc in (learner, sampler):
+      if proc is not None and proc.poll() is None:
+        proc.kill()
+    for sock in idle or []:
+      sock.close()
+  summary = json.loads((workdir / "summary.json").read_text())
+  led = summary["ledger"]
+  assert summary["version"] == 4 and led["samples_refused"] == {"wrong_prompt": 4, "sampling_mismatch": 4}
+  assert led["groups_generated_again"]["wrong_prompt"] == led["groups_generated_again"]["sampling_mismatch"] == 1
+  assert summary["samplers"]["joined"] == 2
+  assert led["samples_generated"] >= led["samples_trained"] + sum(led["dropped"].values()) + 8
+
+
+def _refused_without_the_secret(address: str, method: str) -> bool:
+  try:
+    rpc.call(address, method, {}, timeout_s=5, secret=b"w" * 64)
+  except rpc.RpcError as e:
+    return e.waited_for == "auth"
+  raise AssertionError(f"{method} answered a caller without the secret")
+
+
+def _until(cond, proc, what: str, timeout_s: float = 180.0) -> None:
+  end = time.monotonic() + timeout_s
+  while not cond():
+    assert proc.poll() is None, f"the learner ended while waiting for {what}"
+    assert time.monotonic() < end, f"no {what} within {timeout_s:g}s"
+    time.sleep(0.2)
