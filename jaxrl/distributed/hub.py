@@ -49,6 +49,7 @@ from jaxrl.distributed import packets
 from jaxrl.rollout import Rollout
 
 PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
+_LOGPROB_SLACK = 1e-4  # a log-probability is <= 0; float rounding never takes an honest one past this
 
 
 def refusal(group: list[Rollout], spec: RunSpec, max_len: int, version: int, prompt=None,
@@ -64,7 +65,7 @@ def refusal(group: list[Rollout], spec: RunSpec, max_len: int, version: int, pro
     tokens = np.concatenate([r.prompt_tokens, r.completion_tokens])
     if (np.isinf(r.reward) or len(r.prompt_tokens) < 1 or len(tokens) > max_len
         or np.any(np.asarray(r.versions) < -1) or np.any(np.asarray(r.versions)[model] > version)
-        or not np.all(np.isfinite(r.logprobs)) or np.any(np.asarray(r.logprobs)[model] > 0)
+        or not np.all(np.isfinite(r.logprobs)) or np.any(np.asarray(r.logprobs)[model] > _LOGPROB_SLACK)
         or np.any(tokens < 0) or (vocab_size is not None and np.any(tokens >= vocab_size))):
       return "bad_values"
   if prompt is not None and any(not np.array_equal(r.prompt_tokens, prompt) for r in group):
@@ -107,6 +108,7 @@ class Hub(Coordination):
     self._resume_here(spec.rl.group_size)
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
+    self._published = -1  # the newest version published (published): a delivered token may carry it before go_on
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic), in order of joining
     self._delivering: set[str] = set()  # registered samplers that delivered a group
     self._joining: set[str] = set()  # registered while others delivered, nothing delivered yet (split)
@@ -140,6 +142,12 @@ class Hub(Coordination):
     with self._lock:
       self._version = version
     return version < self.spec.num_steps and not self.stop.is_set()
+
+  def published(self, version: int) -> None:
+    """The learner is publishing `version` (told before the samplers can pull it): the newest version a delivered
+    token may carry."""
+    with self._lock:
+      self._published = max(self._published, int(version))
 
   def ask(self) -> None:
     with self._changed:
@@ -388,7 +396,7 @@ class Hub(Coordination):
           continue
         del self._held[gid]
         prompt = prompts[gid] if gid in prompts else self._prompt(gid)  # held since the peek: rare
-        reason = refusal(g, self.spec, self.max_len, self._version, prompt, self.vocab_size)
+        reason = refusal(g, self.spec, self.max_len, max(self._version, self._published), prompt, self.vocab_size)
         if reason is not None:
           self._refuse(g, reason)
           self._generate_again(gid, reason)

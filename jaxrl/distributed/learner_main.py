@@ -155,7 +155,8 @@ class HubChannels(sides.OneProcess):
         lead = Lead(addresses[0], learners.process_id, secret=secret, timeout_s=self.follow_timeout_s,
                     wait_s=self.orphan_s + 60)
         coord = Follower(lead, side.record, c.sampler.max_len, side.resumed_from)
-    loop = LearnerLoop(side.spec, train_step=side.train_step, state=side.state, rollouts=coord, weights=weights,
+    told = _TellingTheHub(weights, hub) if hub is not None else weights
+    loop = LearnerLoop(side.spec, train_step=side.train_step, state=side.state, rollouts=coord, weights=told,
                        coord=coord, checkpointer=side.checkpointer, metrics=side.metrics, trace=side.trace,
                        telemetry=side.telemetry)
     return LearnerProgram(c, side, coord, loop, weights, server, learners, log, secret)
@@ -184,6 +185,21 @@ class HubChannels(sides.OneProcess):
       gather.compile(side.state.params)
     return WeightServer(dtype=dtype, weight_dtype=c.sampler.weight_dtype, host=self.host, device=device,
                         gather=gather)
+
+
+class _TellingTheHub:
+  """The lead loop's weights: each version is told to the hub as it is published (the newest version a delivered
+  token may carry: a sampler may pull it and deliver before the loop's next go_on), then published."""
+
+  def __init__(self, weights: WeightServer, hub: Hub):
+    self.weights, self.hub = weights, hub
+
+  def publish(self, params, version: int) -> None:
+    self.hub.published(version)
+    self.weights.publish(params, version)
+
+  def __getattr__(self, name: str):
+    return getattr(self.weights, name)
 
 
 def frame_limit(c, model_config, header_bytes: int) -> int:

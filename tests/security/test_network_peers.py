@@ -218,11 +218,15 @@ def test_forged_groups_from_a_peer_with_the_secret_are_refused_under_their_reaso
   assert sorted(_admit(honest, len(gids) - 2)) == sorted(set(gids) - set(mine))
 
 
-def test_a_failed_reward_is_not_a_forgery(lead):
+def test_a_failed_reward_and_a_version_published_before_the_learner_goes_on_are_no_forgery(lead):
   hub, _, server, _ = lead
   honest = _join(server)
-  (gid,) = _admit(honest, 1)
-  assert _deliver(honest, [_group(gid, reward=float("nan"))])["accepted"] == 1  # the learner drops it, counted
+  gids = _admit(honest, 3)
+  assert _deliver(honest, [_group(gids[0], reward=float("nan"))])["accepted"] == 1  # the learner drops it, counted
+  hub.published(1)  # the loop publishes version 1 after step 0, then saves, logs and goes on: a sampler can be faster
+  assert _deliver(honest, [_group(gids[1], version=1)])["accepted"] == 1
+  assert _deliver(honest, [_group(gids[2], version=2)])["accepted"] == 0  # never published
+  assert dict(hub.ledger.samples_refused) == {"bad_values": GROUP}
 
 
 def test_the_follow_log_and_a_sampler_s_hold_are_bounded_for_a_peer_with_the_secret(lead):
