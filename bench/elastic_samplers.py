@@ -93,7 +93,8 @@ def _flags(w: dict) -> list[str]:
 def _start(role: str, module: str, args: list[str], log: Path, cache: Path) -> subprocess.Popen:
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "PYTHONUNBUFFERED": "1",
          "TF_CPP_MIN_LOG_LEVEL": "3", "JAX_COMPILATION_CACHE_DIR": str(cache),  # the joiner compiles nothing new
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+         "JAXRL_RUN_SECRET": "e" * 64}  # the learner and its samplers share the run's secret
   with open(log, "w") as f:
     return subprocess.Popen(["taskset", "-c", CORES[role], sys.executable, "-m", module, *args], cwd=REPO, env=env,
                             stdout=f, stderr=subprocess.STDOUT)

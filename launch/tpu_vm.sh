@@ -16,6 +16,9 @@
 # early with a checkpoint, send SIGTERM to any one of its processes (a preempted host gets one): every process
 # stops after the learners' current step and exits 143; `run` again resumes. A process that dies (SIGKILL, crash)
 # makes the watchdog stop all the others within --heartbeat_timeout_s; the job resumes from its last checkpoint.
+# Its processes are one jax.distributed job: they talk over the job's coordination service and transfers, a
+# trusted network (docs/SECURITY.md). Sampler programs outside a job (jaxrl-sampler) prove the run's secret instead
+# (--secret_file / JAXRL_RUN_SECRET; launch/README.md, "Sampler programs that come and go").
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
 REMOTE_DIR=${REMOTE_DIR:-jaxrl}

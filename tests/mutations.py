@@ -38,8 +38,11 @@ GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sam
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
           "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
           "jaxrl/distributed/packets.py": ("test_distributed.py",),
-          "jaxrl/distributed/hub.py": ("test_distributed_hub.py",),
-          "jaxrl/distributed/follow.py": ("test_distributed_follow.py",)}
+          "jaxrl/distributed/hub.py": ("test_distributed_hub.py", "security/test_network_peers.py"),
+          "jaxrl/distributed/follow.py": ("test_distributed_follow.py", "security/test_network_peers.py"),
+          "jaxrl/distributed/rpc.py": ("test_distributed_rpc.py", "security/test_network_peers.py"),
+          "jaxrl/distributed/weight_service.py": ("test_weight_service.py", "security/test_network_peers.py"),
+          "jaxrl/distributed/learner_main.py": ("security/test_network_peers.py",)}
 
 
 def group_tests(path: str) -> list[str]:
@@ -465,7 +468,48 @@ MOE = (
               "its_recorded_routing", "tests/test_distributed.py::test_packet_carries_mixture_of_experts_routing_"
               "bit_for_bit")),
 )
-MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD + MOE
+RPC, PEERS = "jaxrl/distributed/rpc.py", "tests/security/test_network_peers.py::test_"
+NO_SECRET, FORGED = PEERS + "a_peer_without_the_secret_gets_nothing_and_is_counted_nowhere", \
+  PEERS + "forged_groups_from_a_peer_with_the_secret_are_refused_under_their_reasons"
+FLOOD = PEERS + "a_flood_of_idle_connections_and_oversized_frames_costs_bounded_threads_and_memory"
+DESCRIBE = PEERS + "weights_are_described_to_registered_samplers_and_pending_describes_are_capped"
+NETWORK = (
+    Mutation("network peers: the secret not checked", RPC,
+             'if not hmac.compare_digest(answer, mac(self.secret, b"client", w.nonce, client_nonce)):', "if False:",
+             (NO_SECRET,)),
+    Mutation("network peers: a frame's declared bytes not capped", RPC,
+             "if max_frame_bytes is not None and total > max_frame_bytes:", "if False:", (FLOOD,)),
+    Mutation("network peers: a header's bytes not capped", RPC, "if size > max_header_bytes:", "if False:",
+             (FLOOD,)),
+    Mutation("network peers: connections served past the cap", RPC,
+             "if not self._slots.acquire(blocking=False):", "if not self._slots.acquire(blocking=True):",
+             (PEERS + "authenticated_connections_past_the_cap_are_closed_at_once",)),
+    Mutation("network peers: handshakes waiting without a cap", RPC,
+             "if len(waiting) >= self.limits.max_handshakes:", "if False:", (FLOOD,)),
+    Mutation("network peers: the prompt check removed", HUB,
+             "if prompt is not None and any(not np.array_equal(r.prompt_tokens, prompt) for r in group):",
+             "if False:", (FORGED,)),
+    Mutation("network peers: another sampling accepted at the hub", HUB,
+             "if any(r.sampling != spec.sampler.sampling for r in group):", "if False:", (FORGED,)),
+    Mutation("network peers: versions the learner never published accepted", HUB,
+             "or np.any(np.asarray(r.versions)[model] > version)", "", (FORGED,)),
+    Mutation("network peers: a refused group not generated again", HUB,
+             "          self._refuse(g, reason)\n          self._generate_again(gid, reason)\n",
+             "          self._refuse(g, reason)\n", (FORGED,)),
+    Mutation("network peers: a sampler id the hub never gave counted as fenced", HUB,
+             '"fenced" if issued else "forged"', '"fenced"', (FORGED,)),
+    Mutation("network peers: a sampler holds groups without a cap", HUB,
+             "if sum(s == sid for s, _ in self._held.values()) >= self.max_held:", "if False:",
+             (PEERS + "the_follow_log_and_a_sampler_s_hold_are_bounded_for_a_peer_with_the_secret",)),
+    Mutation("network peers: a follow far past the end taken", "jaxrl/distributed/follow.py",
+             "if n > self.first + len(self._entries):", "if False:",
+             (PEERS + "the_follow_log_and_a_sampler_s_hold_are_bounded_for_a_peer_with_the_secret",)),
+    Mutation("network peers: weights described to a caller the hub does not know", "jaxrl/distributed/learner_main.py",
+             "    if not hub.known(request):\n", "    if False:\n", (DESCRIBE,)),
+    Mutation("network peers: weight describes not capped", "jaxrl/distributed/weight_service.py",
+             "if (sum(s == sampler for s, _, _ in self._pending) >= self.max_pending", "if (False", (DESCRIBE,)),
+)
+MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD + MOE + NETWORK
 
 
 def apply(mutation: Mutation, root: pathlib.Path) -> None:

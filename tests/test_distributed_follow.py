@@ -7,11 +7,13 @@ import threading
 
 import numpy as np
 import pytest
+import secret_util
+from secret_util import SECRET
 
 from jaxrl import settings
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.spec import RunRecord, RunSpec
-from jaxrl.distributed import follow, remote, rpc
+from jaxrl.distributed import follow, remote
 from jaxrl.distributed.launch import free_ports
 from jaxrl.rollout import Rollout
 
@@ -32,13 +34,13 @@ def _same(a, b):
 @pytest.fixture
 def lead():
   log = follow.FollowLog([1, 2], MAX_LEN, hold_s=0.1)
-  server = rpc.Server({"follow": log.serve})
+  server = secret_util.server({"follow": log.serve})
   yield log, server.address
   server.close()
 
 
 def _follower(address, pid, **kw):
-  return follow.Follower(follow.Lead(address, pid, **kw), RunRecord(), MAX_LEN)
+  return follow.Follower(follow.Lead(address, pid, secret=SECRET, **kw), RunRecord(), MAX_LEN)
 
 
 def test_followers_get_the_leads_decisions_and_groups_in_order_bit_for_bit(lead):
@@ -78,7 +80,7 @@ def test_the_lead_waits_until_every_follower_has_its_end_before_it_closes(lead):
   assert done.wait(1.0)  # nothing left to fetch: no wait
   # a lead that ended mid-step: a follower stopped in get by the end acks it too
   ended = follow.FollowLog([1], MAX_LEN, hold_s=0.1, end_wait_s=2.0)
-  server = rpc.Server({"follow": ended.serve})
+  server = secret_util.server({"follow": ended.serve})
   try:
     ended.went_on(0, True)
     ended.end("SIGTERM")
@@ -166,9 +168,9 @@ def test_the_lead_hub_records_what_its_learner_loop_decides_and_takes():
   spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
   log = follow.FollowLog([1], MAX_LEN, hold_s=0.1)
   hub = follow.LeadHub(RunRecord(), spec, MAX_LEN, log=log, lease_s=5.0, hold_s=0.1, orphan_s=5.0)
-  server = rpc.Server({**hub.handlers(), "follow": log.serve})
+  server = secret_util.server({**hub.handlers(), "follow": log.serve})
   try:
-    sampler = remote.register(server.address, timeout_s=5, reconnect_s=1)
+    sampler = remote.register(secret=SECRET, address=server.address, timeout_s=5, reconnect_s=1)
     hub.ask()
     assert hub.go_on(0)
     for _ in range(2):

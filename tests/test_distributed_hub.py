@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 import pytest
+import secret_util
+from secret_util import SECRET
 
 from jaxrl import settings
 from jaxrl.controller.rollouts import Stopped
@@ -30,7 +32,7 @@ def hub():
   rl = settings.RL(group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN, queue_groups=4)
   spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
   h = hub_lib.Hub(RunRecord(), spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
-  server = rpc.Server(h.handlers())
+  server = secret_util.server(h.handlers())
   h.address = server.address
   yield h
   h.stop.set()
@@ -38,7 +40,7 @@ def hub():
 
 
 def _join(hub):
-  return remote.register(hub.address, timeout_s=5, reconnect_s=1)
+  return remote.register(secret=SECRET, address=hub.address, timeout_s=5, reconnect_s=1)
 
 
 def _admit(coord, n):
@@ -74,7 +76,7 @@ def test_a_sampler_joining_a_resumed_run_starts_from_its_pass_rate_table_and_fil
   rl = settings.RL(group_size=GROUP, groups_per_step=2, seq_len=MAX_LEN)
   spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
   h = hub_lib.Hub(record, spec, MAX_LEN, lease_s=1.5, hold_s=0.1, orphan_s=2.0)
-  server = rpc.Server(h.handlers())
+  server = secret_util.server(h.handlers())
   h.address = server.address
   try:
     a = _join(h)
@@ -123,8 +125,8 @@ def test_a_group_past_its_deadline_is_refused_as_late_and_generated_again(hub):
   a = _join(hub)
   hub.go_on(0)
   _admit(a, 2)
-  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0), _group(1, 2)])
   hub.go_on(2)  # step 2: group 0's tokens (version 0) would be 2 > max_staleness=1 stale
+  remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0), _group(1, 2)])  # no token newer than the learner
   assert hub.get(0)[0].group_id == 1
   assert dict(hub.ledger.samples_refused) == {"late": GROUP}
   assert _admit(a, 1) == [(0, True)]
@@ -165,7 +167,7 @@ def test_no_sampler_and_no_learner_are_bounded_waits_with_one_line(hub):
     hub.get(0)
   with pytest.raises(rpc.RpcError, match=r"rpc 'register' to 127.0.0.1:1: the learner did not take a registration "
                      r"for 0.3s"):
-    remote.register("127.0.0.1:1", timeout_s=1, reconnect_s=0.3)
+    remote.register(secret=SECRET, address="127.0.0.1:1", timeout_s=1, reconnect_s=0.3)
 
 
 def test_a_sampler_behind_the_learner_gets_a_tighter_bound_and_none_admits_while_a_step_waits(hub):
@@ -189,10 +191,10 @@ def test_once_the_learner_loop_stopped_nothing_changes_the_final_record(hub):
     remote.RemoteRollouts(a, 4, MAX_LEN).put_all([_group(0, 0)])
   assert a.ended == "expired"
   a.call("goodbye", allow_expired=True)
-  assert rpc.call(hub.address, "register", {}, timeout_s=5) == {"stopping": True}
+  assert secret_util.call(hub.address, "register", {}, timeout_s=5) == {"stopping": True}
   assert hub.checkpoint_record() == final and hub.registered() == 0
   hub.finish()  # the run is over: a late sampler is told so
-  assert rpc.call(hub.address, "register", {}, timeout_s=5)["done"]
+  assert secret_util.call(hub.address, "register", {}, timeout_s=5)["done"]
 
 
 def test_split_shares_each_step_evenly_and_a_joiner_gets_its_part_on_top_until_it_delivers():

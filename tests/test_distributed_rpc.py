@@ -8,16 +8,18 @@ import time
 
 import numpy as np
 import pytest
+import secret_util
+from secret_util import SECRET
 
 from jaxrl.distributed import packets, rpc
 
 
 def test_round_trip_carries_arrays_bit_for_bit():
-  server = rpc.Server({"echo": lambda req: {"got": req, "n": len(req["rows"])}})
+  server = secret_util.server({"echo": lambda req: {"got": req, "n": len(req["rows"])}})
   try:
     packet = np.arange(2 * packets.packet_width(4), dtype=np.int32).reshape(2, -1)
     floats = np.array([[1.5, np.nan], [-0.0, 3e38]], np.float32)
-    reply = rpc.call(server.address, "echo", {"rows": [packet, packet[:1]], "f": floats, "s": "x", "t": (1, 2)},
+    reply = secret_util.call(server.address, "echo", {"rows": [packet, packet[:1]], "f": floats, "s": "x", "t": (1, 2)},
                      timeout_s=5)
     assert reply["n"] == 2
     np.testing.assert_array_equal(reply["got"]["rows"][0], packet)
@@ -32,27 +34,27 @@ def test_handler_error_and_unknown_method_reach_the_caller():
   def broken(req):
     raise RuntimeError("no sampler 7\nsecond line")
 
-  server = rpc.Server({"broken": broken})
+  server = secret_util.server({"broken": broken})
   try:
     failed = r"rpc 'broken' to 127\.0\.0\.1:\d+: the handler failed: RuntimeError: no sampler 7$"
     with pytest.raises(rpc.RpcError, match=failed) as e:
-      rpc.call(server.address, "broken", {}, timeout_s=5)
+      secret_util.call(server.address, "broken", {}, timeout_s=5)
     assert e.value.waited_for == "handler" and "second line" not in str(e.value)
     with pytest.raises(rpc.RpcError, match="no method 'nope'"):
-      rpc.call(server.address, "nope", {}, timeout_s=5)
+      secret_util.call(server.address, "nope", {}, timeout_s=5)
     with pytest.raises(rpc.RpcError, match="RuntimeError"):  # the server goes on serving
-      rpc.call(server.address, "broken", {}, timeout_s=5)
+      secret_util.call(server.address, "broken", {}, timeout_s=5)
   finally:
     server.close()
 
 
 def test_a_server_that_never_answers_times_out_naming_the_peer_and_the_wait():
   release = threading.Event()
-  server = rpc.Server({"slow": lambda req: release.wait(30) and {}})
+  server = secret_util.server({"slow": lambda req: release.wait(30) and {}})
   try:
     t0 = time.monotonic()
     with pytest.raises(rpc.RpcError, match=r"rpc 'slow' to 127\.0\.0\.1:\d+: no reply within 0\.3s") as e:
-      rpc.call(server.address, "slow", {}, timeout_s=0.3)
+      secret_util.call(server.address, "slow", {}, timeout_s=0.3)
     assert e.value.waited_for == "reply" and time.monotonic() - t0 < 5
   finally:
     release.set()
@@ -60,11 +62,11 @@ def test_a_server_that_never_answers_times_out_naming_the_peer_and_the_wait():
 
 
 def test_a_dead_peer_is_a_connect_error():
-  server = rpc.Server({"ping": lambda req: {}})
+  server = secret_util.server({"ping": lambda req: {}})
   address = server.address
   server.close()
   with pytest.raises(rpc.RpcError, match=rf"rpc 'ping' to {address}: cannot connect") as e:
-    rpc.call(address, "ping", {}, timeout_s=2)
+    secret_util.call(address, "ping", {}, timeout_s=2)
   assert e.value.waited_for == "connect"
 
 
@@ -74,15 +76,19 @@ def test_a_peer_that_closes_mid_reply_and_hostile_frames():
   listener.listen(1)
   address = f"127.0.0.1:{listener.getsockname()[1]}"
 
-  def half_reply():
+  def half_reply():  # a server that proves the secret, then cuts its reply short
     conn, _ = listener.accept()
+    nonce = b"n" * rpc.NONCE
+    conn.sendall(rpc.HELLO + nonce)
+    answer = conn.recv(2 * rpc.NONCE)
+    conn.sendall(rpc.mac(SECRET, b"server", nonce, answer[: rpc.NONCE]))
     conn.recv(1 << 16)
     conn.sendall(struct.pack(">Q", 100) + b"{")  # a frame cut short
     conn.close()
 
   threading.Thread(target=half_reply, daemon=True).start()
   with pytest.raises(rpc.RpcError, match="no reply: the peer closed the connection"):
-    rpc.call(address, "x", {}, timeout_s=5)
+    secret_util.call(address, "x", {}, timeout_s=5)
   listener.close()
   with pytest.raises(TypeError, match="dtype object cannot travel"):
     rpc.encode({"a": np.array([object()])})

@@ -28,9 +28,10 @@ def is_correct(reward: str, value: float) -> bool | None:
   return None
 
 
-def make_prompt_source(t: settings.Task, seed: int, tokenizer, model_cfg):
+def make_prompt_source(t: settings.Task, seed: int, tokenizer, model_cfg, episodes: bool = True):
   """(task, prompts) of a run's task settings (RunConfig.task) where prompts(group_id) -> (prompt tokens, meta) for
-  the group's data position."""
+  the group's data position; episodes=False: a multi-turn task's episodes are not made (the learner's hub reads the
+  prompts of single-turn tasks only)."""
   kwargs = t.kwargs.to_dict()
   if t.name in ("target_token", "token_turns"):
     kwargs.setdefault("vocab_size", model_cfg.vocab_size)
@@ -48,7 +49,7 @@ def make_prompt_source(t: settings.Task, seed: int, tokenizer, model_cfg):
 
   task.renderer = renderer
   task.episodes = None
-  if isinstance(task, EnvTask):  # multi-turn: the sampler runs each sample's episode (request meta "episode")
+  if isinstance(task, EnvTask) and episodes:  # multi-turn: the sampler runs each sample's episode (meta "episode")
     task.episodes = Episodes(task, tokenizer, vocab_size=model_cfg.vocab_size, chat_template=t.chat_template,
                              timeout_s=t.reward_timeout_s, workers=t.env_workers)
   return task, prompts

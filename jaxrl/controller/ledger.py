@@ -42,8 +42,10 @@ class Ledger:
   tokens_trained: int = 0  # completion tokens of the trained samples
   dropped_tokens: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
   # Independent samplers (jaxrl.distributed.hub): samples of a group delivered by a sampler that no longer held it
-  # ("fenced": its lease had expired and the group went to another) or past the group's deadline ("late"), refused
-  # and never trained; and the groups generated again for it, by why ("sampler_lost", "sampler_left", "late").
+  # ("fenced": its lease had expired and the group went to another; "forged": a sampler id the hub never gave), past
+  # the group's deadline ("late"), or that its assignment could not have produced ("sampling_mismatch",
+  # "wrong_prompt", "bad_values": hub.refusal), refused and never trained; and the groups generated again for it, by
+  # why ("sampler_lost", "sampler_left", "late", and the refusals' reasons).
   samples_refused: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
   groups_generated_again: dict[str, int] = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
 

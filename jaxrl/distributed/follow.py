@@ -98,6 +98,9 @@ class FollowLog:
       if n < self.first:
         raise LookupError(f"learner process {follower} asked for entry {n}, dropped (the lead keeps entries from "
                           f"{self.first}): a follower cannot rejoin a running lead; relaunch every learner process")
+      if n > self.first + len(self._entries):  # it cannot have entries not yet made: they would be dropped unread
+        raise ValueError(f"learner process {follower} asked for entry {n}, past the lead's last "
+                         f"({self.first + len(self._entries) - 1})")
       self._fetched[follower] = max(self._fetched[follower], n)
       self._drop_fetched()
       self._cond.notify_all()  # wait_fetched
@@ -130,8 +133,9 @@ class Lead:
   timeout_s bounds a silent lead (no answer at all), wait_s the wait for one entry from a lead that answers (it may
   itself wait for samplers up to its orphan_s)."""
 
-  def __init__(self, address: str, follower: int, *, timeout_s: float = 30.0, wait_s: float = 660.0):
+  def __init__(self, address: str, follower: int, *, secret: bytes, timeout_s: float = 30.0, wait_s: float = 660.0):
     self.address, self.follower, self.timeout_s, self.wait_s = address, int(follower), timeout_s, wait_s
+    self.secret = secret
     self._next = 0
     self._batch: list[list] = []
 
@@ -145,7 +149,7 @@ class Lead:
       try:
         reply = self._follow()
       except rpc.RpcError as e:
-        if e.waited_for == "handler":
+        if e.waited_for in ("handler", "auth"):
           raise RuntimeError(f"follow: {e}") from None
         if time.monotonic() - heard > self.timeout_s:
           raise TimeoutError(f"follow: learner process {self.follower} heard nothing from the lead learner at "
@@ -163,7 +167,8 @@ class Lead:
 
   def _follow(self) -> dict:
     """The lead's entries from the next one on; the call also tells it this follower has every entry before."""
-    return rpc.call(self.address, "follow", {"follower": self.follower, "next": self._next}, timeout_s=self.timeout_s)
+    return rpc.call(self.address, "follow", {"follower": self.follower, "next": self._next}, timeout_s=self.timeout_s,
+                    secret=self.secret)
 
   def ack(self) -> None:
     """Tells the lead this follower has every entry so far (after the end: the lead then closes); best effort."""

@@ -8,7 +8,11 @@ renew a lease with every call, take data positions, deliver finished groups and 
                first) with a fencing token: the group's current assignment
   skipped      the position's prompt was skipped by the sampler (counted, settled for good)
   deliver      finished groups as a packet (distributed.packets) with their tokens: a group is accepted only from the
-               sampler holding its current assignment; else refused ("fenced") and counted
+               sampler holding its current assignment (else refused: "fenced", or "forged" from a sampler id this
+               hub never gave) and only if it is what that assignment could have produced (refusal): the run's
+               sampling settings ("sampling_mismatch"), the data's prompt ("wrong_prompt"), finite values, versions
+               the learner published, the run's lengths and vocabulary ("bad_values"); such a group is counted under
+               its reason and generated again
   goodbye      the sampler leaves (SIGTERM): its groups go back at once
 
 A sampler not heard from for lease_s (killed, preempted, stopped) is dropped: the groups it holds go back to be
@@ -21,6 +25,9 @@ would be trained past max_staleness is refused ("late") and generated again: the
 token. The learner's loop stops for no sampler: it waits on a stalled sampler's part at most until its lease
 expires (its part goes to the others), and gives up (one line naming the samplers registered) only if no group has
 been delivered for orphan_s.
+
+Every rpc peer proved the run's secret (distributed.rpc). A registered sampler holds at most max_held groups (admit
+answers expired past it: a sampler that admits without delivering is dropped and its groups generated again).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,6 +49,28 @@ from jaxrl.distributed import packets
 from jaxrl.rollout import Rollout
 
 PAUSED = -(1 << 30)  # an admission bound under which no group fits (controller.assembly.DeadlineBook.room)
+_LOGPROB_SLACK = 1e-4  # a log-probability is <= 0; float rounding never takes an honest one past this
+
+
+def refusal(group: list[Rollout], spec: RunSpec, max_len: int, version: int, prompt=None,
+            vocab_size: int | None = None) -> str | None:
+  """Why the hub refuses a delivered group held by its sender, or None: what no honest sampler of this run can
+  produce. The reward is the sampler's to compute (NaN: its reward failed, which the learner drops and counts)."""
+  if any(r.sampling != spec.sampler.sampling for r in group):
+    return "sampling_mismatch"
+  if len(group) != spec.rl.group_size or sorted(r.sample_index for r in group) != list(range(len(group))):
+    return "bad_values"
+  for r in group:
+    model = np.asarray(r.versions) >= 0  # observation tokens of an episode carry -1
+    tokens = np.concatenate([r.prompt_tokens, r.completion_tokens])
+    if (np.isinf(r.reward) or len(r.prompt_tokens) < 1 or len(tokens) > max_len
+        or np.any(np.asarray(r.versions) < -1) or np.any(np.asarray(r.versions)[model] > version)
+        or not np.all(np.isfinite(r.logprobs)) or np.any(np.asarray(r.logprobs)[model] > _LOGPROB_SLACK)
+        or np.any(tokens < 0) or (vocab_size is not None and np.any(tokens >= vocab_size))):
+      return "bad_values"
+  if prompt is not None and any(not np.array_equal(r.prompt_tokens, prompt) for r in group):
+    return "wrong_prompt"
+  return None
 
 
 def split(groups_per_step: int, samplers: list[str], joining: set[str]) -> dict[str, int]:
@@ -62,15 +92,23 @@ class Hub(Coordination):
   independent samplers; `handlers` are the rpc methods the samplers call."""
 
   def __init__(self, record: RunRecord, spec: RunSpec, max_len: int, resumed_from: int | None = None, *,
-               lease_s: float = 10.0, hold_s: float = 1.0, orphan_s: float = 600.0, poll_s: float = 0.05):
+               lease_s: float = 10.0, hold_s: float = 1.0, orphan_s: float = 600.0, poll_s: float = 0.05,
+               prompt_of: Callable[[int], np.ndarray] | None = None, vocab_size: int | None = None,
+               max_held: int | None = None):
+    """prompt_of: group id -> the prompt tokens of its data position (controller.data; None: not checked);
+    max_held: groups one sampler may hold (None: from the run's shares, far past what an honest sampler holds)."""
     super().__init__(record, spec.rl.max_failures_in_a_row, resumed_from, spec.rl.max_filtered_in_a_row)
     self.spec, self.max_len, self.lease_s, self.hold_s, self.orphan_s = spec, max_len, lease_s, hold_s, orphan_s
-    self.poll_s = poll_s
+    self.poll_s, self.prompt_of, self.vocab_size = poll_s, prompt_of, vocab_size
+    rl = spec.rl
+    self.max_held = max_held or max(64, 4 * ((spec.max_staleness + 2) * rl.groups_per_step + rl.queue_groups))
+    self._issued: set[str] = set()  # every sampler id this hub gave: a lost one's late results are "fenced"
     self.incarnation = uuid.uuid4().hex  # a restarted learner is another: its samplers start over
     self._changed = threading.Condition(self._lock)  # asks, the pool, the samplers
     self._resume_here(spec.rl.group_size)
     self._asks = Asks(0, 0, None)
     self._version = 0  # the learner's, as of its last go_on: the step it trains next
+    self._published = -1  # the newest version published (published): a delivered token may carry it before go_on
     self._seen: dict[str, float] = {}  # registered sampler -> when it last called (monotonic), in order of joining
     self._delivering: set[str] = set()  # registered samplers that delivered a group
     self._joining: set[str] = set()  # registered while others delivered, nothing delivered yet (split)
@@ -104,6 +142,12 @@ class Hub(Coordination):
     with self._lock:
       self._version = version
     return version < self.spec.num_steps and not self.stop.is_set()
+
+  def published(self, version: int) -> None:
+    """The learner is publishing `version` (told before the samplers can pull it): the newest version a delivered
+    token may carry."""
+    with self._lock:
+      self._published = max(self._published, int(version))
 
   def ask(self) -> None:
     with self._changed:
@@ -224,6 +268,7 @@ class Hub(Coordination):
         return {"stopping": True}
       sid = f"s{self.samplers['joined']}-{uuid.uuid4().hex[:6]}"
       self.samplers["joined"] += 1
+      self._issued.add(sid)
       self._seen[sid] = time.monotonic()
       if self._delivering:
         self._joining.add(sid)
@@ -245,6 +290,11 @@ class Hub(Coordination):
       return None
     self._seen[sid] = time.monotonic()
     return sid
+
+  def known(self, request: dict) -> bool:
+    """Whether the caller is a registered sampler (its lease renewed): the weights are described only to one."""
+    with self._lock:
+      return self._known(request) is not None
 
   def _heartbeat(self, request: dict) -> dict:
     """Holds the call up to hold_s until the sampler's asks change (request "seen": the asks it has), then answers
@@ -292,6 +342,9 @@ class Hub(Coordination):
       sid = self._known(request)
       if sid is None:
         return {"expired": True}
+      if sum(s == sid for s, _ in self._held.values()) >= self.max_held:
+        self._drop(sid, "sampler_lost")  # admits without delivering: its groups go to the others
+        return {"expired": True}
       gid, again = self._next_group()
       self._tokens += 1
       self._held[gid] = (sid, self._tokens)
@@ -313,11 +366,14 @@ class Hub(Coordination):
     """Accepts the groups this sampler holds (back-pressure: waits up to hold_s while the pool is full, then answers
     full, and the sampler sends again); refuses, counted, those it no longer holds."""
     groups = packets.decode(np.asarray(request["packet"]), self.max_len)
-    tokens = dict(request["tokens"])  # [[group, token], ...]
+    tokens = {int(g): t for g, t in request["tokens"]}  # [[group, token], ...]
     def held(sid):  # the groups this sampler holds the current assignment of
       return [g for g in groups if sid is not None and self._held.get(g[0].group_id) == (sid, tokens.get(
           g[0].group_id))]
 
+    with self._lock:
+      peek = [g[0].group_id for g in held(self._known(request))]
+    prompts = {gid: self._prompt(gid) for gid in peek}  # outside the lock: rendering a prompt takes a while
     with self._changed:
       sid = self._known(request)
       mine = held(sid)
@@ -330,22 +386,44 @@ class Hub(Coordination):
         mine = held(sid)
       if self.stop.is_set():  # nothing counts past the final record: the groups are pending in it
         return {"expired": True, "full": False}
+      issued = request.get("incarnation") == self.incarnation and request.get("sampler") in self._issued
+      accepted = 0
       for g in groups:
+        gid = g[0].group_id
         self.ledger.generated(g)
-        if any(g is m for m in mine):
-          del self._held[g[0].group_id]
-          self._pool.append(g)
-          self._delivered_at = time.monotonic()
-        else:
-          self._refuse(g, "fenced")
-      if mine and sid not in self._delivering:  # the others' parts shrink to make room for its own
+        if not any(g is m for m in mine) or gid not in self._held:  # not its own, or twice in one packet
+          self._refuse(g, "fenced" if issued else "forged")
+          continue
+        del self._held[gid]
+        prompt = prompts[gid] if gid in prompts else self._prompt(gid)  # held since the peek: rare
+        reason = refusal(g, self.spec, self.max_len, max(self._version, self._published), prompt, self.vocab_size)
+        if reason is not None:
+          self._refuse(g, reason)
+          self._generate_again(gid, reason)
+          print(f"jaxrl hub: group {gid} from sampler {sid} refused ({reason}): it will be generated again",
+                file=sys.stderr, flush=True)
+          continue
+        accepted += 1
+        self._pool.append(g)
+        self._delivered_at = time.monotonic()
+      if accepted and sid not in self._delivering:  # the others' parts shrink to make room for its own
         self._delivering.add(sid)
         self._joining.discard(sid)
         self._resplit()
       if sid is not None and "costs" in request:
         self._costs[sid] = request["costs"]
       self._changed.notify_all()
-      return {"expired": sid is None, "full": False, "accepted": len(mine), "refused": len(groups) - len(mine)}
+      return {"expired": sid is None, "full": False, "accepted": accepted, "refused": len(groups) - accepted}
+
+  def _prompt(self, gid: int):
+    """The prompt tokens of the group's data position (None: not checked, or the data skips it: then no prompt
+    matches)."""
+    if self.prompt_of is None:
+      return None
+    try:
+      return np.asarray(self.prompt_of(gid))
+    except Exception:  # noqa: BLE001 - a position the data skips: no delivered prompt can be its
+      return np.zeros(0, np.int32)
 
   def _goodbye(self, request: dict) -> dict:
     with self._changed:

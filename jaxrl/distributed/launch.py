@@ -7,7 +7,8 @@
 --independent_samplers=N starts no jax.distributed job: a jaxrl-learner and N jaxrl-sampler programs
 (distributed.learner_main, distributed.sampler_main), each with its own JAX runtime, on loopback (launch_independent);
 with --learner_processes=M, M jaxrl-learner processes joined by jax.distributed among themselves (one learner mesh
-over all their devices), the samplers outside that job.
+over all their devices), the samplers outside that job. Every program gets the run's secret in JAXRL_RUN_SECRET (the
+launcher's own if set, else a new one).
 
 Every process runs `python -m jaxrl.distributed.job` (or --module) with the arguments after `--`, with
 JAX_NUM_CPU_DEVICES=--devices_per_process and its own cross-host transfer port; its output is prefixed by
@@ -44,6 +45,7 @@ from jaxrl import config as config_lib
 from jaxrl.controller import auto
 from jaxrl.controller import summary as summary_lib
 from jaxrl.distributed import cli
+from jaxrl.distributed import secret as secret_lib
 from jaxrl.metrics import read_jsonl
 
 
@@ -142,7 +144,10 @@ def launch_independent(num_samplers: int, args: list[str], *, devices_per_proces
     raise ValueError(f"--learner_processes must be at least 1 (got {learner_processes})")
   pinned = cpu_sets(cpu_affinity, learner_processes + num_samplers, os.sched_getaffinity(0))
   port, coordinator = free_ports(2)
-  env = {"JAX_NUM_CPU_DEVICES": str(devices_per_process)}
+  # the run's secret, handed to every program of the run (distributed.secret): the learners' rpc ports take no call
+  # without it
+  env = {"JAX_NUM_CPU_DEVICES": str(devices_per_process),
+         secret_lib.ENV: os.environ.get(secret_lib.ENV) or secret_lib.new()}
   start = time.monotonic()
   joined = [] if learner_processes == 1 else [f"--num_processes={learner_processes}",
                                               f"--coordinator_address=127.0.0.1:{coordinator}"]

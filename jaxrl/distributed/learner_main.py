@@ -2,7 +2,7 @@
 leave while it trains.
 
   jaxrl-learner --config=configs/tiny.py --workdir=/tmp/jaxrl-ind --port=7470
-  jaxrl-sampler --config=configs/tiny.py --learner=127.0.0.1:7470      # as many as wanted, whenever
+  jaxrl-sampler --config=configs/tiny.py --learner=127.0.0.1:7470 --secret_file=/tmp/jaxrl-ind/run.secret  # any time
   python -m jaxrl.distributed.launch --independent_samplers=2 -- --config=configs/tiny.py --workdir=/tmp/jaxrl-ind
 
 It builds the learner side as every topology does (controller.sides.build) on the config's learner devices, and
@@ -12,13 +12,20 @@ single-host one. SIGTERM stops after the current step with a checkpoint (exit 14
 it, and the samplers, which keep trying to register for --reconnect_s, start over with the restarted learner. When
 the run ends, the samplers are told so and exit. workdir/summary.json counts every admitted group: trained,
 dropped, pending, or generated again (groups_generated_again: sampler_lost, sampler_left, late) with the samples
-refused (samples_refused: fenced, late).
+refused (samples_refused: fenced, late, forged, sampling_mismatch, wrong_prompt, bad_values).
+
+Every rpc peer proves the run's secret (distributed.rpc, distributed.secret: --secret_file, else JAXRL_RUN_SECRET,
+else workdir/run.secret, made 0600 on the first start). --host is the address samplers are told (and the weight
+transfer server's); --bind the address the rpc port listens on (default --host; 0.0.0.0 for every interface). What
+one peer may cost is bounded (rpc.Limits: connections, handshakes, read timeout, a frame's bytes from the run's
+packets); the hub checks every delivered group (hub.refusal) before anything counts (docs/SECURITY.md).
 
 A learner over several hosts (a TPU slice) runs one jaxrl-learner per host, joined by jax.distributed among
 themselves (the samplers stay outside that job):
 
-  jaxrl-learner ... --num_processes=2 --process_id=0 --coordinator_address=HOST0:PORT --port=7470 --host=HOST0
-  jaxrl-learner ... --num_processes=2 --process_id=1 --coordinator_address=HOST0:PORT --host=HOST1
+  jaxrl-learner ... --num_processes=2 --process_id=0 --coordinator_address=HOST0:PORT --port=7470 --host=HOST0 \
+      --secret_file=SECRET
+  jaxrl-learner ... --num_processes=2 --process_id=1 --coordinator_address=HOST0:PORT --host=HOST1 --secret_file=SECRET
   python -m jaxrl.distributed.launch --independent_samplers=2 --learner_processes=2 -- --config=...  # loopback
 
 The learner mesh (mesh.learner_axes) spans every device of every learner process. Process 0, the lead, serves the
@@ -49,14 +56,18 @@ import jax.numpy as jnp
 
 from jaxrl import config as config_lib
 from jaxrl import platforms
+from jaxrl.controller import build as build_lib
 from jaxrl.controller import sides
 from jaxrl.controller import summary as summary_lib
+from jaxrl.controller.data import make_prompt_source
 from jaxrl.controller.learner_loop import LearnerLoop
-from jaxrl.distributed import rpc, runtime
+from jaxrl.distributed import packets, rpc, runtime
+from jaxrl.distributed import secret as secret_lib
 from jaxrl.distributed.follow import Follower, FollowLog, Lead, LeadHub
 from jaxrl.distributed.hub import Hub
 from jaxrl.distributed.watchdog import hard_exit
 from jaxrl.distributed.weight_service import WeightServer, local_copy
+from jaxrl.envs.env import EnvTask
 from jaxrl.sampler.slot_engine import compute_dtype_name
 from jaxrl.sharding import resolve_axis_sizes
 
@@ -93,9 +104,14 @@ class HubChannels(sides.OneProcess):
   the state saved by every process (its own shards) as in a multi-process job (distributed.job.JobChannels)."""
 
   def __init__(self, *, host: str = "127.0.0.1", port: int = 0, lease_s: float = 10.0, orphan_s: float = 600.0,
-               learners: Learners = Learners(), follow_timeout_s: float = 30.0):
+               learners: Learners = Learners(), follow_timeout_s: float = 30.0, secret: bytes | None = None,
+               bind: str | None = None, limits: rpc.Limits | None = None):
+    """host: the address samplers are told; bind: the rpc port's listening address (None: host); secret: the run's
+    (None: a follower learner process takes the lead's from the job's store); limits: rpc.Limits, whose
+    max_frame_bytes is made the run's (frame_limit)."""
     self.host, self.port, self.lease_s, self.orphan_s = host, port, lease_s, orphan_s
     self.learners, self.follow_timeout_s = learners, follow_timeout_s
+    self.secret, self.bind, self.limits = secret, bind or host, limits or rpc.Limits()
     self.compile_ahead = learners.many  # gloo gives up on a peer that reaches a collective late (still compiling)
 
   def checkpointer_options(self) -> dict:
@@ -110,35 +126,52 @@ class HubChannels(sides.OneProcess):
   def wire(self, built: sides.Built) -> LearnerProgram:
     c, side, learners = built.config, built.learner, self.learners
     weights = self._weights(c, side)
+    secret = self._secret()
+    limits = dataclasses.replace(self.limits, max_frame_bytes=frame_limit(c, side.learner.model_config,
+                                                                          self.limits.max_header_bytes))
     log = (FollowLog(range(1, learners.num_processes), c.sampler.max_len, end_wait_s=self.follow_timeout_s)
            if learners.many and learners.lead else None)
     hub = where = None
     if learners.lead:
       hub_args = (side.record, side.spec, c.sampler.max_len, side.resumed_from)
-      hub_kw = dict(lease_s=self.lease_s, orphan_s=self.orphan_s)
+      hub_kw = dict(lease_s=self.lease_s, orphan_s=self.orphan_s, prompt_of=data_prompts(c),
+                    vocab_size=side.learner.model_config.vocab_size)
       hub = LeadHub(*hub_args, log=log, **hub_kw) if log is not None else Hub(*hub_args, **hub_kw)
       where = [] if learners.many else None  # every learner process's rpc address, once they all serve
-      followed = {"follow": log.serve, "stop": _stop_asked(hub)} if log is not None else {}
-      handlers = {**hub.handlers(), "register": _assigning(hub.handlers()["register"], where),
-                  "weights": weights.describe, **followed}
-      server = rpc.Server(handlers, self.host, self.port)
-    else:
-      server = rpc.Server({"weights": weights.describe}, self.host, 0)
+      server = rpc.Server(lead_handlers(hub, weights.describe, log, where), self.bind, self.port, secret=secret,
+                          limits=limits)
+    else:  # a follower's pulls are told by the lead's hub: what it checks here is the secret
+      server = rpc.Server({"weights": weights.describe}, self.bind, 0, secret=secret, limits=limits)
+    server.advertised = f"{self.host}:{server.address.rpartition(':')[2]}"
     coord = hub
     if learners.many:
-      learners.store.set(f"learner/{learners.process_id}", server.address)
+      learners.store.set(f"learner/{learners.process_id}", server.advertised)
       # every learner process built and compiled (its programs and the weights' gather) and serving
       addresses = [learners.wait(f"learner/{p}", f"learner process {p} serving", 600.0)
                    for p in range(learners.num_processes)]
       if learners.lead:
         where[:] = addresses
       else:
-        lead = Lead(addresses[0], learners.process_id, timeout_s=self.follow_timeout_s, wait_s=self.orphan_s + 60)
+        lead = Lead(addresses[0], learners.process_id, secret=secret, timeout_s=self.follow_timeout_s,
+                    wait_s=self.orphan_s + 60)
         coord = Follower(lead, side.record, c.sampler.max_len, side.resumed_from)
-    loop = LearnerLoop(side.spec, train_step=side.train_step, state=side.state, rollouts=coord, weights=weights,
+    told = _TellingTheHub(weights, hub) if hub is not None else weights
+    loop = LearnerLoop(side.spec, train_step=side.train_step, state=side.state, rollouts=coord, weights=told,
                        coord=coord, checkpointer=side.checkpointer, metrics=side.metrics, trace=side.trace,
                        telemetry=side.telemetry)
-    return LearnerProgram(c, side, coord, loop, weights, server, learners, log)
+    return LearnerProgram(c, side, coord, loop, weights, server, learners, log, secret)
+
+  def _secret(self) -> bytes:
+    """The run's secret; a follower learner process given none takes the lead's from the job's store (the
+    jax.distributed coordination service: the learner processes' own trusted network)."""
+    learners = self.learners
+    if learners.many and learners.lead:
+      learners.store.set("learner/secret", self.secret.decode())
+    if self.secret is not None:
+      return self.secret
+    if not learners.many:
+      raise ValueError("jaxrl-learner: no run secret")
+    return learners.wait("learner/secret", "the lead's run secret", 600.0).encode()
 
   def _weights(self, c, side: sides.LearnerSide) -> WeightServer:
     """This process's weight server, staging each version as the sampler engine takes it; over several learner
@@ -152,6 +185,62 @@ class HubChannels(sides.OneProcess):
       gather.compile(side.state.params)
     return WeightServer(dtype=dtype, weight_dtype=c.sampler.weight_dtype, host=self.host, device=device,
                         gather=gather)
+
+
+class _TellingTheHub:
+  """The lead loop's weights: each version is told to the hub as it is published (the newest version a delivered
+  token may carry: a sampler may pull it and deliver before the loop's next go_on), then published."""
+
+  def __init__(self, weights: WeightServer, hub: Hub):
+    self.weights, self.hub = weights, hub
+
+  def publish(self, params, version: int) -> None:
+    self.hub.published(version)
+    self.weights.publish(params, version)
+
+  def __getattr__(self, name: str):
+    return getattr(self.weights, name)
+
+
+def frame_limit(c, model_config, header_bytes: int) -> int:
+  """The most bytes one rpc frame of this run needs: a delivery of rl.queue_groups groups (the samplers' packet,
+  its routing as wide as the model's: every layer routed) and its header."""
+  routing = (model_config.num_layers, model_config.num_experts_per_tok) if model_config.num_experts else None
+  rows = c.rl.queue_groups * c.rl.group_size
+  return header_bytes + 4 * rows * packets.packet_width(c.sampler.max_len, routing)
+
+
+def data_prompts(c):
+  """group id -> the prompt tokens of its data position, as the samplers render them (controller.data), for the
+  hub's check of every delivered group; None for a multi-turn env task (its first turn is the env's own reset,
+  which runs no code of an env on the learner)."""
+  model_cfg, tokenizer, _ = build_lib.model_source(c.model, c.sampler.max_len)
+  try:
+    task, prompts = make_prompt_source(c.task, c.seed, tokenizer, model_cfg, episodes=False)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:  # the learner's host needs the task's data too
+    raise config_lib.ConfigError(f"task {c.task.name!r} (the learner checks each delivered group's prompt): {e}") \
+      from e
+  if isinstance(task, EnvTask):
+    return None
+  return lambda gid: prompts(gid)[0]
+
+
+def lead_handlers(hub: Hub, describe, log: FollowLog | None = None, where: list[str] | None = None) -> dict:
+  """The lead's rpc methods: the hub's, the weights (described to registered samplers only) and, over several
+  learner processes, the follow log and a follower's stop request."""
+  followed = {"follow": log.serve, "stop": _stop_asked(hub)} if log is not None else {}
+  return {**hub.handlers(), "register": _assigning(hub.handlers()["register"], where),
+          "weights": _registered_only(hub, describe), **followed}
+
+
+def _registered_only(hub: Hub, describe):
+  """The lead's "weights": described (a pull registered) only for a sampler the hub holds a lease for."""
+  def handler(request: dict) -> dict:
+    if not hub.known(request):
+      return {"version": -1, "expired": True}
+    return describe(request)
+
+  return handler
 
 
 def _stop_asked(hub: Hub):
@@ -191,9 +280,10 @@ class LearnerProgram:
   serves."""
 
   def __init__(self, c, side: sides.LearnerSide, hub: Hub | Follower, loop: LearnerLoop, weights: WeightServer,
-               server: rpc.Server, learners: Learners = Learners(), log: FollowLog | None = None):
+               server: rpc.Server, learners: Learners = Learners(), log: FollowLog | None = None,
+               secret: bytes = b""):
     self.c, self.side, self.hub, self.loop, self.weights, self.server = c, side, hub, loop, weights, server
-    self.learners, self.log = learners, log
+    self.learners, self.log, self.secret = learners, log, secret
 
   def run(self, linger_s: float = 5.0) -> None:
     """Trains to num_steps (or a stop request); then tells the samplers, waiting up to linger_s for their goodbyes,
@@ -203,8 +293,8 @@ class LearnerProgram:
     loop, hub = self.loop, self.hub
     loop.log_start("sync" if loop.spec.max_staleness == 0 else "pipeline", self.side.record)
     loop.weights.publish(loop.state.params, loop.version)
-    print(f"jaxrl-learner: serving samplers on {self.server.address} from version {loop.version}", file=sys.stderr,
-          flush=True)
+    print(f"jaxrl-learner: serving samplers on {self.server.advertised} (listening on {self.server.address}) from "
+          f"version {loop.version}", file=sys.stderr, flush=True)
     try:
       with summary_lib.stop_on_signals(hub.request_stop, (signal.SIGTERM,),
                                        "jaxrl-learner: {name}: stopping after the current step with a checkpoint"):
@@ -233,7 +323,7 @@ class LearnerProgram:
     loop, follower = self.loop, self.hub
     loop.weights.publish(loop.state.params, loop.version)  # with the lead's first publish (a collective)
     print(f"jaxrl-learner: learner process {self.learners.process_id} follows the lead at {follower.lead.address}; "
-          f"serving weights on {self.server.address} from version {loop.version}", file=sys.stderr, flush=True)
+          f"serving weights on {self.server.advertised} from version {loop.version}", file=sys.stderr, flush=True)
     with summary_lib.stop_on_signals(self._ask_the_lead_to_stop, (signal.SIGTERM,),
                                      "jaxrl-learner: {name}: asking the lead to stop after the current step"):
       follower.guarded("learner", loop.run)
@@ -249,7 +339,7 @@ class LearnerProgram:
     def ask():
       try:
         rpc.call(self.hub.lead.address, "stop", {"reason": name, "process": self.learners.process_id},
-                 timeout_s=10.0)
+                 timeout_s=10.0, secret=self.secret)
       except rpc.RpcError as e:
         print(f"jaxrl-learner: {e}", file=sys.stderr, flush=True)
 
@@ -318,7 +408,13 @@ def main(argv=None):
   flags_def = flags.FLAGS
   config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/tiny.py[:arg]", lock_config=True)
   flags.DEFINE_string("workdir", None, "run folder: checkpoints, metrics, summary; an existing checkpoint resumes")
-  flags.DEFINE_string("host", "127.0.0.1", "the address samplers reach this learner process at")
+  flags.DEFINE_string("host", "127.0.0.1", "the address samplers are told to reach this learner process at (and "
+                      "the weight transfer server's)")
+  flags.DEFINE_string("bind", None, "the address the rpc port listens on (default: --host; 0.0.0.0: every interface)")
+  flags.DEFINE_string("secret_file", None, "the run's secret (else $JAXRL_RUN_SECRET, else workdir/run.secret, made "
+                      "0600 on the first start); every sampler and learner process of the run must be given it")
+  flags.DEFINE_float("rpc_read_timeout_s", 30.0, "an rpc peer silent this long in a request is closed")
+  flags.DEFINE_integer("rpc_max_connections", 64, "rpc requests served at once (a thread each); more are closed")
   flags.DEFINE_integer("port", 0, "the port samplers call (0: a free one, printed); the lead's (other learner "
                        "processes serve weights on a free port)")
   flags.DEFINE_float("lease_s", 10.0, "a sampler silent this long is dropped; its groups are generated again")
@@ -338,10 +434,13 @@ def main(argv=None):
                        heartbeat_timeout_s=max(1, int(flags_def.heartbeat_timeout_s)))
     learners = Learners(flags_def.process_id, flags_def.num_processes, runtime.Store())
   try:
+    secret = (secret_lib.for_learner(flags_def.workdir, flags_def.secret_file) if learners.lead
+              else secret_lib.read(flags_def.secret_file))
+    limits = rpc.Limits(max_connections=flags_def.rpc_max_connections, read_timeout_s=flags_def.rpc_read_timeout_s)
     summary = train(flags_def.config, flags_def.workdir, learners, host=flags_def.host, port=flags_def.port,
                     lease_s=flags_def.lease_s, orphan_s=flags_def.orphan_s,
-                    follow_timeout_s=flags_def.follow_timeout_s)
-  except config_lib.ConfigError as e:
+                    follow_timeout_s=flags_def.follow_timeout_s, secret=secret, bind=flags_def.bind, limits=limits)
+  except (config_lib.ConfigError, secret_lib.SecretError) as e:
     print(f"jaxrl-learner: {e}", file=sys.stderr)
     sys.exit(2)
   except Exception as e:  # a learner process of several: the others are left in collectives; end at once

@@ -29,20 +29,23 @@ from jaxrl.rollout import Rollout
 _UNBOUNDED = 1 << 62
 
 
-def register(address: str, *, timeout_s: float, reconnect_s: float, poll_s: float = 0.05,
+def register(address: str, *, secret: bytes, timeout_s: float, reconnect_s: float, poll_s: float = 0.05,
              stopping: Callable[[], bool] = lambda: False) -> RemoteCoordinator | None:
-  """Registers with the learner at address, trying again while it cannot be reached (a learner restarting from
-  its checkpoint) for up to reconnect_s; then RpcError names the learner and the wait. None once `stopping()`."""
+  """Registers with the learner at address (proving the run's secret), trying again while it cannot be reached (a
+  learner restarting from its checkpoint) for up to reconnect_s; then RpcError names the learner and the wait; at
+  once if the learner refuses the secret. None once `stopping()`."""
   t0 = time.monotonic()
   while not stopping():
     try:
-      reply = rpc.call(address, "register", {"host": socket.gethostname()}, timeout_s=timeout_s)
+      reply = rpc.call(address, "register", {"host": socket.gethostname()}, timeout_s=timeout_s, secret=secret)
       if not reply.get("stopping"):
-        return RemoteCoordinator(address, reply, timeout_s=timeout_s, poll_s=poll_s)
+        return RemoteCoordinator(address, reply, secret=secret, timeout_s=timeout_s, poll_s=poll_s)
       e = rpc.RpcError(address, "register", "reply", "the learner is stopping")
     except rpc.RpcError as error:
       e = error
-    if e.waited_for == "handler" or time.monotonic() - t0 > reconnect_s:
+    if e.waited_for in ("handler", "auth"):
+      raise e
+    if time.monotonic() - t0 > reconnect_s:
       raise rpc.RpcError(address, "register", e.waited_for,
                          f"the learner did not take a registration for {reconnect_s:g}s ({e})") from None
     time.sleep(min(1.0, reconnect_s / 10))
@@ -52,9 +55,9 @@ def register(address: str, *, timeout_s: float, reconnect_s: float, poll_s: floa
 class RemoteCoordinator(Coordination):
   """The sampler side of controller.interfaces.Coordinator for one registration with the hub."""
 
-  def __init__(self, address: str, registered: dict, *, timeout_s: float, poll_s: float = 0.05):
+  def __init__(self, address: str, registered: dict, *, secret: bytes, timeout_s: float, poll_s: float = 0.05):
     super().__init__(RunRecord(), _UNBOUNDED, max_filtered_in_a_row=_UNBOUNDED)
-    self.address, self.timeout_s, self.poll_s = address, timeout_s, poll_s
+    self.address, self.secret, self.timeout_s, self.poll_s = address, secret, timeout_s, poll_s
     self.sampler, self.incarnation = registered["sampler"], registered["incarnation"]
     self.resumed_pass_rate = registered["pass_rate"]
     self.resumed_filter = tuple(registered["filter"])
@@ -74,9 +77,10 @@ class RemoteCoordinator(Coordination):
     lease ends this registration (Stopped)."""
     try:
       reply = rpc.call(at or self.address, method,
-                       {"sampler": self.sampler, "incarnation": self.incarnation, **request}, timeout_s=self.timeout_s)
+                       {"sampler": self.sampler, "incarnation": self.incarnation, **request}, timeout_s=self.timeout_s,
+                       secret=self.secret)
     except rpc.RpcError as e:
-      if e.waited_for == "handler":
+      if e.waited_for in ("handler", "auth"):
         raise
       self.end("lost", str(e))
       raise Stopped from None

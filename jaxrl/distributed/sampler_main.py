@@ -1,7 +1,9 @@
 """jaxrl-sampler: one sampler as its own program (its own JAX runtime, in no jax.distributed job), serving a
 learner started by jaxrl-learner; it may start, die, be stopped or be preempted at any time.
 
-  jaxrl-sampler --config=configs/tiny.py --learner=127.0.0.1:7470
+  jaxrl-sampler --config=configs/tiny.py --learner=127.0.0.1:7470 --secret_file=/tmp/jaxrl-ind/run.secret
+
+Every call to the learner proves the run's secret (--secret_file, or JAXRL_RUN_SECRET; distributed.secret).
 
 It builds the sampler side as every topology does (controller.sides.build) and runs the single-host SamplerLoop on
 remote channels (distributed.remote: coordinator and rollouts; distributed.weight_service: weights). A registration
@@ -30,6 +32,7 @@ from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.rollouts import Stopped
 from jaxrl.controller.sampler_loop import SamplerLoop
 from jaxrl.distributed import packets, remote, rpc
+from jaxrl.distributed import secret as secret_lib
 from jaxrl.distributed.weight_service import WeightClient
 from jaxrl.rollout import Rollout
 from jaxrl.sharding import Versioned
@@ -67,8 +70,10 @@ class PulledWeights:
 class SamplerChannels(sides.OneProcess):
   """The sampler program's channels (controller.sides.Channels): nothing of the learner is built here."""
 
-  def __init__(self, learner: str, *, timeout_s: float = 30.0, reconnect_s: float = 120.0, poll_s: float = 0.05):
+  def __init__(self, learner: str, *, secret: bytes, timeout_s: float = 30.0, reconnect_s: float = 120.0,
+               poll_s: float = 0.05):
     self.learner, self.timeout_s, self.reconnect_s, self.poll_s = learner, timeout_s, reconnect_s, poll_s
+    self.secret = secret
 
   def wire(self, built: sides.Built) -> SamplerProgram:
     return SamplerProgram(built.config, built.sampler, self)
@@ -95,7 +100,8 @@ class SamplerProgram:
     """How the program ended: "done" (the run is over) or the signal that stopped it."""
     ch = self.ch
     while self.stopping is None:
-      coord = self.coord = remote.register(ch.learner, timeout_s=ch.timeout_s, reconnect_s=ch.reconnect_s,
+      coord = self.coord = remote.register(ch.learner, secret=ch.secret, timeout_s=ch.timeout_s,
+                                           reconnect_s=ch.reconnect_s,
                                            poll_s=ch.poll_s, stopping=lambda: self.stopping is not None)
       if coord is None:  # stopped while the learner could not be reached
         break
@@ -141,13 +147,16 @@ class SamplerProgram:
       return
     old, groups = self._left
     self._left = None
-    if groups:
+    capacity = self.spec.rl.queue_groups  # the learner's frames hold a delivery of at most this many groups
+    for at in range(0, len(groups), capacity):
+      chunk = groups[at : at + capacity]
       request = {"sampler": old.sampler, "incarnation": old.incarnation, "tokens": [],
-                 "packet": packets.encode(groups, self.c.sampler.max_len)}
+                 "packet": packets.encode(chunk, self.c.sampler.max_len)}
       try:
-        rpc.call(old.address, "deliver", request, timeout_s=self.ch.timeout_s)
+        rpc.call(old.address, "deliver", request, timeout_s=self.ch.timeout_s, secret=self.ch.secret)
       except rpc.RpcError as e:
-        print(f"jaxrl-sampler: {e}; {len(groups)} groups of a lost registration not reported", file=sys.stderr)
+        print(f"jaxrl-sampler: {e}; {len(groups) - at} groups of a lost registration not reported", file=sys.stderr)
+        return
 
 
 def main(argv=None):
@@ -160,17 +169,21 @@ def main(argv=None):
   flags.DEFINE_string("learner", None, "HOST:PORT of the jaxrl-learner to serve")
   flags.DEFINE_float("timeout_s", 30.0, "every call to the learner (and weight pull) gets this long")
   flags.DEFINE_float("reconnect_s", 120.0, "how long to keep trying to register with an unreachable learner")
+  flags.DEFINE_string("secret_file", None, "the run's secret (the learner's workdir/run.secret); else "
+                      "$JAXRL_RUN_SECRET")
   flags.mark_flags_as_required(["config", "learner"])
   config_lib.parse_cli("jaxrl-sampler", argv)
   try:
     c = config_lib.validate(flags_def.config, None, num_devices=len(jax.devices()))
     config_lib.validate_data_files(c)
-  except config_lib.ConfigError as e:
+    secret = secret_lib.required(flags_def.secret_file, "jaxrl-sampler")
+  except (config_lib.ConfigError, ValueError, OSError) as e:
     print(f"jaxrl-sampler: {e}", file=sys.stderr)
     sys.exit(2)
   roles = sides.Roles.single(c.mesh, jax.devices()[: c.mesh.num_devices])
   held = sides.Roles(roles.learner_devices, roles.sampler_devices, learner=False, sampler_rank=0, lead=False)
-  channels = SamplerChannels(flags_def.learner, timeout_s=flags_def.timeout_s, reconnect_s=flags_def.reconnect_s)
+  channels = SamplerChannels(flags_def.learner, secret=secret, timeout_s=flags_def.timeout_s,
+                             reconnect_s=flags_def.reconnect_s)
   program = sides.build(c, None, held, channels).runner
   code = 0
   try:

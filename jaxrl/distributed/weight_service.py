@@ -12,6 +12,13 @@ What the transfer API does on this jaxlib (probed on CPU, docs/RELIABILITY.md "W
 - await_pull's timeout drops the entry, and the pull's own timeout is not enforced (a pull of an unknown or expired
   uuid waits until the connection closes): every pull here is bounded by a thread that is left behind on timeout;
 - TransferServer has no close: the process's server lives as long as the process.
+
+The transfer server's port has no authentication of its own: a pull needs the uuid of a registration, which only
+`describe` gives (to a caller that proved the run's secret over rpc, and, on the lead, to a registered sampler).
+The uuid is 62 bits from `secrets`, registered for one pull: a one-time capability. Registrations cannot be
+cancelled, and each holds its version's arrays until pulled or expired (serve_s): a sampler may hold max_pending
+registrations it has not pulled (a describe with a newer "have" says it pulled or gave up the older ones), the
+server max_pending_total in all; past either, describe answers without a pull ("busy") and the sampler asks again.
 """
 
 from __future__ import annotations
@@ -132,17 +139,22 @@ class WeightServer:
   checksums; describe() serves the newest to one sampler pull. A LoRA learner publishes its adapters alone."""
 
   def __init__(self, *, dtype=None, weight_dtype: str = "float", host: str = "127.0.0.1", device=None,
-               serve_s: float = 120.0, chunk_bytes: int = CHUNK_BYTES, gather: Callable | None = None):
+               serve_s: float = 120.0, chunk_bytes: int = CHUNK_BYTES, gather: Callable | None = None,
+               max_pending: int = 2, max_pending_total: int = 16):
     """serve_s: how long a described pull stays registered (then the transfer server drops it and its references);
-    gather: params -> a full copy on `device`, for params this process does not hold whole (local_copy)."""
+    gather: params -> a full copy on `device`, for params this process does not hold whole (local_copy);
+    max_pending(_total): registrations not yet pulled, per sampler and in all (module docstring)."""
     self._dtype, self._weight_dtype, self._serve_s, self._gather = dtype, weight_dtype, serve_s, gather
     self._where = SingleDeviceSharding(device or jax.local_devices()[0])
     self._server = transfer_server(host, chunk_bytes)
     self.address = self._server.address()
     self._lock = threading.Lock()
     self._newest: tuple[int, list[jax.Array], dict] | None = None
+    self.max_pending, self.max_pending_total = max_pending, max_pending_total
+    self._pending: list[tuple[str, int, float]] = []  # registrations not known pulled: (sampler, version, expiry)
     self.published = 0
     self.served = 0  # pulls registered for samplers (describe)
+    self.busy = 0  # describes answered without a pull: too many registrations not pulled
     self.digests: dict[int, str] = {}  # version -> a digest of its checksums, for every version published
     self.timings: dict[str, float] = {}  # the last publish's seconds: staging (cast, quantize, copy), checksums
 
@@ -170,17 +182,23 @@ class WeightServer:
   def describe(self, request: dict) -> dict:
     """{"sampler", "have"} -> {"version": the newest (-1: none yet)}, plus, when newer than "have", the pull:
     "address", "uuid" (registered for one pull for serve_s), "names", "leaves" ([shape, dtype]) and "checksums"."""
-    have = int(request.get("have", -1))
+    have, sampler = int(request.get("have", -1)), str(request.get("sampler"))
     with self._lock:
       newest = self._newest
-    if newest is None or newest[0] <= have:
-      return {"version": -1 if newest is None else newest[0]}
+      if newest is None or newest[0] <= have:
+        return {"version": -1 if newest is None else newest[0]}
+      now = time.monotonic()
+      self._pending = [(s, v, end) for s, v, end in self._pending if end > now and not (s == sampler and v <= have)]
+      if (sum(s == sampler for s, _, _ in self._pending) >= self.max_pending
+          or len(self._pending) >= self.max_pending_total):
+        self.busy += 1
+        return {"version": newest[0], "busy": True}
+      self._pending.append((sampler, newest[0], now + self._serve_s))
+      self.served += 1
     version, leaves, info = newest
-    uuid = secrets.randbits(62)
+    uuid = secrets.randbits(62)  # unguessable: the transfer port takes any pull of a registered uuid
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._serve_s)
     self._server.await_pull(uuid, leaves, timeout=deadline)
-    with self._lock:
-      self.served += 1
     return {"version": version, "address": self.address, "uuid": uuid, **copy.deepcopy(info)}  # a caller's own
 
   def close(self) -> None:

@@ -24,7 +24,8 @@ BASE = {"num_steps": NUM_STEPS, "mesh.num_devices": 2, "mesh.sampler_devices": 1
 # Child processes compile the same programs as the parent (same devices, same matmul precision) and share its
 # persistent compilation cache (conftest.py fills in the folder).
 CHILD_ENV = {"JAX_NUM_CPU_DEVICES": "8", "JAX_DEFAULT_MATMUL_PRECISION": "highest", "TF_CPP_MIN_LOG_LEVEL": "3",
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+             "JAXRL_RUN_SECRET": "f" * 64}  # a learner and its samplers started apart share the run's secret
 TALLY: collections.Counter[str] = collections.Counter()  # printed at the end of the session
 
 
