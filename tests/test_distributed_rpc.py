@@ -70,6 +70,32 @@ def test_a_dead_peer_is_a_connect_error():
   assert e.value.waited_for == "connect"
 
 
+def test_a_server_gone_in_the_handshake_is_a_connect_error_and_only_its_no_is_auth():
+  """A learner killed (or busy) while a sampler answers its nonce closes without a word: the sampler must take that
+  as a connection lost (it reconnects), not as a wrong secret (it would exit: seen when a lead learner was killed)."""
+  listener = socket.socket()
+  listener.bind(("127.0.0.1", 0))
+  listener.listen(4)
+  address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+  def serve(answer: bytes) -> None:
+    sock, _ = listener.accept()
+    with sock:
+      sock.sendall(rpc.HELLO + bytes(rpc.NONCE))
+      _ = sock.recv(rpc.NONCE + 32)
+      sock.sendall(answer)
+
+  for answer, waited_for, message in ((b"", "connect", "closed the connection in the handshake"),
+                                      (rpc.REFUSED, "auth", "does not hold the run's secret")):
+    thread = threading.Thread(target=serve, args=(answer,))
+    thread.start()
+    with pytest.raises(rpc.RpcError, match=message) as e:
+      secret_util.call(address, "ping", {}, timeout_s=5)
+    thread.join()
+    assert e.value.waited_for == waited_for
+  listener.close()
+
+
 def test_a_peer_that_closes_mid_reply_and_hostile_frames():
   listener = socket.socket()
   listener.bind(("127.0.0.1", 0))

@@ -5,9 +5,12 @@ Every connection starts with a fixed-size handshake that proves the run's secret
 sending it: the server sends HELLO and a fresh 32-byte nonce; the client answers its own nonce and
 HMAC-SHA256(secret, "client" | server nonce | client nonce); the server checks it (hmac.compare_digest) and proves
 itself with HMAC-SHA256(secret, "server" | server nonce | client nonce). Nothing else is read from a peer that has
-not answered: a wrong, missing or replayed answer (the server's nonce is new on every connection) closes the
-connection. Handshakes run in one selector thread (no thread per unauthenticated connection); past
-Limits.max_handshakes waiting, the oldest is closed, and a handshake not answered in handshake_s is closed.
+not answered: a wrong, missing or replayed answer (the server's nonce is new on every connection) gets REFUSED
+(32 zero bytes, never a server's proof) and the connection closed. Only that marker is an "auth" failure for the
+client: a connection that closes in the handshake without it (a server killed, restarting, or one that timed the
+client out or had too many handshakes waiting) is a "connect" failure, which a sampler survives by reconnecting.
+Handshakes run in one selector thread (no thread per unauthenticated connection); past Limits.max_handshakes
+waiting, the oldest is closed, and a handshake not answered in handshake_s is closed.
 
 Then a message is one frame: an 8-byte big-endian length, a JSON header of that many bytes, then the raw bytes of
 the numpy arrays the message carries, in order. An array anywhere in a request or reply (a dict, list or tuple
@@ -47,6 +50,7 @@ _KINDS = "biufc"  # numeric dtypes (bool, int, uint, float, complex): no object 
 HELLO = b"JAXRLRPC"  # then the server's nonce
 NONCE = 32
 _MAC = 32
+REFUSED = bytes(_MAC)  # the server's answer to a wrong secret: no HMAC output is all zeros in practice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +280,10 @@ class Server:
       return
     client_nonce, answer = w.got[:NONCE], w.got[NONCE:]
     if not hmac.compare_digest(answer, mac(self.secret, b"client", w.nonce, client_nonce)):
+      try:
+        sock.send(REFUSED)  # an explicit no: the client tells a wrong secret from a server gone mid-handshake
+      except OSError:
+        pass
       self._close(selector, waiting, sock, "secret", "did not prove the run's secret")
       return
     selector.unregister(sock)
@@ -350,9 +358,11 @@ def _handshake(sock: socket.socket, secret: bytes, address: str, method: str) ->
   sock.sendall(client_nonce + mac(secret, b"client", server_nonce, client_nonce))
   try:
     proof = _read_exactly(sock, _MAC)
-  except ConnectionError:
+  except ConnectionError:  # no answer at all: the server went away or dropped the handshake (busy, timed out)
+    raise RpcError(address, method, "connect", "the server closed the connection in the handshake") from None
+  if proof == REFUSED:
     raise RpcError(address, method, "auth", "the server refused the handshake: this program does not hold the "
-                   "run's secret (--secret_file or JAXRL_RUN_SECRET)") from None
+                   "run's secret (--secret_file or JAXRL_RUN_SECRET)")
   if not hmac.compare_digest(proof, mac(secret, b"server", server_nonce, client_nonce)):
     raise RpcError(address, method, "auth", "the server did not prove the run's secret")
 

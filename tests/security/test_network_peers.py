@@ -96,15 +96,18 @@ def _authenticated(server, secret=SECRET) -> socket.socket:
   return sock
 
 
-def _closed(sock: socket.socket, timeout_s: float = 5.0) -> bool:
-  """The server closed the connection (within timeout_s) without a byte of reply."""
+def _closed(sock: socket.socket, timeout_s: float = 5.0, said: bytes = b"") -> bool:
+  """The server closed the connection (within timeout_s) having sent exactly `said` (nothing, or its REFUSED)."""
   sock.settimeout(timeout_s)
+  got = b""
   try:
-    return sock.recv(1) == b""
+    while chunk := sock.recv(64):
+      got += chunk
   except ConnectionResetError:
-    return True
+    pass
   finally:
     sock.close()
+  return got == said
 
 
 def _send(sock: socket.socket, data: bytes) -> socket.socket:
@@ -136,7 +139,7 @@ def test_a_peer_without_the_secret_gets_nothing_and_is_counted_nowhere(lead):
   sock = socket.create_connection(("127.0.0.1", _port(server)), timeout=5)  # no handshake: the frame at once
   sock.recv(len(rpc.HELLO) + rpc.NONCE)
   sock.sendall(rpc.encode({"method": "stop", "request": requests["stop"]}))
-  assert _closed(sock)
+  assert _closed(sock, said=rpc.REFUSED)
   assert server.refused["secret"] == 2 * len(requests) + 1
   assert hub.samplers["joined"] == 0 and hub.ledger.samples_generated == 0 and not hub.stop.is_set()
   assert described == [] and log.first == 0 and log._fetched == {1: 0} and hub.depth() == 0
@@ -176,7 +179,7 @@ def test_a_replayed_handshake_is_refused(lead):
   again = socket.create_connection(("127.0.0.1", _port(server)), timeout=5)
   assert rpc._read_exactly(again, len(rpc.HELLO) + rpc.NONCE)[len(rpc.HELLO):] != nonce  # a fresh nonce
   again.sendall(answer)
-  assert _closed(again) and server.refused["secret"] == 1
+  assert _closed(again, said=rpc.REFUSED) and server.refused["secret"] == 1
 
 
 def test_forged_groups_from_a_peer_with_the_secret_are_refused_under_their_reasons(lead):
