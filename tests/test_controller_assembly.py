@@ -224,6 +224,46 @@ def test_the_sampler_loop_admits_for_the_part_of_each_share_it_is_asked_for():
     assert loop.book.open_groups() == list(range(admitted))
 
 
+class _SkipsAfterStart(_PartOfEachShare):
+  """A coordinator whose learner has skipped `skipped` updates since the loop started (none at its start)."""
+
+  def __init__(self, skipped):
+    super().__init__(None)
+    self.skipped, self.calls = skipped, 0
+
+  def progress(self):
+    self.calls += 1
+    return Asks(0, 0 if self.calls == 1 else self.skipped, None)
+
+
+def test_the_sampler_loop_counts_the_learners_skipped_updates_in_its_book():
+  """A skipped update trains no version: the sampler loop's book must move its step back by each one the learner
+  reports, or its admissions (and deadlines) run a version ahead of the learner and a fault run waits forever for
+  groups never admitted. Here, at version 0 with k = 1 and 2 groups a step, each skipped update is room for one
+  more step of groups."""
+  class Engine:
+    max_slots, max_len = 64, 100
+
+  class Sampler:
+    version, num_waiting, num_active, engine = 0, 0, 0, Engine()
+
+    def submit(self, *args, **kw):
+      pass
+
+  class Weights:
+    def take_newer(self, version):
+      return None
+
+  rl = settings.RL(group_size=2, groups_per_step=2, seq_len=8)
+  spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
+  for skipped, admitted in ((0, 4), (1, 6), (2, 8)):
+    loop = SamplerLoop(spec, sampler=Sampler(), prompts=lambda gid: (np.array([1], np.int32), {}), score=None,
+                       rollouts=None, weights=Weights(), coord=_SkipsAfterStart(skipped))
+    loop.run()
+    assert loop.book.skipped == skipped and loop.book.step == -skipped
+    assert loop.book.open_groups() == list(range(admitted))
+
+
 def test_a_book_whose_part_shrinks_takes_the_smaller_share_and_leaves_the_rest_out_at_its_deadline():
   book = DeadlineBook(0, 2)
   for gid in range(2):
