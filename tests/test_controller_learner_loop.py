@@ -51,10 +51,10 @@ def _group(gid, version, sampling=DEFAULT):
           for i in range(GROUP_SIZE)]
 
 
-def _loop(groups, *, version=0, num_steps=2, applies=None, max_staleness=1):
+def _loop(groups, *, version=0, num_steps=2, applies=None, max_staleness=1, filter_groups="none"):
   """A learner loop over `groups` (one a step) from state `version`; `applies`: whether each call of the stand-in
   train step applies its update (default: all). Returns (loop, weights, the rng keys the steps were given)."""
-  rl = RL(group_size=GROUP_SIZE, groups_per_step=1, seq_len=8, num_minibatches=1)
+  rl = RL(group_size=GROUP_SIZE, groups_per_step=1, seq_len=8, num_minibatches=1, filter_groups=filter_groups)
   spec = RunSpec(rl=rl, sampler=Sampler(), task=Task(), num_steps=num_steps, max_staleness=max_staleness, seed=SEED)
   applies, keys = list(applies or []), []
 
@@ -95,6 +95,25 @@ def test_a_skipped_update_drops_its_groups_tells_the_samplers_and_publishes_noth
   # the skipped group is settled too: a checkpoint does not regenerate it
   assert loop.coord.checkpoint_record()["pending_group_ids"] == []
   assert "update skipped at version 0" in capsys.readouterr().err
+
+
+def test_filtered_and_cancelled_groups_are_dropped_under_their_reasons_never_trained():
+  """The learner's own check of what reaches it (caught in seconds here, not only end to end): with
+  rl.filter_groups a group scored alike is dropped as "filtered", a group the sampler cancelled as "cancelled"; each
+  is settled (not pending), counted under its reason, takes no place of a step and stops nothing."""
+  alike = _group(1, 0)
+  for r in alike:
+    r.reward = 1.0
+  cancelled = _group(2, 0)
+  for r in cancelled:
+    r.left_out = "cancelled"
+  loop, weights, keys = _loop([_group(0, 0), alike, cancelled, _group(3, 0)], filter_groups="zero_variance")
+  loop.run()
+  led = loop.ledger
+  assert loop.version == 2 and len(keys) == 2 and weights.published == [(1.0, 1), (2.0, 2)]
+  assert led.samples_trained == 2 * GROUP_SIZE and led.filtered_groups == 1
+  assert led.dropped == {"filtered": GROUP_SIZE, "cancelled": GROUP_SIZE} and led.dropped_groups == 2
+  assert loop.coord.checkpoint_record()["pending_group_ids"] == [] and not loop.coord.stop.is_set()
 
 
 def test_every_step_trains_with_the_rng_of_its_own_train_step():
