@@ -38,7 +38,7 @@ def base() -> ml_collections.ConfigDict:
     value = setting.default
     if isinstance(value, dict):  # a section of options (model sizes, mesh axes, loss, ...)
       value = ml_collections.ConfigDict(value)
-    elif setting.any_type:
+    elif setting.any_type:  # several types (an int or "auto"; a float or None): the CLI parses each as written
       value = ml_collections.FieldReference(value, field_type=object)
     node[leaf] = value
   return c
@@ -65,11 +65,15 @@ def override(c: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDic
 def parse_cli(prog: str, argv=None, flag_values=None) -> None:
   """Parses a CLI's absl flags, ml_collections config overrides (--config.<key>=...) included. A bad flag (unknown
   config key, wrong type, missing value) or a stray argument ends the process with one line `prog: ...` and exit
-  status 2, before any work. --config_help prints every setting with its default, values and meaning."""
+  status 2, before any work. --config_help prints every setting with its default, values and meaning; --help (-h)
+  prints the program's own flags and exits 0."""
   from absl import flags
 
   flag_values = flags.FLAGS if flag_values is None else flag_values
   argv = list(sys.argv if argv is None else argv)
+  if {"--help", "-h", "--helpfull", "-help"} & set(argv[1:]):
+    print(usage(prog, flag_values))
+    sys.exit(0)
   if "--config_help" in argv:  # every setting from its one declaration (jaxrl.settings), then nothing else
     print(help_text())
     sys.exit(0)
@@ -85,6 +89,16 @@ def parse_cli(prog: str, argv=None, flag_values=None) -> None:
     sys.argv = saved
   if len(rest) > 1:
     cli_error(prog, f"unexpected arguments: {rest[1:]}")
+
+
+def usage(prog: str, flag_values) -> str:
+  """The program's usage: the flags jaxrl defines for it (not those of the libraries it imports)."""
+  # absl files a flag under its module's name, or under the script's path when that module runs as __main__ (-m)
+  mine = sorted(m for m in flag_values.flags_by_module_dict()
+                if m.split(".")[0] in ("jaxrl", "__main__") or m == sys.argv[0] or f"{os.sep}jaxrl{os.sep}" in m)
+  lines = [f"usage: {prog} [--flag=value ...]", "",
+           "  --config_help: every --config.<setting> with its default, allowed values and meaning", ""]
+  return "\n".join(lines + [flag_values.module_help(m) for m in mine])
 
 
 def cli_error(prog: str, message: str):

@@ -73,7 +73,8 @@ class Setting:
   ok: Any = None
   what: str = ""
   choices: tuple = ()
-  any_type: bool = False  # the config holds values of several types here (an int or "auto"): checked by check
+  any_type: bool = False  # the config holds values of several types here (an int or "auto"): checked by check;
+  # set for every field declared as a union (_settings)
   nullable: bool = False
 
   def allowed(self) -> str:
@@ -522,7 +523,9 @@ def _settings(section, prefix: str = ""):
     if sub is not None:
       yield from _settings(sub, f"{prefix}{f.name}.")
     else:
-      yield dataclasses.replace(f.metadata.get("setting") or _derived(section, f), name=prefix + f.name)
+      setting = f.metadata.get("setting") or _derived(section, f)
+      # A field declared with several types (int | float, float | None) takes each of them on the command line.
+      yield dataclasses.replace(setting, name=prefix + f.name, any_type=setting.any_type or "|" in str(f.type))
 
 
 SETTINGS = tuple(_settings(RunConfig))  # every setting, by its dotted name, in declaration order
