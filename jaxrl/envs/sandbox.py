@@ -40,11 +40,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxrl.envs import isolation
+
 NOBODY = 65534
 _REFUSED = ("socket.__new__", "socket.socketpair", "socket.getaddrinfo", "socket.gethostbyname", "os.fork",
             "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system", "subprocess.Popen", "os.kill",
             "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
-            "resource.setrlimit", "resource.prlimit", "os.setuid", "os.setgid", "os.chroot", "os.unshare")
+            "ctypes.call_function", "resource.setrlimit", "resource.prlimit", "os.setuid", "os.setgid", "os.chroot",
+            "os.unshare")
 _PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.chmod": (0,),
                 "os.chown": (0,), "os.link": (0, 1), "os.symlink": (1,), "os.truncate": (0,), "os.utime": (0,),
                 "os.setxattr": (0,), "os.removexattr": (0,), "os.mkfifo": (0,), "os.mknod": (0,)}
@@ -64,6 +67,7 @@ class SandboxLimits:
   memory_mb: int = 512  # address space on top of what the interpreter holds when confined
   file_mb: int = 16  # the largest file it may write
   open_files: int = 64
+  scratch_mb: int = 64  # everything the process may write, in all (the size of its private tmpfs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Confinement:
   network: str  # "namespace" (no interfaces) or "hook" (socket creation refused in Python only)
   uid: int
   scratch: str
+  files: str = "landlock"  # "landlock" (kernel) or "hook" (Python only: an unsafe sandbox)
 
 
 def _address_space() -> int:
@@ -166,27 +171,57 @@ def keep_imports_reachable() -> dict[str, str]:
   return roots
 
 
-def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None):
+def _read_roots() -> list[str]:
+  """Where a confined interpreter may read: its import roots and prefixes, and the system's libraries."""
+  return [*(p for p in sys.path if p and os.path.isdir(p)), sys.prefix, sys.base_prefix, sys.exec_prefix,
+          sys.base_exec_prefix, *isolation.SYSTEM_READS]
+
+
+def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None, *, fresh: bool = False,
+            unsafe: bool = False):
   """Confines this process (see the module docstring); returns (Confinement, set_cpu_budget). `before_nproc` runs
   just before processes are limited (e.g. to start a thread). set_cpu_budget(s) lets the process use s more CPU
-  seconds from now (the only setrlimit the hook lets through)."""
+  seconds from now (the only setrlimit the hook lets through). `fresh`: the process runs one program and exits
+  (run_code), so its CPU limit also gets a hard limit one second above. `unsafe`: go on, with the Python-level
+  guards only, where the kernel refuses Landlock or the namespaces (task.allow_unsafe_sandbox)."""
   for name in PRELOAD:
     __import__(name)
   scratch = os.path.realpath(scratch)
-  network = _no_network()
-  os.chdir(scratch)
-  uid = os.getuid()
-  if uid == 0:
+  uid, root = os.getuid(), os.getuid() == 0
+  memory = _address_space() + (limits.memory_mb << 20)  # read while /proc is still readable
+  if len(os.listdir("/proc/self/task")) > 1 and not unsafe:  # Landlock binds only the calling thread and its heirs
+    raise isolation.Unavailable("a thread runs already: it would stay outside the Landlock domain")
+  try:
+    isolation.private_mounts(root)
+    isolation.mount_scratch(scratch, limits.scratch_mb, NOBODY if root else uid, NOBODY if root else os.getgid())
+    network = "namespace"
+  except (isolation.Unavailable, OSError):
+    if not unsafe:
+      raise
+    network = _no_network()
+  os.chdir(scratch)  # after the mount: the cwd is the tmpfs
+  os.environ["TMPDIR"] = tempfile.tempdir = scratch
+  if root:
     keep_imports_reachable()
-    os.chown(scratch, NOBODY, NOBODY)
+  reads = isolation.open_rule_paths([*_read_roots(), scratch])  # before the uid drop: as root it reaches them all
+  writes = isolation.open_rule_paths([scratch, "/dev/null"])
+  if root:
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
+  elif network == "namespace":
+    isolation.drop_capabilities()
+  try:
+    isolation.restrict(reads, writes)
+    files = "landlock"
+  except isolation.Unavailable:
+    if not unsafe:
+      raise
+    files = "hook"
   if before_nproc is not None:
     before_nproc()
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past its limit: an OSError rather than a dead process
   file_bytes = limits.file_mb << 20
-  memory = _address_space() + (limits.memory_mb << 20)
   for kind, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, file_bytes), (resource.RLIMIT_CORE, 0),
                       (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_NPROC, 0)):
     resource.setrlimit(kind, (value, value))
@@ -196,14 +231,20 @@ def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None
     used = resource.getrusage(resource.RUSAGE_SELF)
     soft = int(used.ru_utime + used.ru_stime + seconds) + 1
     armed.append(1)
-    try:
-      resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+    try:  # a hard limit cannot be raised again: a long-lived worker's is enforced by its parent (runner.py)
+      resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1 if fresh else resource.RLIM_INFINITY))
     finally:
       armed.pop()
 
   set_cpu_budget(limits.cpu_s)
   sys.addaudithook(_hook(scratch, armed))
-  return Confinement(network, os.getuid(), scratch), set_cpu_budget
+  return Confinement(network, os.getuid(), scratch, files), set_cpu_budget
+
+
+def child_env() -> dict[str, str]:
+  """The environment of a sandboxed process: numerical libraries start no thread pools at import (a thread started
+  before confinement would stay outside the Landlock domain, and `confine` refuses to run beside one)."""
+  return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def scratch_dir() -> str:
@@ -232,53 +273,64 @@ class CodeResult:
   reason: str = ""  # one of REASONS when not ok
 
 
-_CODE_BOOT = ("import json, sys; spec = json.loads(sys.stdin.readline()); sys.path[:] = spec['path']; "
-              "from jaxrl.envs.sandbox import _run_child; _run_child(spec, sys.stdin.read())")
+_CODE_BOOT = ("import json, os, sys; spec = json.loads(sys.stdin.readline()); code = sys.stdin.read(); "
+              "os.dup2(os.open(os.devnull, os.O_RDONLY), 0); sys.path[:] = spec['path']; "
+              "from jaxrl.envs.sandbox import _run_child; _run_child(spec, code)")
+# The child's exit status says how the program ended; nothing it prints is parsed. A program can exit with one of
+# these codes itself: that changes the reason of its failure, never its success or its output.
+_EXIT_REASONS = {1: "error", 3: "blocked", 4: "memory", 5: "sandbox"}
 
 
 def _run_child(spec: dict, code: str) -> None:
-  confine(SandboxLimits(**spec["limits"]), spec["scratch"])
+  try:
+    confine(SandboxLimits(**spec["limits"]), spec["scratch"], fresh=True, unsafe=spec["unsafe"])
+  except BaseException as e:  # noqa: BLE001 - the code never runs unconfined
+    print(f"sandbox: {type(e).__name__}: {e}", file=sys.stderr)
+    os._exit(5)
   try:
     exec(compile(code, "<sandboxed>", "exec"), {"__name__": "__sandbox__"})
-  except BaseException as e:  # noqa: BLE001 - reported to the parent as the outcome
-    reason = "blocked" if isinstance(e, SandboxViolation) else "memory" if isinstance(e, MemoryError) else "error"
+  except BaseException as e:  # noqa: BLE001 - the outcome, told to the parent by the exit status
+    code = 3 if isinstance(e, SandboxViolation) else 4 if isinstance(e, MemoryError) else 1
     sys.stdout.flush()
-    os.write(2, ("\n" + json.dumps({"reason": reason, "error": f"{type(e).__name__}: {e}"[:500]})).encode())
-    os._exit(1)
+    print(f"{type(e).__name__}: {e}"[:500], file=sys.stderr)
+    os._exit(code)
   sys.stdout.flush()
   os._exit(0)
 
 
-def run_code(code: str, limits: SandboxLimits = SandboxLimits(), timeout_s: float = 5.0) -> CodeResult:
+def _tail(f, n: int = 500) -> str:
+  f.seek(max(0, os.fstat(f.fileno()).st_size - n))
+  return f.read().decode(errors="replace").strip().rsplit("\n", 1)[-1]
+
+
+def run_code(code: str, limits: SandboxLimits = SandboxLimits(), timeout_s: float = 5.0, *,
+             unsafe: bool = False) -> CodeResult:
   """Runs Python source a model wrote in a fresh sandboxed process; its stdout (at most limits.file_mb) comes back.
-  Never raises for anything the code does."""
-  scratch = scratch_dir()
+  The child inherits stdin (read, then /dev/null), stdout and stderr (files outside its scratch) and no other
+  descriptor; ok and the reason come from its exit status alone. Never raises for anything the code does."""
+  scratch, outputs = scratch_dir(), tempfile.mkdtemp(prefix="jaxrl-sandbox-out-")
   try:
-    out, err = open(Path(scratch) / ".stdout", "w+b"), open(Path(scratch) / ".stderr", "w+b")
-    proc = subprocess.Popen([sys.executable, "-I", "-c", _CODE_BOOT], stdin=subprocess.PIPE, stdout=out, stderr=err,
-                            cwd=scratch, start_new_session=True)
-    spec = {"path": sys.path, "limits": dataclasses.asdict(limits), "scratch": scratch}
-    try:
-      proc.communicate((json.dumps(spec) + "\n" + code).encode(), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      kill_group(proc)
-      return CodeResult(False, "", f"took longer than {timeout_s}s; killed", "timeout")
-    finally:
-      kill_group(proc)  # anything it left behind
-    out.seek(0)
-    err.seek(0)
-    stdout = out.read(limits.file_mb << 20).decode(errors="replace")
-    status = err.read().decode(errors="replace").rsplit("\n", 1)[-1]
-    out.close()
-    err.close()
-    if proc.returncode == 0:
-      return CodeResult(True, stdout)
-    if proc.returncode == -signal.SIGXCPU:
-      return CodeResult(False, stdout, f"used more than {limits.cpu_s}s of CPU; killed", "cpu_limit")
-    try:
-      report = json.loads(status)
-      return CodeResult(False, stdout, report["error"], report["reason"])
-    except (ValueError, KeyError, TypeError):
-      return CodeResult(False, stdout, f"exited with status {proc.returncode}", "crash")
+    with open(Path(outputs) / "stdout", "w+b") as out, open(Path(outputs) / "stderr", "w+b") as err:
+      proc = subprocess.Popen([sys.executable, "-I", "-c", _CODE_BOOT], stdin=subprocess.PIPE, stdout=out,
+                              stderr=err, cwd=scratch, start_new_session=True, env=child_env())
+      spec = {"path": sys.path, "limits": dataclasses.asdict(limits), "scratch": scratch, "unsafe": unsafe}
+      try:
+        proc.communicate((json.dumps(spec) + "\n" + code).encode(), timeout=timeout_s)
+      except subprocess.TimeoutExpired:
+        return CodeResult(False, "", f"took longer than {timeout_s}s; killed", "timeout")
+      finally:
+        kill_group(proc)  # anything it left behind
+      out.seek(0)
+      stdout = out.read(limits.file_mb << 20).decode(errors="replace")
+      status = proc.returncode
+      if status == 0:
+        return CodeResult(True, stdout)
+      if status in (-signal.SIGXCPU, -signal.SIGKILL):  # the soft CPU limit, or the hard one past an ignored SIGXCPU
+        return CodeResult(False, stdout, f"used more than {limits.cpu_s}s of CPU; killed", "cpu_limit")
+      if status == 5:
+        raise isolation.Unavailable(f"run_code: {_tail(err)} (task.allow_unsafe_sandbox opts out, unsafely)")
+      reason = _EXIT_REASONS.get(status, "crash")
+      return CodeResult(False, stdout, _tail(err) or f"exited with status {status}", reason)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(outputs, ignore_errors=True)
