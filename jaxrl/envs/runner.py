@@ -23,6 +23,7 @@ import multiprocessing
 import numbers
 import os
 import pickle
+import resource
 import shutil
 import signal
 import subprocess
@@ -34,10 +35,13 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from jaxrl.envs import sandbox as sandbox_lib
+from jaxrl.envs import wire
 from jaxrl.envs.rewards import RewardFn, registered_spec, reward_spec
 from jaxrl.envs.sandbox import SandboxLimits, SandboxViolation
 
-REASONS = ("error", "bad_value", "timeout", "crash", "unsendable", "blocked", "memory", "cpu_limit")
+REASONS = ("error", "bad_value", "timeout", "crash", "unsendable", "blocked", "memory", "cpu_limit", "bad_message")
+_KINDS = ("ready", "init_error", "done")  # what a worker sends (jaxrl.envs.wire)
+_MAX_ERROR = 2000  # characters of a worker's error text kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,33 @@ class RewardResult:
 
 def _failed(reason: str, error: str) -> RewardResult:
   return RewardResult(math.nan, False, error, reason)
+
+
+def _result_body(r: RewardResult) -> dict:
+  """A result as plain data for the pipe (jaxrl.envs.wire)."""
+  return {"value": r.value if math.isfinite(r.value) else None, "ok": r.ok, "error": r.error, "reason": r.reason,
+          "payload": r.payload, "import_errors": list(r.import_errors)}
+
+
+def _result_from(body: Any) -> RewardResult:
+  """The result a worker's message states, checked field by field: wire.BadMessage unless each has its type and
+  range (an ok result has a finite value and no reason; a failed one a known reason)."""
+  if not isinstance(body, dict):
+    raise wire.BadMessage("a result is not a dict")
+  ok = wire.field(body, "ok", bool)
+  value = wire.field(body, "value", (int, float, type(None)))
+  error = wire.field(body, "error", (str, type(None)), limit=_MAX_ERROR)
+  reason = wire.field(body, "reason", str)
+  missed = wire.field(body, "import_errors", list, limit=64)
+  if not all(isinstance(m, str) and len(m) <= 200 for m in missed):
+    raise wire.BadMessage("import_errors are not module names")
+  if ok != (value is not None and reason == "") or not ok and reason not in REASONS:
+    raise wire.BadMessage(f"an inconsistent result (ok {ok}, value {value!r}, reason {reason!r})")
+  try:
+    value = float(value) if ok else math.nan
+  except OverflowError:
+    raise wire.BadMessage("the value is not a finite number") from None
+  return RewardResult(value, ok, error, reason, body.get("payload"), tuple(missed))
 
 
 def call_reward(fn: Callable, prompt: str, completion: str, meta: Mapping[str, Any]) -> RewardResult:
@@ -98,23 +129,27 @@ class _MissedImports:
     return tuple(dict.fromkeys(self.names[n:]))
 
 
-def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
+def _send(conn, kind: str, body: Any) -> None:
+  conn.send_bytes(wire.encode(kind, body))
+
+
+def _serve(conn, sandbox: tuple[dict, str, bool] | None) -> None:
   """Worker process: loads the fn, confines itself if asked (limits, scratch directory), then answers
-  (prompt, completion, meta) items until told to stop."""
+  (prompt, completion, meta) items until told to stop. It sends plain data only (jaxrl.envs.wire)."""
   watch = threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start
   try:
     call, fn = conn.recv()
     budget = None
-    if sandbox is not None:  # after the fn's imports; the watcher thread must start before processes are limited
+    if sandbox is not None:  # after the fn's imports; the watcher thread starts inside the Landlock domain
       limits = SandboxLimits(**sandbox[0])
-      _, set_budget = sandbox_lib.confine(limits, sandbox[1], before_nproc=watch)
+      _, set_budget = sandbox_lib.confine(limits, sandbox[1], before_nproc=watch, unsafe=sandbox[2])
       budget = lambda: set_budget(limits.cpu_s)  # noqa: E731
     else:
       watch()
   except BaseException as e:  # whatever importing a user's module does is reported, not raised
-    conn.send(("init_error", f"{type(e).__name__}: {e}"))
+    _send(conn, "init_error", f"{type(e).__name__}: {e}"[:_MAX_ERROR])
     return
-  conn.send(("ready", None))
+  _send(conn, "ready", None)
   missed = _MissedImports()
   sys.meta_path.append(missed)
   while True:
@@ -133,25 +168,45 @@ def _serve(conn, sandbox: tuple[dict, str] | None) -> None:
       result = _failed("error", f"{type(e).__name__}: {e}")
     if len(missed.names) > before:
       result = dataclasses.replace(result, import_errors=missed.since(before))
+    result = dataclasses.replace(result, error=result.error and result.error[:_MAX_ERROR])
     try:
-      conn.send(("done", result))
-    except BaseException as e:  # a result that cannot be pickled (an env's new state)
-      conn.send(("done", _failed("error", f"{type(e).__name__}: {e}")))
+      message = wire.encode("done", _result_body(result))
+    except ValueError as e:  # a payload that is not plain data (an env's state)
+      message = wire.encode("done", _result_body(_failed("error", f"the result is not plain data: {e}")))
+    conn.send_bytes(message)
 
 
 class _Worker:
-  def __init__(self, fn_bytes: bytes, sandbox: SandboxLimits | None):
+  def __init__(self, fn_bytes: bytes, sandbox: SandboxLimits | None, unsafe: bool = False):
     self.conn, child = multiprocessing.Pipe()
     fd = child.fileno()
     self.scratch = sandbox_lib.scratch_dir() if sandbox else None
     self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(fd)], pass_fds=(fd,), cwd=self.scratch,
-                                 start_new_session=sandbox is not None)
+                                 stdin=subprocess.DEVNULL, start_new_session=sandbox is not None,
+                                 env=sandbox_lib.child_env() if sandbox else None)
     child.close()
     self.conn.send(list(sys.path))
-    self.conn.send((dataclasses.asdict(sandbox), self.scratch) if sandbox else None)
+    self.conn.send((dataclasses.asdict(sandbox), self.scratch, unsafe) if sandbox else None)
     self.conn.send_bytes(fn_bytes)
     self.started, self.ready = time.monotonic(), False
     self.job: tuple[int, float] | None = None  # (item index, deadline)
+    self.cpu_check = math.inf  # when to look at its CPU time again (a sandboxed worker's job)
+
+  def cpu_seconds(self) -> float:
+    """CPU time the worker has used (user + system), from the kernel's accounting; 0 once it is gone."""
+    try:
+      with open(f"/proc/{self.proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+  def cpu_soft_limit(self) -> float:
+    """The worker's RLIMIT_CPU soft limit: it sets it to its CPU time so far + the item's budget at each item."""
+    try:
+      return float(resource.prlimit(self.proc.pid, resource.RLIMIT_CPU)[0])
+    except (OSError, ValueError):
+      return math.inf
 
   @property
   def exitcode(self) -> int | None:
@@ -195,12 +250,15 @@ class RewardRunner:
 
   isolation: "auto" (inline for fns registered inline=True, else "process"), "inline" or "process".
   sandbox: limits for sandboxed workers, None for plain ones, or "auto" (sandboxed if registered sandbox=True).
-  call: a module-level function applying the fn to an item (call_reward; jaxrl.envs.env.call_env_step).
+  call: a module-level function applying the fn to an item (call_reward; jaxrl.envs.env.call_env_step_data: its
+    result's payload must be plain data, jaxrl.envs.wire).
+  unsafe_sandbox: a sandboxed worker goes on with the Python-level guards alone where the kernel refuses Landlock or
+    the namespaces (task.allow_unsafe_sandbox; unsafe: model code may then write where the trainer's user can).
   """
 
   def __init__(self, reward: str | RewardFn, *, timeout_s: float = 5.0, workers: int = 2,
                isolation: str = "auto", startup_timeout_s: float = 120.0,
-               sandbox: SandboxLimits | None | str = "auto", call: Call = call_reward):
+               sandbox: SandboxLimits | None | str = "auto", call: Call = call_reward, unsafe_sandbox: bool = False):
     if isolation not in ("auto", "inline", "process"):
       raise ValueError(f"isolation must be 'auto', 'inline' or 'process' (got {isolation!r})")
     if not timeout_s > 0 or workers < 1:
@@ -214,7 +272,7 @@ class RewardRunner:
       sandbox = SandboxLimits() if spec is not None and spec.sandbox else None
     if sandbox is not None and isolation != "process":
       raise ValueError(f"reward {self.name!r}: a sandbox needs isolation='process' (got {isolation!r})")
-    self.sandbox, self.call = sandbox, call
+    self.sandbox, self.call, self.unsafe_sandbox = sandbox, call, unsafe_sandbox
     self.isolation, self.timeout_s, self.startup_timeout_s = isolation, timeout_s, startup_timeout_s
     self.stats = RewardStats()
     self._lock = threading.Lock()  # one batch at a time: workers hold one item each
@@ -237,16 +295,24 @@ class RewardRunner:
 
   def _start(self) -> _Worker:
     self.stats.worker_starts += 1
-    return _Worker(self._fn_bytes, self.sandbox)
+    return _Worker(self._fn_bytes, self.sandbox, self.unsafe_sandbox)
 
   def _on_message(self, w: _Worker, results: list) -> None:
-    kind, payload = w.conn.recv()
+    """Reads one message of w (plain data, checked: jaxrl.envs.wire); wire.BadMessage if it is not one."""
+    try:
+      kind, body = wire.decode(w.conn.recv_bytes(wire.MAX_BYTES), _KINDS)
+    except OSError as e:
+      if "bad message length" in str(e):  # over MAX_BYTES: multiprocessing refuses it before reading it
+        raise wire.BadMessage(f"a message over {wire.MAX_BYTES} bytes") from None
+      raise
     if kind == "init_error":
-      raise RuntimeError(f"reward {self.name!r} cannot be loaded in a worker process: {payload}")
-    if kind == "ready":
+      raise RuntimeError(f"reward {self.name!r} cannot be loaded in a worker process: {str(body)[:_MAX_ERROR]}")
+    if kind == "ready" and not w.ready and w.job is None:
       w.ready = True
+    elif kind == "done" and w.job is not None:
+      results[w.job[0]], w.job = _result_from(body), None
     else:
-      results[w.job[0]], w.job = payload, None
+      raise wire.BadMessage(f"{kind!r} out of turn")
 
   def _wait_ready(self) -> None:
     while not all(w.ready for w in self._workers):
@@ -260,6 +326,8 @@ class RewardRunner:
           self._on_message(w, [])
         except EOFError:
           raise RuntimeError(f"reward worker exited while starting (exit code {w.exitcode})") from None
+        except wire.BadMessage as e:
+          raise RuntimeError(f"reward worker sent a malformed message while starting: {e}") from None
 
   def score(self, items: Sequence[tuple[str, str, Mapping[str, Any]]], count: bool = True) -> list[RewardResult]:
     """One result per item, in order; never raises for a failing fn. `count` False leaves them out of the stats
@@ -298,8 +366,11 @@ class RewardRunner:
             results[i] = _failed("unsendable", f"item cannot be sent to a worker: {type(e).__name__}: {e}")
             continue
           w.job = (i, time.monotonic() + self.timeout_s)
+          if self.sandbox:
+            w.cpu_check = time.monotonic() + self.sandbox.cpu_s + 1
       deadlines = [w.job[1] if w.job else w.started + self.startup_timeout_s for w in self._workers
                    if w.job or not w.ready]
+      deadlines += [w.cpu_check for w in self._workers if w.job and self.sandbox]
       ready = wait([w.conn for w in self._workers if w.job or not w.ready],
                    timeout=max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0)
       now = time.monotonic()
@@ -307,6 +378,10 @@ class RewardRunner:
         if w.conn in ready:
           try:
             self._on_message(w, results)
+          except wire.BadMessage as e:  # what code running in the worker wrote on its pipe: that item's failure
+            if w.job:
+              results[w.job[0]] = _failed("bad_message", f"reward worker sent a malformed message: {e}")
+            self._replace(k)
           except (EOFError, OSError):
             if w.job:
               code = w.exitcode
@@ -317,6 +392,14 @@ class RewardRunner:
         elif w.job and now >= w.job[1]:
           results[w.job[0]] = _failed("timeout", f"reward fn took longer than {self.timeout_s}s; worker killed")
           self._replace(k)
+        elif w.job and self.sandbox and now >= w.cpu_check:
+          # The hard CPU limit of a long-lived worker: its soft RLIMIT_CPU is raised per item, and a hard one could
+          # never be raised again, so the parent kills it one second past the soft one (SIGXCPU may be ignored).
+          if w.cpu_seconds() > w.cpu_soft_limit() + 1:
+            results[w.job[0]] = _failed("cpu_limit", "reward fn ignored its CPU limit; worker killed")
+            self._replace(k)
+          else:
+            w.cpu_check = now + 0.25
         elif not w.ready and now >= w.started + self.startup_timeout_s:
           raise RuntimeError(f"a replacement reward worker did not start within {self.startup_timeout_s}s")
     return results
