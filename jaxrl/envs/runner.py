@@ -23,7 +23,6 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import resource
 import shutil
 import signal
 import subprocess
@@ -42,6 +41,7 @@ from jaxrl.envs.sandbox import SandboxLimits, SandboxViolation
 REASONS = ("error", "bad_value", "timeout", "crash", "unsendable", "blocked", "memory", "cpu_limit", "bad_message")
 _KINDS = ("ready", "init_error", "done")  # what a worker sends (jaxrl.envs.wire)
 _MAX_ERROR = 2000  # characters of a worker's error text kept
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +159,7 @@ def _serve(conn, sandbox: tuple[dict, str, bool] | None) -> None:
       return
     if item is None:
       return
+    seq, item = item
     if budget is not None:
       budget()
     before = len(missed.names)
@@ -170,9 +171,9 @@ def _serve(conn, sandbox: tuple[dict, str, bool] | None) -> None:
       result = dataclasses.replace(result, import_errors=missed.since(before))
     result = dataclasses.replace(result, error=result.error and result.error[:_MAX_ERROR])
     try:
-      message = wire.encode("done", _result_body(result))
+      message = wire.encode("done", {"seq": seq, **_result_body(result)})
     except ValueError as e:  # a payload that is not plain data (an env's state)
-      message = wire.encode("done", _result_body(_failed("error", f"the result is not plain data: {e}")))
+      message = wire.encode("done", {"seq": seq, **_result_body(_failed("error", f"not plain data: {e}"))})
     conn.send_bytes(message)
 
 
@@ -189,24 +190,24 @@ class _Worker:
     self.conn.send((dataclasses.asdict(sandbox), self.scratch, unsafe) if sandbox else None)
     self.conn.send_bytes(fn_bytes)
     self.started, self.ready = time.monotonic(), False
-    self.job: tuple[int, float] | None = None  # (item index, deadline)
-    self.cpu_check = math.inf  # when to look at its CPU time again (a sandboxed worker's job)
+    self.job: tuple[int, float, int] | None = None  # (item index, deadline, the number its answer must carry)
+    self.cpu_check, self.cpu_at_job = math.inf, 0.0  # when to look at its CPU time again; its CPU time at the job
+    self._stat: int | None = None
 
   def cpu_seconds(self) -> float:
     """CPU time the worker has used (user + system), from the kernel's accounting; 0 once it is gone."""
     try:
-      with open(f"/proc/{self.proc.pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+      if self._stat is None:  # held open: a pread costs a few microseconds an item
+        self._stat = os.open(f"/proc/{self.proc.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+      fields = os.pread(self._stat, 4096, 0).rsplit(b")", 1)[1].split()
     except OSError:
       return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
-  def cpu_soft_limit(self) -> float:
-    """The worker's RLIMIT_CPU soft limit: it sets it to its CPU time so far + the item's budget at each item."""
-    try:
-      return float(resource.prlimit(self.proc.pid, resource.RLIMIT_CPU)[0])
-    except (OSError, ValueError):
-      return math.inf
+  def close_stat(self) -> None:
+    if self._stat is not None:
+      os.close(self._stat)
+      self._stat = None
 
   @property
   def exitcode(self) -> int | None:
@@ -216,6 +217,7 @@ class _Worker:
       return None
 
   def kill(self) -> None:
+    self.close_stat()
     if self.scratch is not None:  # the sandboxed worker leads a session: whatever it started goes too
       sandbox_lib.kill_group(self.proc)
     else:
@@ -277,6 +279,7 @@ class RewardRunner:
     self.stats = RewardStats()
     self._lock = threading.Lock()  # one batch at a time: workers hold one item each
     self._workers: list[_Worker] = []
+    self._seq = 0  # items sent: each answer names its item's number, so no answer is taken for another item's
     if isolation == "process":
       if getattr(self.fn, "__module__", None) == "__main__":
         raise ValueError(f"reward {self.name!r} is defined in __main__, which a worker process cannot import; move "
@@ -310,6 +313,8 @@ class RewardRunner:
     if kind == "ready" and not w.ready and w.job is None:
       w.ready = True
     elif kind == "done" and w.job is not None:
+      if not isinstance(body, dict) or body.get("seq") != w.job[2]:  # a stale or forged answer: not this item's
+        raise wire.BadMessage("an answer to another item")
       results[w.job[0]], w.job = _result_from(body), None
     else:
       raise wire.BadMessage(f"{kind!r} out of turn")
@@ -361,13 +366,14 @@ class RewardRunner:
         while w.ready and w.job is None and todo:
           i = todo.popleft()
           try:
-            w.conn.send(items[i])  # pickles before writing: a failure leaves the pipe clean
+            self._seq += 1
+            w.conn.send((self._seq, items[i]))  # pickles before writing: a failure leaves the pipe clean
           except Exception as e:
             results[i] = _failed("unsendable", f"item cannot be sent to a worker: {type(e).__name__}: {e}")
             continue
-          w.job = (i, time.monotonic() + self.timeout_s)
+          w.job = (i, time.monotonic() + self.timeout_s, self._seq)
           if self.sandbox:
-            w.cpu_check = time.monotonic() + self.sandbox.cpu_s + 1
+            w.cpu_at_job, w.cpu_check = w.cpu_seconds(), time.monotonic() + self.sandbox.cpu_s + 1
       deadlines = [w.job[1] if w.job else w.started + self.startup_timeout_s for w in self._workers
                    if w.job or not w.ready]
       deadlines += [w.cpu_check for w in self._workers if w.job and self.sandbox]
@@ -393,9 +399,10 @@ class RewardRunner:
           results[w.job[0]] = _failed("timeout", f"reward fn took longer than {self.timeout_s}s; worker killed")
           self._replace(k)
         elif w.job and self.sandbox and now >= w.cpu_check:
-          # The hard CPU limit of a long-lived worker: its soft RLIMIT_CPU is raised per item, and a hard one could
-          # never be raised again, so the parent kills it one second past the soft one (SIGXCPU may be ignored).
-          if w.cpu_seconds() > w.cpu_soft_limit() + 1:
+          # The hard CPU limit of a long-lived worker: its soft RLIMIT_CPU is raised per item and a hard one could
+          # never be raised again (nor by the parent, without CAP_SYS_RESOURCE), so the parent kills it once the item
+          # has used its budget + 1 s of CPU, whatever it did with SIGXCPU.
+          if w.cpu_seconds() - w.cpu_at_job > self.sandbox.cpu_s + 1:
             results[w.job[0]] = _failed("cpu_limit", "reward fn ignored its CPU limit; worker killed")
             self._replace(k)
           else:
@@ -416,6 +423,7 @@ class RewardRunner:
       except subprocess.TimeoutExpired:
         w.kill()
       w.conn.close()
+      w.close_stat()
       w.remove_scratch()
     self._workers = []
 
