@@ -14,13 +14,14 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from jaxrl.envs import RewardRunner, isolation
+from jaxrl.envs import RewardRunner, isolation, wire
 from jaxrl.envs.episodes import EnvRunner
 from jaxrl.envs.sandbox import SandboxLimits, run_code
 from jaxrl.envs.task import Example
@@ -34,10 +35,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def canary(tmp_path):
-  """A folder outside every scratch and import root, with a file in it; `check()` asserts neither changed."""
-  folder = tmp_path / "canary"
-  folder.mkdir()
+  """A folder outside every scratch and import root, with a file in it; `check()` asserts neither changed. Both are
+  writable by anyone and the folder sits in /tmp (which anyone can enter; pytest's tmp_path is root's alone), so
+  that file permissions (the sandbox's `nobody`) stop nothing and the kernel's sandbox is what is tested."""
+  folder = Path(tempfile.mkdtemp(prefix="jaxrl-canary-"))
   (folder / "canary.txt").write_bytes(b"the trainer's secret")
+  (folder / "canary.txt").chmod(0o666)
+  folder.chmod(0o777)
   before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
 
   class Canary:
@@ -52,7 +56,8 @@ def canary(tmp_path):
       assert not os.path.exists(self.marker), "the trainer ran code a worker sent"
 
   dir_mtime = folder.stat().st_mtime_ns
-  return Canary()
+  yield Canary()
+  shutil.rmtree(folder, ignore_errors=True)
 
 
 class _RunsInTrainer:
@@ -85,9 +90,13 @@ ESCAPES = {
     "dir_fd open of the canary": "import os\nd = os.open('CANARY_DIR', os.O_RDONLY)\n"
                                  "os.write(os.open('canary.txt', os.O_WRONLY | os.O_TRUNC, dir_fd=d), b'pwned')",
     "mkdir with dir_fd": "import os\nos.mkdir('pwned', dir_fd=os.open('CANARY_DIR', os.O_RDONLY))",
-    "hard link": "import os\nos.link('canary.txt', 'mine', src_dir_fd=os.open('CANARY_DIR', os.O_RDONLY))\n"
-                 "open('mine', 'r+').write('pwned')",
-    "rename": "import os\nos.rename('canary.txt', 'stolen', src_dir_fd=os.open('CANARY_DIR', os.O_RDONLY))",
+    "hard link": "import os\nd = os.open('CANARY_DIR', os.O_RDONLY)\n"
+                 "os.link('canary.txt', 'mine', src_dir_fd=d, dst_dir_fd=d)\n"
+                 "os.write(os.open('mine', os.O_WRONLY, dir_fd=d), b'pwned')",
+    "hard link into the scratch": "import os\nos.link('canary.txt', 'mine', src_dir_fd=os.open('CANARY_DIR', 0))\n"
+                                  "open('mine', 'r+').write('pwned')",
+    "rename": "import os\nd = os.open('CANARY_DIR', os.O_RDONLY)\n"
+              "os.rename('canary.txt', 'stolen', src_dir_fd=d, dst_dir_fd=d)",
 }
 # Walks '..' out of each descriptor (the import roots held open as /proc/self/fd/N) to the canary; prints what it
 # reads or lists.
@@ -162,10 +171,10 @@ def test_a_scorer_taken_over_forges_at_most_its_own_item(canary):
 
 
 def test_programs_cannot_forge_their_status_or_result(canary):
-  fake = ('import sys\nprint(\'{"reason": "timeout", "error": "forged"}\', file=sys.stderr)\n'
-          "raise ValueError('honest failure')")
+  fake = ('import os, sys\nprint(\'{"reason": "timeout", "error": "forged"}\', file=sys.stderr, flush=True)\n'
+          "os._exit(1)")  # the old status line, last on stderr, then an exit without the sandbox's own line
   r = run_code(fake, LIMITS)
-  assert (r.ok, r.reason) == (False, "error") and "honest failure" in r.error
+  assert (r.ok, r.reason) == (False, "error"), r
   wrong = "print(41)\n" + _to_every_fd(FORGED) + _to_every_fd(json.dumps({"ok": True, "stdout": "42"}).encode())
   status = wrong + "\nimport sys\nprint('{\"ok\": true, \"stdout\": \"42\"}', file=sys.stderr)\nraise SystemExit(1)"
   items = [("p", wrong, {"expected": "42"}), ("p", status, {"expected": "42"}), ("p", "print(6 * 7)",
@@ -174,6 +183,16 @@ def test_programs_cannot_forge_their_status_or_result(canary):
     results = runner.score(items)
   assert [(r.ok, r.value) for r in results] == [(True, 0.0), (True, 0.0), (True, 1.0)], results
   canary.check()
+
+
+def test_the_wire_takes_plain_data_only():
+  huge_int = b'["done", ' + b"1" * 5000 + b"]"
+  for data in (b'["done", 1e999]', b'["done", NaN]', b"\xff", b'["nope", 1]', b"[" * 100_000, huge_int,
+               pickle.dumps(("done", 1.0))):
+    with pytest.raises(wire.BadMessage):
+      wire.decode(data, ("done",))
+  assert wire.decode(b'["done", {"a": [1, 2.5, null, "x"]}]', ("done",)) == ("done", {"a": [1, 2.5, None, "x"]})
+  assert wire.plain({"a": (1,)}) and wire.plain([float("inf")]) and wire.plain({1: 2}) and not wire.plain([{"a": 1}])
 
 
 @pytest.mark.parametrize("name", ESCAPES)
