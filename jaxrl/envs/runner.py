@@ -8,10 +8,20 @@ exceptions are still caught but a hang cannot be stopped.
 Each item waits at most `timeout_s` once a worker holds it, so a batch of n items takes at most about
 ceil(n / workers) * timeout_s, plus worker restarts.
 
+Trust runs one way. The trainer sends a worker the pickled fn and items (the worker trusts the trainer); a worker
+sends back plain data only (jaxrl.envs.wire: length-prefixed JSON, size-capped, each field type- and range-checked,
+the item's number echoed), because code that handles a model's text may take the worker over and write anything on
+its pipe. Nothing a worker sends is unpickled, imported or executed; a malformed message, or an answer for another
+item, is that item's failure ("bad_message") and the worker is replaced. What such code can still do is answer for
+the item it is scoring, and, since a worker scores many items, for later items of that worker until it is
+replaced: values the checks accept (finite floats), never code in the trainer (docs/SECURITY.md).
+
 Fns that handle text as code (registered with sandbox=True, e.g. the countdown expression reward), or any fn given
-`sandbox=SandboxLimits(...)`, run in sandboxed workers (jaxrl.envs.sandbox): CPU time per item, memory, no
-processes, no network, a scratch directory as the only writable place. What the sandbox refuses is a failed item
-("blocked", "memory", "cpu_limit"), counted like any other, and the worker goes on or is replaced.
+`sandbox=SandboxLimits(...)`, run in sandboxed workers (jaxrl.envs.sandbox): Landlock (reads of the import roots
+only, writes beneath a private size-capped tmpfs scratch only), CPU time per item (soft RLIMIT_CPU, and the parent
+kills a worker one second past it), memory, no processes, no network. What the sandbox refuses is a failed item
+("blocked", "memory", "cpu_limit", or "error" for a call the kernel refused), counted like any other, and the
+worker goes on or is replaced.
 """
 
 from __future__ import annotations

@@ -1,9 +1,22 @@
-"""Sandbox for code and text a model wrote: a separate process with CPU-time, memory, process and file-size limits,
-no network, and a scratch directory as its working directory and only writable place; killed on timeout.
+"""Sandbox for code and text a model wrote: a separate process with CPU-time, memory, process and file limits, no
+network, a private size-capped scratch as its working directory and only writable place, and reads only of what
+the interpreter needs; killed on timeout. docs/SECURITY.md states what each boundary enforces and how it is tested.
 
 How each limit is enforced (`confine`, called in the child before any untrusted input is handled):
-- CPU time: RLIMIT_CPU (the kernel sends SIGXCPU, which kills the process); wall time: the parent kills the whole
-  process group (`start_new_session`) at its deadline.
+- Files, by the kernel (jaxrl.envs.isolation): a Landlock domain lets the process read only beneath its import
+  roots, the interpreter's prefixes, the system's library folders and its scratch, and write only beneath its
+  scratch. Landlock checks the real inode hierarchy, so descriptor-relative calls (`dir_fd`), `..`, /proc/self/fd
+  walks, hard links, renames and C code all meet the same rule. The scratch is a fresh tmpfs of
+  `scratch_mb` in a mount namespace of the process's own (and a user namespace when not root): `size=` caps all it
+  writes together; RLIMIT_FSIZE caps one file. Landlock binds the calling thread and what it starts, not threads
+  already running: `confine` refuses to run beside another thread (child_env keeps numerical libraries' pools
+  from starting one at import). Where the kernel refuses Landlock or the namespaces, `confine` raises
+  isolation.Unavailable, unless `unsafe` (task.allow_unsafe_sandbox) leaves the Python-level guards alone.
+- CPU time: RLIMIT_CPU (the kernel sends SIGXCPU, which kills the process). A fresh process per program
+  (run_code) also gets a hard limit one second above, which kills it even if it ignores SIGXCPU; a long-lived
+  reward worker cannot (its limit is raised per item, and a hard limit is never raised again), so its parent kills
+  it once an item has used its budget + 1 s (jaxrl.envs.runner). Wall time: the parent kills the whole process
+  group (`start_new_session`) at its deadline.
 - Memory: RLIMIT_AS, the address space the process has at confinement plus `memory_mb`; an allocation past it
   raises MemoryError (or kills the process, if it happens in C).
 - Processes (fork bombs): RLIMIT_NPROC = 0, enforced by the kernel for any uid but root; a root parent's child
@@ -14,15 +27,16 @@ How each limit is enforced (`confine`, called in the child before any untrusted 
   the usual container layout). Before the uid changes, each import root (sys.path entry) that `nobody` cannot
   reach is opened as a directory and replaced, in sys.path and in every imported package's __path__, by
   /proc/self/fd/N: the kernel lets a process walk its own descriptors, and a walk from an open directory checks
-  only the permissions below it. So exactly the interpreter's import roots stay readable, and only to this
-  process; nothing on disk changes. (A file that is itself unreadable to others, e.g. installed under umask 077,
+  only the permissions below it. Landlock then checks the real folder each walk reaches, so `..` out of a root
+  reads nothing the rules do not name. (A file that is itself unreadable to others, e.g. installed under umask 077,
   stays unreadable: the reward's start-up self-check reports it.)
-- Network: a new network namespace (no interface but a down loopback) when the kernel allows one (root, or an
-  unprivileged user namespace); socket creation is refused by the audit hook in any case.
-- Files: the audit hook refuses opening for writing, creating, removing, renaming and changing files outside the
-  scratch directory; RLIMIT_FSIZE caps every file the process writes. As `nobody`, the kernel also refuses writes
-  to files the process does not own, but not to world-writable folders (/tmp): there only the hook stands.
-The audit hook is a Python-level guard (ctypes is refused so that C calls cannot go around it), not a boundary
+- Network: a new network namespace (no interface but a down loopback); Landlock (ABI >= 4) also refuses TCP bind
+  and connect; socket creation is refused by the audit hook in any case.
+- Channels: run_code's child inherits stdin (read, then /dev/null), stdout and stderr (files outside its scratch)
+  and no other descriptor; its outcome is its exit status, never a line it printed. A reward worker holds its pipe
+  to the trainer, which accepts plain data only (jaxrl.envs.wire). Landlock (ABI >= 6) also keeps the process from
+  signalling or reaching abstract unix sockets outside its domain.
+The audit hook (writes outside the scratch, sockets, processes, ctypes) is a Python-level guard, not a boundary
 against an attacker who can corrupt the interpreter; the kernel-enforced limits above hold regardless.
 """
 
