@@ -179,7 +179,8 @@ def _serve(conn, sandbox: tuple[dict, str, bool] | None) -> None:
       result = _failed("error", f"{type(e).__name__}: {e}")
     if len(missed.names) > before:
       result = dataclasses.replace(result, import_errors=missed.since(before))
-    result = dataclasses.replace(result, error=result.error and result.error[:_MAX_ERROR])
+    if result.error and len(result.error) > _MAX_ERROR:
+      result = dataclasses.replace(result, error=result.error[:_MAX_ERROR])
     try:
       message = wire.encode("done", {"seq": seq, **_result_body(result)})
     except ValueError as e:  # a payload that is not plain data (an env's state)

@@ -1,0 +1,105 @@
+"""What the hardened reward runner costs: scoring throughput of this tree's RewardRunner (data-only results,
+Landlock + private tmpfs sandbox, the parent's CPU watchdog) against the runner of an older commit (pickled
+results, the audit-hook-only sandbox), on the same items.
+
+    .venv/bin/python -m bench.reward_runner                     # against 00ea827 (before issue 52)
+    .venv/bin/python -m bench.reward_runner --rounds 3 --items 300
+
+Two package trees cannot share one process (both are `jaxrl`), so each measurement is a fresh child process
+importing one tree (`git archive` of the old commit, or this checkout); each round runs old and new back to back,
+alternating which goes first, and the figure is the median of the rounds' new/old ratios (other load on the box
+moves it least). Rewards: countdown and math_verify (sandboxed workers, varied items so no cache answers), and
+exact_answer (the main job's reward, configs/default.py: inline, the same code path in both: its ratio shows the
+noise). Writes bench/results/reward_runner.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REWARDS = ("countdown", "math_verify", "exact_answer")
+
+
+def items(reward: str, n: int) -> list:
+  out = []
+  for i in range(n):
+    a, b, c = 2 + i % 7, 3 + i % 11, 5 + i % 13
+    if reward == "countdown":
+      out.append(("p", f"<answer>{a} * {b} + {c}</answer>", {"numbers": [a, b, c], "target": a * b + c - i % 2}))
+    elif reward == "math_verify":
+      out.append(("p", f"The answer is $\\frac{{{a * b}}}{{{b * c}}}$", {"answer": f"\\frac{{{a}}}{{{c + i % 2}}}"}))
+    else:
+      out.append(("p", f"So the answer is <answer>{a * b + i}</answer>.", {"answer": str(a * b + i - i % 2)}))
+  return out
+
+
+def child(reward: str, n: int, workers: int) -> None:
+  """Runs in a fresh process whose sys.path starts with the tree to measure: items scored per second."""
+  import jaxrl
+  from jaxrl.envs import RewardRunner
+
+  work = items(reward, n)
+  with RewardRunner(reward, workers=workers) as runner:
+    runner.score(work[:20])  # warm: imports, first parses
+    t0 = time.perf_counter()
+    results = runner.score(work)
+    seconds = time.perf_counter() - t0
+  values = [r.value for r in results]
+  print(json.dumps({"items_per_s": n / seconds, "ok": sum(r.ok for r in results), "mean": sum(values) / n,
+                    "tree": str(pathlib.Path(jaxrl.__file__).parents[1])}))
+
+
+def measure(tree: pathlib.Path, reward: str, n: int, workers: int) -> dict:
+  code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT)!r}); "
+          f"from bench.reward_runner import child; child({reward!r}, {n}, {workers})")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tree, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--old", default="00ea827", help="the commit to compare against")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--items", type=int, default=400)
+  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument("--out", default=str(ROOT / "bench/results/reward_runner.json"))
+  args = parser.parse_args(argv)
+  with tempfile.TemporaryDirectory() as tmp:
+    old = pathlib.Path(tmp)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old, "jaxrl"], capture_output=True, check=True)
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
+      tar.extractall(old, filter="data")
+    report = {"old": args.old, "items": args.items, "workers": args.workers, "rounds": args.rounds, "rewards": {}}
+    for reward in REWARDS:
+      runs = {"old": [], "new": []}
+      for r in range(args.rounds):
+        for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+          n = args.items * (20 if reward == "exact_answer" else 1)  # inline: microseconds an item
+          m = measure(old if name == "old" else ROOT, reward, n, args.workers)
+          assert m["tree"] == str(old if name == "old" else ROOT), m
+          runs[name].append(m)
+      med = {k: statistics.median(m["items_per_s"] for m in v) for k, v in runs.items()}
+      # Each round's pair ran back to back: the median of the pairs' ratios is what other load on the box moves least
+      pairs = zip(runs["old"], runs["new"], strict=True)
+      paired = statistics.median(n["items_per_s"] / o["items_per_s"] for o, n in pairs)
+      assert runs["old"][0]["mean"] == runs["new"][0]["mean"], "the two runners score differently"
+      report["rewards"][reward] = {"old_items_per_s": med["old"], "new_items_per_s": med["new"],
+                                   "new_over_old": paired, "ratio_of_medians": med["new"] / med["old"],
+                                   "all": {k: [m["items_per_s"] for m in v] for k, v in runs.items()}}
+      print(f"{reward:>13}: old {med['old']:8.0f} items/s  new {med['new']:8.0f} items/s  "
+            f"new/old {paired:.3f} (median of {args.rounds} paired rounds)", flush=True)
+  from bench.common import write_json
+  write_json(args.out, report)
+
+
+if __name__ == "__main__":
+  main()
