@@ -77,21 +77,28 @@ def _result_body(r: RewardResult) -> dict:
 def _result_from(body: Any) -> RewardResult:
   """The result a worker's message states, checked field by field: wire.BadMessage unless each has its type and
   range (an ok result has a finite value and no reason; a failed one a known reason)."""
-  if not isinstance(body, dict):
-    raise wire.BadMessage("a result is not a dict")
-  ok = wire.field(body, "ok", bool)
-  value = wire.field(body, "value", (int, float, type(None)))
-  error = wire.field(body, "error", (str, type(None)), limit=_MAX_ERROR)
-  reason = wire.field(body, "reason", str)
-  missed = wire.field(body, "import_errors", list, limit=64)
-  if not all(isinstance(m, str) and len(m) <= 200 for m in missed):
-    raise wire.BadMessage("import_errors are not module names")
-  if ok != (value is not None and reason == "") or not ok and reason not in REASONS:
-    raise wire.BadMessage(f"an inconsistent result (ok {ok}, value {value!r}, reason {reason!r})")
   try:
-    value = float(value) if ok else math.nan
-  except OverflowError:
-    raise wire.BadMessage("the value is not a finite number") from None
+    ok, value, error, reason, missed = (body["ok"], body["value"], body["error"], body["reason"],
+                                        body["import_errors"])
+  except (TypeError, KeyError):
+    raise wire.BadMessage("a result lacks a field") from None
+  if type(ok) is not bool or type(reason) is not str or not (error is None or type(error) is str):
+    raise wire.BadMessage("a result field of the wrong type")
+  if error is not None and len(error) > _MAX_ERROR:
+    raise wire.BadMessage(f"an error text over {_MAX_ERROR} characters")
+  if type(missed) is not list or len(missed) > 64 or not all(type(m) is str and len(m) <= 200 for m in missed):
+    raise wire.BadMessage("import_errors are not module names")
+  if ok:
+    if reason or type(value) not in (int, float):
+      raise wire.BadMessage(f"an ok result with reason {reason!r} and value {value!r}")
+    try:
+      value = float(value)  # an int past a float's range overflows
+    except OverflowError:
+      raise wire.BadMessage("the value is not a finite number") from None
+  elif value is not None or reason not in REASONS:
+    raise wire.BadMessage(f"a failed result with value {value!r} and reason {reason!r}")
+  else:
+    value = math.nan
   return RewardResult(value, ok, error, reason, body.get("payload"), tuple(missed))
 
 

@@ -48,11 +48,16 @@ def _finite(text: str) -> float:
   return value
 
 
+# Built once: json.dumps / json.loads with options build a new coder per call, which is most of a small message's cost
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+
+
 def encode(kind: str, body: Any) -> bytes:
   """One message; ValueError if the body is not JSON data (a tuple goes as a list: check `plain` first where the
   reader needs it back exactly) or too large."""
   try:
-    data = json.dumps([kind, body], allow_nan=False, separators=(",", ":")).encode()
+    data = _ENCODER.encode([kind, body]).encode()
   except (TypeError, RecursionError) as e:
     raise ValueError(str(e)) from None
   if len(data) > MAX_BYTES:
@@ -66,20 +71,10 @@ def decode(data: bytes, kinds: tuple[str, ...]) -> tuple[str, Any]:
   if len(data) > MAX_BYTES:
     raise BadMessage(f"message of {len(data)} bytes is over {MAX_BYTES}")
   try:
-    message = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    message = _DECODER.decode(data.decode("utf-8"))
   except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an int of over 4300 digits
     raise BadMessage(f"not JSON ({type(e).__name__})") from None
   if not (isinstance(message, list) and len(message) == 2 and message[0] in kinds):
     raise BadMessage(f"not a [kind, body] pair with kind in {kinds}")
   return message[0], message[1]
 
-
-def field(body: dict, name: str, kind: type | tuple, *, limit: int = 0) -> Any:
-  """body[name], checked to be of `kind` (a str or list at most `limit` long, if given); BadMessage otherwise."""
-  value = body.get(name)
-  if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
-                                                                               else (kind,))):
-    raise BadMessage(f"{name!r} is {type(value).__name__}")
-  if limit and isinstance(value, str | list) and len(value) > limit:
-    raise BadMessage(f"{name!r} is longer than {limit}")
-  return value
