@@ -484,7 +484,7 @@ SECURITY = (
              "if w.cpu_seconds() - w.cpu_at_job > self.sandbox.cpu_s + 1:", "if False:", (SIGXCPU,)),
     Mutation("run_code: no hard CPU limit", SB, "soft + 1 if fresh else resource.RLIM_INFINITY",
              "resource.RLIM_INFINITY", (SIGXCPU,)),
-    Mutation("sandbox: Landlock skipped", SB, "    isolation.restrict(reads, writes)\n", "",
+    Mutation("sandbox: Landlock skipped", SB, "    ruleset = isolation.restrict(reads, writes, keep=per_item)\n", "",
              (SEC_T + "run_code_cannot_write_outside_its_scratch",
               SEC_T + "a_normal_users_sandbox_holds_the_same_file_boundary")),
     Mutation("sandbox: no tmpfs quota on the scratch", SB,
@@ -494,6 +494,8 @@ SECURITY = (
              'reason = _EXIT_REASONS.get(status, "crash")',
              'reason = (json.loads(_tail(err)).get("reason", "crash") if _tail(err).startswith("{") '
              'else _EXIT_REASONS.get(status, "crash"))', (SEC_T + "programs_cannot_forge_their_status_or_result",)),
+    Mutation("process per item: the item's process keeps the trainer's pipe", RR, "      os.close(conn.fileno())\n",
+             "", (SEC_T + "an_items_own_process_holds_no_pipe_to_the_trainer",)),
     Mutation("start-up: a kernel without isolation goes on", "jaxrl/envs/isolation.py", "  if not allow_unsafe:\n",
              "  if False:\n", (SEC_T + "a_kernel_without_landlock_stops_the_run_unless_the_config_opts_out",)),
 )

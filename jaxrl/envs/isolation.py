@@ -78,11 +78,11 @@ def open_rule_paths(paths) -> list[tuple[int, bool]]:
   return fds
 
 
-def restrict(reads: list[tuple[int, bool]], writes: list[tuple[int, bool]]) -> int:
+def restrict(reads: list[tuple[int, bool]], writes: list[tuple[int, bool]], keep: bool = False) -> int | None:
   """Enters a Landlock domain: read (and execute) beneath `reads`, everything beneath `writes`, nothing else; no
   TCP bind or connect; no signal or abstract unix socket outside the domain. Applies to this thread and the
-  threads and processes it starts afterwards (not to threads already running). Closes the descriptors. Returns the
-  ABI used."""
+  threads and processes it starts afterwards (not to threads already running). Closes the descriptors. With
+  `keep`, returns the ruleset's descriptor, for `enter_again` in a forked child."""
   abi = landlock_abi()
   if abi < 1:
     raise Unavailable("Landlock is not available in this kernel")
@@ -91,6 +91,7 @@ def restrict(reads: list[tuple[int, bool]], writes: list[tuple[int, bool]]) -> i
   size = 24 if abi >= 6 else 16 if abi >= 4 else 8
   ruleset = _check(_libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)),
                    "landlock_create_ruleset")
+  entered = False
   try:
     for fds, rights in ((reads, _READ), (writes, handled)):
       for fd, is_dir in fds:
@@ -99,11 +100,22 @@ def restrict(reads: list[tuple[int, bool]], writes: list[tuple[int, bool]]) -> i
                "landlock_add_rule")
     _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     _check(_libc.syscall(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
+    entered = True
   finally:
-    os.close(ruleset)
+    if not (keep and entered):
+      os.close(ruleset)
     for fd, _ in (*reads, *writes):
       os.close(fd)
-  return abi
+  return ruleset if keep else None
+
+
+def enter_again(ruleset: int) -> None:
+  """Enters a kept ruleset once more and closes it. In a forked child this is a domain nested in its parent's: the
+  child can no longer ptrace the parent, open its /proc/<pid>/fd, or signal it."""
+  try:
+    _check(_libc.syscall(_SYS_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)), "landlock_restrict_self")
+  finally:
+    os.close(ruleset)
 
 
 def private_mounts(root: bool) -> None:

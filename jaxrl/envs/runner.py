@@ -150,24 +150,93 @@ def _send(conn, kind: str, body: Any) -> None:
   conn.send_bytes(wire.encode(kind, body))
 
 
+def _score(call: Call, fn, item, missed: _MissedImports) -> RewardResult:
+  """Applies the fn to one item, whatever it raises; names the modules it failed to import."""
+  before = len(missed.names)
+  try:
+    result = call(fn, *item)
+  except BaseException as e:  # SystemExit and the like from user code
+    result = _failed("error", f"{type(e).__name__}: {e}")
+  if len(missed.names) > before:
+    result = dataclasses.replace(result, import_errors=missed.since(before))
+  if result.error and len(result.error) > _MAX_ERROR:
+    result = dataclasses.replace(result, error=result.error[:_MAX_ERROR])
+  return result
+
+
+def _answer(result: RewardResult, seq: int | None = None) -> bytes:
+  body = _result_body(result) if seq is None else {"seq": seq, **_result_body(result)}
+  try:
+    return wire.encode("done", body)
+  except ValueError as e:  # a payload that is not plain data (an env's state)
+    return _answer(_failed("error", f"not plain data: {e}"), seq)
+
+
+def _score_in_child(conn, confine_child, call: Call, fn, item, missed: _MissedImports) -> RewardResult:
+  """Scores one item in a fork of this worker that holds no pipe to the trainer (SandboxLimits.process_per_item):
+  the child enters a nested Landlock domain (it cannot reach this process), answers on a pipe of its own and
+  exits; this worker checks the one answer, so code that took the child over answers for this item only."""
+  read_end, write_end = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # the child: whatever happens, it ends here
+    try:
+      os.close(read_end)
+      os.close(conn.fileno())
+      confine_child()
+      data = _answer(_score(call, fn, item, missed))
+    except BaseException as e:  # noqa: BLE001 - told to the worker, which decides
+      data = _answer(_failed("error", f"{type(e).__name__}: {e}"))
+    view = memoryview(data)
+    while view:
+      view = view[os.write(write_end, view):]
+    os._exit(0)
+  os.close(write_end)
+  data, size = [], 0
+  try:
+    while chunk := os.read(read_end, 1 << 16):
+      size += len(chunk)
+      if size > wire.MAX_BYTES:
+        os.kill(pid, signal.SIGKILL)
+        break
+      data.append(chunk)
+  finally:
+    os.close(read_end)
+  _, status = os.waitpid(pid, 0)
+  if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) and size <= wire.MAX_BYTES:
+    return _failed("cpu_limit", "reward fn used more CPU time than its sandbox allows")
+  if status != 0 or not data:
+    return _failed("crash", f"the item's process ended with status {status} and {size} bytes")
+  try:
+    return _result_from(wire.decode(b"".join(data), ("done",))[1])
+  except wire.BadMessage as e:
+    return _failed("bad_message", f"the item's process answered a malformed message: {e}")
+
+
 def _serve(conn, sandbox: tuple[dict, str, bool] | None) -> None:
   """Worker process: loads the fn, confines itself if asked (limits, scratch directory), then answers
   (prompt, completion, meta) items until told to stop. It sends plain data only (jaxrl.envs.wire)."""
   watch = threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start
+  missed = _MissedImports()
   try:
-    call, fn = conn.recv()
-    budget = None
+    call, fn, warm = conn.recv()
+    score = lambda item: _score(call, fn, item, missed)  # noqa: E731
+    if sandbox is not None and sandbox[0]["process_per_item"]:
+      for item in warm:  # lazy imports and caches, made once here rather than in every item's process
+        score(item)
     if sandbox is not None:  # after the fn's imports; the watcher thread starts inside the Landlock domain
       limits = SandboxLimits(**sandbox[0])
-      _, set_budget = sandbox_lib.confine(limits, sandbox[1], before_nproc=watch, unsafe=sandbox[2])
-      budget = lambda: set_budget(limits.cpu_s)  # noqa: E731
+      per_item = limits.process_per_item
+      _, ready = sandbox_lib.confine(limits, sandbox[1], before_nproc=watch, unsafe=sandbox[2], per_item=per_item)
+      if per_item:
+        score = lambda item: _score_in_child(conn, ready, call, fn, item, missed)  # noqa: E731
+      else:
+        score = lambda item: (ready(limits.cpu_s), _score(call, fn, item, missed))[1]  # noqa: E731
     else:
       watch()
   except BaseException as e:  # whatever importing a user's module does is reported, not raised
     _send(conn, "init_error", f"{type(e).__name__}: {e}"[:_MAX_ERROR])
     return
   _send(conn, "ready", None)
-  missed = _MissedImports()
   sys.meta_path.append(missed)
   while True:
     try:
@@ -177,22 +246,7 @@ def _serve(conn, sandbox: tuple[dict, str, bool] | None) -> None:
     if item is None:
       return
     seq, item = item
-    if budget is not None:
-      budget()
-    before = len(missed.names)
-    try:
-      result = call(fn, *item)
-    except BaseException as e:  # SystemExit and the like from user code
-      result = _failed("error", f"{type(e).__name__}: {e}")
-    if len(missed.names) > before:
-      result = dataclasses.replace(result, import_errors=missed.since(before))
-    if result.error and len(result.error) > _MAX_ERROR:
-      result = dataclasses.replace(result, error=result.error[:_MAX_ERROR])
-    try:
-      message = wire.encode("done", {"seq": seq, **_result_body(result)})
-    except ValueError as e:  # a payload that is not plain data (an env's state)
-      message = wire.encode("done", {"seq": seq, **_result_body(_failed("error", f"not plain data: {e}"))})
-    conn.send_bytes(message)
+    conn.send_bytes(_answer(score(item), seq))
 
 
 class _Worker:
@@ -303,7 +357,9 @@ class RewardRunner:
         raise ValueError(f"reward {self.name!r} is defined in __main__, which a worker process cannot import; move "
                          "it to a module, or use isolation='inline'")
       try:
-        self._fn_bytes = pickle.dumps((call, self.fn))
+        # The reward's own known cases (trusted inputs) warm a worker that forks a process per item
+        warm = [("", c.completion, c.meta) for c in spec.checks] if spec is not None and call is call_reward else []
+        self._fn_bytes = pickle.dumps((call, self.fn, warm))
       except Exception as e:
         raise ValueError(f"reward {self.name!r} cannot be sent to a worker process ({type(e).__name__}: {e}); "
                          "define it at module level of an importable module, or use isolation='inline'") from None

@@ -82,6 +82,10 @@ class SandboxLimits:
   file_mb: int = 16  # the largest file it may write
   open_files: int = 64
   scratch_mb: int = 64  # everything the process may write, in all (the size of its private tmpfs)
+  # A reward worker scores each item in a fork of itself that holds no pipe to the trainer, in a nested Landlock
+  # domain: code that takes a scorer over answers for its own item only, not for the worker's later items. Costs a
+  # fork an item (1.4-2.2 ms of CPU here; docs/SECURITY.md)
+  process_per_item: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,12 +196,15 @@ def _read_roots() -> list[str]:
 
 
 def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None, *, fresh: bool = False,
-            unsafe: bool = False):
+            unsafe: bool = False, per_item: bool = False):
   """Confines this process (see the module docstring); returns (Confinement, set_cpu_budget). `before_nproc` runs
   just before processes are limited (e.g. to start a thread). set_cpu_budget(s) lets the process use s more CPU
   seconds from now (the only setrlimit the hook lets through). `fresh`: the process runs one program and exits
   (run_code), so its CPU limit also gets a hard limit one second above. `unsafe`: go on, with the Python-level
-  guards only, where the kernel refuses Landlock or the namespaces (task.allow_unsafe_sandbox)."""
+  guards only, where the kernel refuses Landlock or the namespaces (task.allow_unsafe_sandbox). `per_item`: the
+  process forks a child per item (SandboxLimits.process_per_item), so it keeps its processes and no audit hook, and
+  returns confine_child instead of set_cpu_budget: called in each forked child, it enters a nested Landlock domain
+  and sets what this process did not (no processes, a CPU limit with a hard one a second above, the audit hook)."""
   for name in PRELOAD:
     __import__(name)
   scratch = os.path.realpath(scratch)
@@ -225,8 +232,9 @@ def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None
     os.setuid(NOBODY)
   elif network == "namespace":
     isolation.drop_capabilities()
+  ruleset = None
   try:
-    isolation.restrict(reads, writes)
+    ruleset = isolation.restrict(reads, writes, keep=per_item)
     files = "landlock"
   except isolation.Unavailable:
     if not unsafe:
@@ -236,9 +244,21 @@ def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None
     before_nproc()
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past its limit: an OSError rather than a dead process
   file_bytes = limits.file_mb << 20
-  for kind, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, file_bytes), (resource.RLIMIT_CORE, 0),
-                      (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_NPROC, 0)):
+  rlimits = [(resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, file_bytes), (resource.RLIMIT_CORE, 0),
+             (resource.RLIMIT_NOFILE, limits.open_files)]
+  for kind, value in rlimits if per_item else [*rlimits, (resource.RLIMIT_NPROC, 0)]:
     resource.setrlimit(kind, (value, value))
+  confinement = Confinement(network, os.getuid(), scratch, files)
+  if per_item:
+
+    def confine_child() -> None:
+      if ruleset is not None:
+        isolation.enter_again(ruleset)
+      for kind, value in ((resource.RLIMIT_NPROC, (0, 0)), (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))):
+        resource.setrlimit(kind, value)  # a fresh process: its CPU time starts at 0
+      sys.addaudithook(_hook(scratch, []))
+
+    return confinement, confine_child
   armed: list = []
 
   def set_cpu_budget(seconds: float) -> None:
@@ -252,7 +272,7 @@ def confine(limits: SandboxLimits, scratch: str | os.PathLike, before_nproc=None
 
   set_cpu_budget(limits.cpu_s)
   sys.addaudithook(_hook(scratch, armed))
-  return Confinement(network, os.getuid(), scratch, files), set_cpu_budget
+  return confinement, set_cpu_budget
 
 
 def child_env() -> dict[str, str]:

@@ -143,30 +143,77 @@ def test_a_plain_workers_pipe_carries_data_only_too(canary):
   canary.check()
 
 
+# Reads its item's number from the worker's frames and writes a well-formed answer for it on every descriptor
+FORGE_OWN_ITEM = textwrap.dedent("""
+    import json, os, sys
+    f = sys._getframe()
+    while 'seq' not in f.f_locals:
+      f = f.f_back
+    body = {'seq': f.f_locals['seq'], 'value': 1.0, 'ok': True, 'error': None, 'reason': '', 'payload': None,
+            'import_errors': []}
+    data = json.dumps(['done', body]).encode()
+    for fd in range(3, 256):
+      try:
+        os.write(fd, len(data).to_bytes(4, 'big') + data)
+      except OSError:
+        pass
+    """)
+
+
 def test_a_scorer_taken_over_forges_at_most_its_own_item(canary):
   # The documented residual (docs/SECURITY.md): code that runs inside the scorer's process can answer for the item
   # it is scoring (here it reads the item's number from the worker's frame), never for another item, never code.
-  forge = textwrap.dedent("""
-      import json, os, sys
-      f = sys._getframe()
-      while 'seq' not in f.f_locals:
-        f = f.f_back
-      body = {'seq': f.f_locals['seq'], 'value': 1.0, 'ok': True, 'error': None, 'reason': '', 'payload': None,
-              'import_errors': []}
-      data = json.dumps(['done', body]).encode()
-      for fd in range(3, 256):
-        try:
-          os.write(fd, len(data).to_bytes(4, 'big') + data)
-        except OSError:
-          pass
-      """)
   with RewardRunner(model_code_rewards.exec_then_honest, workers=1, timeout_s=20, sandbox=LIMITS) as runner:
-    results = runner.score([("p", forge, {"score": 0.0}), ("p", "x = 1", {"score": 0.5}),
+    results = runner.score([("p", FORGE_OWN_ITEM, {"score": 0.0}), ("p", "x = 1", {"score": 0.5}),
                             ("p", "x = 1", {"score": 0.5})])
   assert results[0].value in (0.0, 1.0)  # its own item: forged, or honest if the forgery lost the race
   for r in results[1:]:  # another item: honest, or failed as an answer to another item, never the forged value
     assert (r.ok, r.value) == (True, 0.5) or (r.ok, r.reason) == (False, "bad_message"), r
   assert results[2].value == 0.5
+  canary.check()
+
+
+PATCH_SCORER = ("import model_code_rewards\n"
+                "model_code_rewards.exec_then_honest.__code__ = (lambda prompt, completion, meta: 1.0).__code__")
+# From a forked item's process: its worker's descriptors (the pipe to the trainer among them), by /proc/<ppid>/fd
+THROUGH_PARENT = textwrap.dedent("""
+    import os
+    for fd in range(3, 64):
+      try:
+        with open(f'/proc/{os.getppid()}/fd/{fd}', 'wb', buffering=0) as f:
+          f.write(FRAME)
+      except OSError:
+        pass
+    """)
+
+
+@pytest.mark.parametrize("per_item", [False, True], ids=["one_process", "process_per_item"])
+def test_a_scorer_taken_over_answers_for_its_worker_until_replaced_unless_each_item_has_its_own_process(
+    per_item, canary):
+  forged = json.dumps(["done", {"seq": 2, "value": 1.0, "ok": True, "error": None, "reason": "", "payload": None,
+                                "import_errors": []}]).encode()
+  parent = THROUGH_PARENT.replace("FRAME", repr(len(forged).to_bytes(4, "big") + forged))
+  limits = SandboxLimits(cpu_s=1, memory_mb=256, file_mb=1, scratch_mb=2, process_per_item=per_item)
+  items = [("p", PATCH_SCORER, {"score": 0.0}), ("p", "x = 1", {"score": 0.5}), ("p", parent, {"score": 0.25}),
+           ("p", IGNORES_SIGXCPU, {"score": 0.0}), ("p", "x = 1", {"score": 0.5})]
+  with RewardRunner(model_code_rewards.exec_then_honest, workers=1, timeout_s=20, sandbox=limits) as runner:
+    t0 = time.monotonic()
+    results = runner.score(items)
+    assert time.monotonic() - t0 < 15
+  if per_item:  # the patch died with its item's process; nothing reached the worker or the trainer
+    assert [r.value for r in results[:3]] == [0.0, 0.5, 0.25] and results[4].value == 0.5, results
+    assert (results[3].ok, results[3].reason) == (False, "cpu_limit"), results  # the child's hard CPU limit
+  else:  # the documented residual: the patched scorer answers for the worker's later items (it runs none of them)
+    assert [r.value for r in results] == [0.0, 1.0, 1.0, 1.0, 1.0], results
+  canary.check()
+
+
+def test_an_items_own_process_holds_no_pipe_to_the_trainer(canary):
+  limits = SandboxLimits(cpu_s=1, memory_mb=256, file_mb=1, scratch_mb=2, process_per_item=True)
+  with RewardRunner(model_code_rewards.exec_then_honest, workers=1, timeout_s=20, sandbox=limits) as runner:
+    results = runner.score([("p", FORGE_OWN_ITEM, {"score": 0.0}), ("p", "x = 1", {"score": 0.5})])
+  # the forged answer reached only the item's own answer pipe, ahead of the honest one: a malformed answer
+  assert [(r.ok, r.reason) for r in results] == [(False, "bad_message"), (True, "")] and results[1].value == 0.5
   canary.check()
 
 
