@@ -494,7 +494,7 @@ SECURITY = (
              'reason = _EXIT_REASONS.get(status, "crash")',
              'reason = (json.loads(_tail(err)).get("reason", "crash") if _tail(err).startswith("{") '
              'else _EXIT_REASONS.get(status, "crash"))', (SEC_T + "programs_cannot_forge_their_status_or_result",)),
-    Mutation("process per item: the item's process keeps the trainer's pipe", RR, "      os.close(conn.fileno())\n",
+    Mutation("process per item: the item's process keeps the trainer's pipe", RR, "        os.close(conn.fileno())\n",
              "", (SEC_T + "an_items_own_process_holds_no_pipe_to_the_trainer",)),
     Mutation("start-up: a kernel without isolation goes on", "jaxrl/envs/isolation.py", "  if not allow_unsafe:\n",
              "  if False:\n", (SEC_T + "a_kernel_without_landlock_stops_the_run_unless_the_config_opts_out",)),

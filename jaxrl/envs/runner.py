@@ -178,18 +178,20 @@ def _score_in_child(conn, confine_child, call: Call, fn, item, missed: _MissedIm
   exits; this worker checks the one answer, so code that took the child over answers for this item only."""
   read_end, write_end = os.pipe()
   pid = os.fork()
-  if pid == 0:  # the child: whatever happens, it ends here
+  if pid == 0:  # the child: whatever happens, it ends here and never returns into the worker's loop
     try:
-      os.close(read_end)
-      os.close(conn.fileno())
-      confine_child()
-      data = _answer(_score(call, fn, item, missed))
-    except BaseException as e:  # noqa: BLE001 - told to the worker, which decides
-      data = _answer(_failed("error", f"{type(e).__name__}: {e}"))
-    view = memoryview(data)
-    while view:
-      view = view[os.write(write_end, view):]
-    os._exit(0)
+      try:
+        os.close(read_end)
+        os.close(conn.fileno())
+        confine_child()
+        data = _answer(_score(call, fn, item, missed))
+      except BaseException as e:  # noqa: BLE001 - told to the worker, which decides
+        data = _answer(_failed("error", f"{type(e).__name__}: {e}"))
+      view = memoryview(data)
+      while view:
+        view = view[os.write(write_end, view):]
+    finally:
+      os._exit(0)
   os.close(write_end)
   data, size = [], 0
   try:

@@ -167,7 +167,7 @@ def keep_imports_reachable() -> dict[str, str]:
   for entry in sys.path:
     if entry in roots or not entry or not os.path.isdir(entry) or _reachable_by_others(entry):
       continue
-    fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)  # inherited by nothing: the sandbox starts no process
+    fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)  # inherited only by a per-item worker's forks, which need it
     roots[entry] = roots[os.path.realpath(entry)] = f"/proc/self/fd/{fd}"
   if not roots:
     return roots
