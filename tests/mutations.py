@@ -486,7 +486,7 @@ SECURITY = (
              "resource.RLIM_INFINITY", (SIGXCPU,)),
     Mutation("sandbox: Landlock skipped", SB, "    ruleset = isolation.restrict(reads, writes, keep=per_item)\n", "",
              (SEC_T + "run_code_cannot_write_outside_its_scratch",
-              SEC_T + "a_normal_users_sandbox_holds_the_same_file_boundary")),
+              SEC_T + "a_normal_users_sandbox_holds_the_same_boundaries")),
     Mutation("sandbox: no tmpfs quota on the scratch", SB,
              "    isolation.mount_scratch(scratch, limits.scratch_mb, NOBODY if root else uid, NOBODY if root else "
              "os.getgid())\n", "", (SEC_T + "the_scratch_has_a_total_quota",)),

@@ -283,7 +283,7 @@ def test_the_scratch_has_a_total_quota(canary):
   canary.check()
 
 
-def test_a_normal_users_sandbox_holds_the_same_file_boundary(tmp_path, canary):
+def test_a_normal_users_sandbox_holds_the_same_boundaries(tmp_path, canary):
   if not shutil.which("unshare"):
     pytest.skip("no unshare(1) to run as a normal user")
   probe = tmp_path / "probe.py"
@@ -297,6 +297,12 @@ def test_a_normal_users_sandbox_holds_the_same_file_boundary(tmp_path, canary):
       out['uid'] = os.getuid()
       out['walk'] = run_code({canary.fill(FD_WALK)!r}, limits).stdout
       out['quota'] = run_code({FILLS_SCRATCH!r}, limits).stdout
+      import model_code_rewards
+      from jaxrl.envs import RewardRunner
+      items = [("p", {_to_every_fd(pickle.dumps(("done", _RunsInTrainer(canary.marker))))!r}, {{"score": 0.0}})]
+      items += [("p", code, {{"score": 0.5}}) for code in escapes.values()]
+      with RewardRunner(model_code_rewards.exec_then_honest, workers=1, timeout_s=20, sandbox=limits) as runner:
+        out['runner'] = [r.reason or r.value for r in runner.score(items)]
       print(json.dumps(out))
       """))
   proc = subprocess.run(["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, str(probe)],
@@ -306,6 +312,7 @@ def test_a_normal_users_sandbox_holds_the_same_file_boundary(tmp_path, canary):
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert out.pop("uid") == 1000
   assert "READ" not in out.pop("walk") and out.pop("quota").split()[:2] == ["stopped", "ENOSPC"]
+  assert out.pop("runner") == ["bad_message"] + [0.5] * len(ESCAPES)  # the pickle never run; escapes scored honestly
   assert set(out.values()) == {"error"}, out  # each escape refused by the kernel
   canary.check()
 
