@@ -287,6 +287,11 @@ class Task:
   # failure_window scored samples failing stops the run, after a checkpoint, with one line naming the reward and
   # its most common error. A transient failure (a timeout on a loaded host) is dropped and counted instead
   self_check: bool = Bool(True, "score each reward's known right and wrong answers in its real worker at start-up")
+  # UNSAFE when True: a run with sandboxed rewards (code or text a model wrote) needs Landlock and a private mount
+  # namespace to keep that code from writing outside its scratch; without them it stops at start-up (exit 2) unless
+  # this is set, and then its sandboxes have only the Python-level guards (docs/SECURITY.md)
+  allow_unsafe_sandbox: bool = Bool(False, "UNSAFE: run sandboxed rewards without kernel isolation where the kernel "
+                                    "refuses it")
   failure_window: int = Int(64, 1, "scored samples in the reward-failure window")
   max_failure_frac: float = Real(0.5, lambda v: 0 <= v < 1, "in [0, 1)",
                                  "failed samples in the window above this fraction stop the run")

@@ -27,6 +27,7 @@ from jaxrl.checkpoint import IntegrityError, SaveError
 from jaxrl.controller import auto, sides
 from jaxrl.controller import summary as summary_lib
 from jaxrl.controller.local import LocalChannels, LocalController
+from jaxrl.envs import isolation
 from jaxrl.envs.guard import RewardsBroken
 from jaxrl.models import hf
 
@@ -170,7 +171,8 @@ def main(argv=None):
   try:
     with console.shown(console.for_terminal(flags_def.config.log.progress)):  # a terminal: the first minute, said
       summary = train(flags_def.config, flags_def.workdir)
-  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError, RewardsBroken) as e:
+  except (config_lib.ConfigError, hf.CheckpointError, FileNotFoundError, IntegrityError, RewardsBroken,
+          isolation.Unavailable) as e:
     print(f"jaxrl-train: {e}", file=sys.stderr)
     sys.exit(2)
   except SaveError as e:

@@ -32,8 +32,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Each area's test group (tests/ globs), by the path prefix of the code it tests: what a cut there must fail.
 GROUPS = {"jaxrl/learner/": ("test_learner_*.py",), "jaxrl/sampler/": ("test_sampler_*.py",),
           "jaxrl/controller/": ("test_controller_*.py", "test_checkpoint*.py"),
-          "jaxrl/envs/runner.py": ("test_envs_runner.py",), "jaxrl/checkpoint.py": ("test_checkpoint*.py",),
-          "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py"),
+          "jaxrl/envs/runner.py": ("test_envs_runner.py", "security/test_model_code.py"),
+          "jaxrl/checkpoint.py": ("test_checkpoint*.py",),
+          "jaxrl/envs/sandbox.py": ("test_envs_sandbox.py", "test_envs_guard.py", "security/test_model_code.py"),
+          "jaxrl/envs/wire.py": ("test_envs_runner.py", "security/test_model_code.py"),
+          "jaxrl/envs/isolation.py": ("test_envs_sandbox.py", "security/test_model_code.py"),
           "jaxrl/envs/guard.py": ("test_envs_guard.py",),
           "jaxrl/models/moe.py": ("test_moe.py", "test_learner_moe.py"), "jaxrl/rollout.py": ("test_learner_*.py",),
           "jaxrl/distributed/cross_process.py": ("test_distributed.py",),
@@ -518,7 +521,38 @@ NETWORK = (
     Mutation("network peers: weight describes not capped", "jaxrl/distributed/weight_service.py",
              "if (sum(s == sampler for s, _, _ in self._pending) >= self.max_pending", "if (False", (DESCRIBE,)),
 )
-MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + CHECKPOINT + GUARD + MOE + NETWORK
+SB, SEC_T = "jaxrl/envs/sandbox.py", "tests/security/test_model_code.py::test_"
+PIPE = SEC_T + "what_a_sandboxed_scorer_writes_on_its_pipe_is_never_run_and_fails_only_its_item"
+SIGXCPU = SEC_T + "ignoring_sigxcpu_meets_a_hard_cpu_limit_in_run_code_and_in_a_worker"
+SECURITY = (
+    Mutation("worker messages: pickles accepted beside data (the old channel)", RR,
+             "kind, body = wire.decode(w.conn.recv_bytes(wire.MAX_BYTES), _KINDS)",
+             "kind, body = (lambda b: pickle.loads(b) if b[:1] == b'\\x80' else wire.decode(b, _KINDS))("
+             "w.conn.recv_bytes(wire.MAX_BYTES))", (PIPE,)),
+    Mutation("worker messages: an answer taken for whichever item is pending", RR,
+             'body.get("seq") != w.job[2]', "False", (PIPE,)),
+    Mutation("worker messages: infinities accepted", "jaxrl/envs/wire.py", "parse_float=_finite", "parse_float=float",
+             (SEC_T + "the_wire_takes_plain_data_only",)),
+    Mutation("sandboxed worker: no CPU watchdog past an ignored SIGXCPU", RR,
+             "if w.cpu_seconds() - w.cpu_at_job > self.sandbox.cpu_s + 1:", "if False:", (SIGXCPU,)),
+    Mutation("run_code: no hard CPU limit", SB, "soft + 1 if fresh else resource.RLIM_INFINITY",
+             "resource.RLIM_INFINITY", (SIGXCPU,)),
+    Mutation("sandbox: Landlock skipped", SB, "    ruleset = isolation.restrict(reads, writes, keep=per_item)\n", "",
+             (SEC_T + "run_code_cannot_write_outside_its_scratch",
+              SEC_T + "a_normal_users_sandbox_holds_the_same_boundaries")),
+    Mutation("sandbox: no tmpfs quota on the scratch", SB,
+             "    isolation.mount_scratch(scratch, limits.scratch_mb, NOBODY if root else uid, NOBODY if root else "
+             "os.getgid())\n", "", (SEC_T + "the_scratch_has_a_total_quota",)),
+    Mutation("run_code: the reason read from the program's last stderr line (the old status)", SB,
+             'reason = _EXIT_REASONS.get(status, "crash")',
+             'reason = (json.loads(_tail(err)).get("reason", "crash") if _tail(err).startswith("{") '
+             'else _EXIT_REASONS.get(status, "crash"))', (SEC_T + "programs_cannot_forge_their_status_or_result",)),
+    Mutation("process per item: the item's process keeps the trainer's pipe", RR, "        os.close(conn.fileno())\n",
+             "", (SEC_T + "an_items_own_process_holds_no_pipe_to_the_trainer",)),
+    Mutation("start-up: a kernel without isolation goes on", "jaxrl/envs/isolation.py", "  if not allow_unsafe:\n",
+             "  if False:\n", (SEC_T + "a_kernel_without_landlock_stops_the_run_unless_the_config_opts_out",)),
+)
+MUTATIONS = OBJECTIVE + SAMPLER + CONTROLLER + RUNNER + SECURITY + CHECKPOINT + GUARD + MOE + NETWORK
 
 
 def apply(mutation: Mutation, root: pathlib.Path) -> None:

@@ -36,7 +36,8 @@ def test_each_area_runs_its_own_test_files_and_every_cut_has_an_area():
   assert set(mutations.group_tests("jaxrl/sampler/decode.py")) == tests("test_sampler_*.py")
   assert set(mutations.group_tests("jaxrl/controller/build.py")) == tests("test_controller_*.py") | tests(
       "test_checkpoint*.py")
-  assert mutations.group_tests("jaxrl/envs/runner.py") == ["tests/test_envs_runner.py"]
+  assert mutations.group_tests("jaxrl/envs/runner.py") == ["tests/security/test_model_code.py",
+                                                            "tests/test_envs_runner.py"]
   assert all(mutations.group_tests(m.path) for m in mutations.MUTATIONS)
   with pytest.raises(ValueError, match="jaxrl/sim/plan.py is in no test group"):
     mutations.group_tests("jaxrl/sim/plan.py")

@@ -11,6 +11,7 @@ import numpy as np
 from jaxrl import console, settings
 from jaxrl.controller.spec import SkipPrompt
 from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, guard, make_task, reward_spec
+from jaxrl.envs.isolation import require as require_isolation
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Sampler
 
@@ -74,9 +75,12 @@ class Scorer:
     names = sorted({self.reward_name, *getattr(task, "rewards", {}).values()})
     self.episodes = getattr(task, "episodes", None)  # before the runners: a runner that fails to start closes both
     self.runners: dict[str, RewardRunner] = {}
+    # Sandboxed rewards handle a model's text as code: without the kernel's isolation the run stops here, one line
+    # (isolation.Unavailable: exit 2), unless the config opts out, unsafely
+    unsafe = any(reward_spec(n).sandbox for n in names) and require_isolation(t.allow_unsafe_sandbox)
     try:
       for name in names:
-        self.runners[name] = RewardRunner(name, timeout_s=t.reward_timeout_s)
+        self.runners[name] = RewardRunner(name, timeout_s=t.reward_timeout_s, unsafe_sandbox=unsafe)
     except BaseException:
       self.close()
       raise

@@ -18,10 +18,11 @@ Write one by subclassing `Env` (and `EnvTask` to draw its problems), e.g.
       return Turn(done=True, reward=float(self.calls == 2))
 
 An env object is the state of one episode. Unless its task is trusted (the builtin ones), each step runs in a
-worker process of the isolating runner (jaxrl.envs.runner): the env is pickled there with the turn, stepped, and
-sent back, so keep its state plain data. A step that raises, hangs past its timeout, crashes the worker or returns
-garbage ends the episode with a counted failure (its reward is then a failed reward: the group is dropped and
-counted), and the run goes on.
+worker process of the isolating runner (jaxrl.envs.runner): the env is pickled there with the turn, stepped, and its
+attributes come back as plain data (JSON: None, bool, int, finite float, str, list, dict with str keys; no tuples),
+which is all the trainer accepts from a worker; an env whose state is anything else fails its step, saying so. A
+step that raises, hangs past its timeout, crashes the worker or returns garbage ends the episode with a counted
+failure (its reward is then a failed reward: the group is dropped and counted), and the run goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from jaxrl.envs import wire
 from jaxrl.envs.rewards import register_reward
 from jaxrl.envs.runner import RewardResult
 from jaxrl.envs.task import EVAL, TRAIN, Example, Problem, ProceduralTask
@@ -81,6 +83,47 @@ def call_env_step(fn, env: Env, text: str, ids: Sequence[int]) -> RewardResult:
     return RewardResult(math.nan, False, bad, "bad_value")
   value = 0.0 if turn.reward is None else float(turn.reward)
   return RewardResult(value, True, payload=(env, turn))
+
+
+def call_env_step_data(fn, env: Env, text: str, ids: Sequence[int]) -> RewardResult:
+  """call_env_step in a worker process: the payload goes back as plain data, {"state": the env's attributes,
+  "turn": the Turn's fields} (jaxrl.envs.wire: the trainer unpickles nothing a worker sends); an env whose state is
+  not plain data fails, saying so."""
+  result = call_env_step(fn, env, text, ids)
+  if not result.ok:
+    return result
+  state = getattr(env, "__dict__", None)
+  why = "it has no __dict__" if state is None else wire.plain(state)
+  if why:
+    return RewardResult(math.nan, False, f"{type(env).__name__}'s state is not plain data, which is all a worker "
+                        f"process may send back: {why}", "error")
+  turn = result.payload[1]
+  obs = turn.observation if isinstance(turn.observation, str) else [int(t) for t in turn.observation]
+  reward = None if turn.reward is None else float(turn.reward)
+  return dataclasses.replace(result, payload={"state": state, "turn": [obs, turn.done, reward]})
+
+
+def env_from_data(env: Env, result: RewardResult) -> RewardResult:
+  """The trainer's side of call_env_step_data: the payload back as (a new env of env's class with the state sent,
+  the Turn), checked; a payload of another shape fails the step as a bad message."""
+  if not result.ok:
+    return result
+  payload = result.payload
+  try:
+    state, (obs, done, reward) = payload["state"], payload["turn"]
+    if not isinstance(state, dict):
+      raise TypeError("state is not a dict")
+    turn = Turn(obs, done, reward)
+  except (TypeError, KeyError, ValueError) as e:
+    return RewardResult(math.nan, False, f"a malformed env step from the worker: {type(e).__name__}: {e}",
+                        "bad_message")
+  bad = garbage(turn)
+  if bad or (0.0 if reward is None else reward) != result.value:
+    return RewardResult(math.nan, False, f"a malformed env step from the worker: {bad or 'reward and value differ'}",
+                        "bad_message")
+  new = object.__new__(type(env))
+  new.__dict__.update(state)
+  return dataclasses.replace(result, payload=(new, turn))
 
 
 def garbage(turn) -> str | None:
@@ -143,5 +186,5 @@ def episode_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
   return episode["reward"]
 
 
-__all__ = ["EVAL", "TRAIN", "Env", "EnvTask", "Turn", "answer_episodes", "call_env_step", "episode_reward",
-           "step_env"]
+__all__ = ["EVAL", "TRAIN", "Env", "EnvTask", "Turn", "answer_episodes", "call_env_step", "call_env_step_data",
+           "env_from_data", "episode_reward", "step_env"]

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxrl.envs import guard
-from jaxrl.envs.env import Env, EnvTask, call_env_step, step_env
+from jaxrl.envs.env import Env, EnvTask, call_env_step, call_env_step_data, env_from_data, step_env
 from jaxrl.envs.rewards import Check
 from jaxrl.envs.runner import RewardResult, RewardRunner
 from jaxrl.envs.task import Example
@@ -99,11 +99,11 @@ class EnvRunner:
         runner = self._runners.get_nowait()
       except queue.Empty:  # started on first use: one worker process per pool thread
         runner = RewardRunner(step_env, timeout_s=self.timeout_s, workers=1, isolation="process", sandbox=None,
-                              call=call_env_step)
+                              call=call_env_step_data)
         with self._lock:
           self._all.append(runner)
       try:
-        result = runner.score([(env, text, ids)])[0]
+        result = env_from_data(env, runner.score([(env, text, ids)])[0])
       finally:
         self._runners.put(runner)
     if count:
