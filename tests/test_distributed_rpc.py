@@ -78,16 +78,19 @@ def test_a_server_gone_in_the_handshake_is_a_connect_error_and_only_its_no_is_au
   listener.listen(4)
   address = f"127.0.0.1:{listener.getsockname()[1]}"
 
-  def serve(answer: bytes) -> None:
-    sock, _ = listener.accept()
-    with sock:
-      sock.sendall(rpc.HELLO + bytes(rpc.NONCE))
-      _ = sock.recv(rpc.NONCE + 32)
-      sock.sendall(answer)
+  def serve(answer: bytes, connections: int) -> None:
+    for _ in range(connections):
+      sock, _ = listener.accept()
+      with sock:
+        sock.sendall(rpc.HELLO + bytes(rpc.NONCE))
+        _ = sock.recv(rpc.NONCE + 32)
+        sock.sendall(answer)
 
-  for answer, waited_for, message in ((b"", "connect", "closed the connection in the handshake"),
-                                      (rpc.REFUSED, "auth", "does not hold the run's secret")):
-    thread = threading.Thread(target=serve, args=(answer,))
+  # a dropped handshake is tried again (nothing was sent yet), a refusal is final
+  for answer, tries, waited_for, message in (
+      (b"", rpc.HANDSHAKE_TRIES, "connect", rf"closed the connection in the handshake \({rpc.HANDSHAKE_TRIES} tries\)"),
+      (rpc.REFUSED, 1, "auth", "does not hold the run's secret")):
+    thread = threading.Thread(target=serve, args=(answer, tries))
     thread.start()
     with pytest.raises(rpc.RpcError, match=message) as e:
       secret_util.call(address, "ping", {}, timeout_s=5)

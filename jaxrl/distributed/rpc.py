@@ -345,13 +345,19 @@ class Server:
     self._listener.close()
 
 
+class _Dropped(RpcError):
+  """The server closed the connection in the handshake without its REFUSED: busy, restarting or gone."""
+
+
+HANDSHAKE_TRIES = 3  # a dropped handshake is tried again (nothing was sent yet), 0.1 s then 0.2 s later
+
+
 def _handshake(sock: socket.socket, secret: bytes, address: str, method: str) -> None:
   """The client's side: answers the server's nonce and checks the server's proof (RpcError "auth")."""
   try:
     hello = _read_exactly(sock, len(HELLO) + NONCE)
   except ConnectionError:
-    raise RpcError(address, method, "connect", "the server closed the connection before its handshake (busy)") \
-      from None
+    raise _Dropped(address, method, "connect", "the server closed the connection before its handshake") from None
   if not hello.startswith(HELLO):
     raise RpcError(address, method, "auth", "not a jaxrl rpc server (no handshake)")
   server_nonce, client_nonce = hello[len(HELLO):], secrets.token_bytes(NONCE)
@@ -359,7 +365,7 @@ def _handshake(sock: socket.socket, secret: bytes, address: str, method: str) ->
   try:
     proof = _read_exactly(sock, _MAC)
   except ConnectionError:  # no answer at all: the server went away or dropped the handshake (busy, timed out)
-    raise RpcError(address, method, "connect", "the server closed the connection in the handshake") from None
+    raise _Dropped(address, method, "connect", "the server closed the connection in the handshake") from None
   if proof == REFUSED:
     raise RpcError(address, method, "auth", "the server refused the handshake: this program does not hold the "
                    "run's secret (--secret_file or JAXRL_RUN_SECRET)")
@@ -367,19 +373,43 @@ def _handshake(sock: socket.socket, secret: bytes, address: str, method: str) ->
     raise RpcError(address, method, "auth", "the server did not prove the run's secret")
 
 
+def _connect(address: str, method: str, timeout_s: float, secret: bytes) -> socket.socket:
+  """A connection to address past its handshake. A handshake the server dropped (its queue full under a flood, a
+  learner restarting) is tried again up to HANDSHAKE_TRIES times within timeout_s; a refusal or no connection is
+  not."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  for attempt in range(HANDSHAKE_TRIES):
+    try:
+      sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except TimeoutError:
+      raise RpcError(address, method, "connect", f"no connection within {timeout_s:g}s") from None
+    except OSError as e:
+      raise RpcError(address, method, "connect", f"cannot connect: {e.strerror or e}") from None
+    try:
+      _handshake(sock, secret, address, method)
+      return sock
+    except _Dropped as e:
+      sock.close()
+      pause = 0.1 * 2**attempt
+      if attempt + 1 == HANDSHAKE_TRIES or time.monotonic() + pause >= deadline:
+        raise RpcError(address, method, "connect", f"{str(e).split(': ', 1)[1]} ({attempt + 1} tries)") from None
+      time.sleep(pause)
+    except TimeoutError:
+      sock.close()
+      raise RpcError(address, method, "connect", f"no handshake within {timeout_s:g}s") from None
+    except BaseException:
+      sock.close()
+      raise
+  raise AssertionError("unreachable")
+
+
 def call(address: str, method: str, request: dict, *, timeout_s: float, secret: bytes) -> dict:
   """`method`'s reply to `request` from the server at address ("host:port"), which must prove `secret` as this
   call does; RpcError if there is none within timeout_s (for the connect, then again for the reply)."""
-  host, _, port = address.rpartition(":")
-  try:
-    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-  except TimeoutError:
-    raise RpcError(address, method, "connect", f"no connection within {timeout_s:g}s") from None
-  except OSError as e:
-    raise RpcError(address, method, "connect", f"cannot connect: {e.strerror or e}") from None
+  sock = _connect(address, method, timeout_s, secret)
   with sock:
     try:
-      _handshake(sock, secret, address, method)
       sock.sendall(encode({"method": method, "request": request}))
       reply: Any = read_message(sock)["reply"]
     except TimeoutError:
