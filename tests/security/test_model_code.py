@@ -344,6 +344,18 @@ def test_a_kernel_without_landlock_stops_the_run_unless_the_config_opts_out(monk
   assert isolation.problem() is None and isolation.require(False) is False  # this kernel: Landlock ABI >= 1
 
 
+def test_a_kernel_without_namespaces_is_refused_too():
+  """A user namespace whose limits allow no further mount or user namespaces (as a kernel or container without them
+  would): the start-up check names the refusal, so a run stops (exit 2) unless it opts out."""
+  script = "from jaxrl.envs import isolation; print(isolation.problem())"
+  limit = ("echo 0 > /proc/sys/user/max_mnt_namespaces && echo 0 > /proc/sys/user/max_user_namespaces && "
+           'exec "$0" -c "$1"')
+  proc = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", limit, sys.executable, script], cwd=REPO,
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip().startswith("the kernel refuses a private mount namespace"), proc.stdout
+
+
 def test_the_cli_says_it_in_one_line_and_exits_2(tmp_path):
   code = ("import sys; from jaxrl import train; from jaxrl.envs import isolation; "
           "isolation.landlock_abi = lambda: 0; train.train = lambda config, workdir: isolation.require(False); "
