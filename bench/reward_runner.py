@@ -10,8 +10,9 @@ importing one tree (`git archive` of the old commit, or this checkout); each rou
 alternating which goes first, and the figure is the median of the rounds' new/old ratios (other load on the box
 moves it least). Rewards: countdown and math_verify (sandboxed workers, varied items so no cache answers), and
 exact_answer (the main job's reward, configs/default.py: inline, the same code path in both: its ratio shows the
-noise). The sandboxed two are also measured with SandboxLimits(process_per_item=True) (a fork of the worker per
-item, which holds no pipe to the trainer), on a quarter of the items. Writes bench/results/reward_runner.json.
+noise). The sandboxed two run in this tree both ways: "new", every item in the worker's one confined process
+(task.reward_process_per_item=False), and "per_item", a fork of the worker per item that holds no pipe to the trainer
+(the default since issue 52), on a quarter of the items. Writes bench/results/reward_runner.json.
 """
 
 from __future__ import annotations
@@ -44,17 +45,19 @@ def items(reward: str, n: int) -> list:
   return out
 
 
-def child(reward: str, n: int, workers: int, per_item: bool = False) -> None:
-  """Runs in a fresh process whose sys.path starts with the tree to measure: items scored per second."""
+def child(reward: str, n: int, workers: int, per_item: bool | None = None) -> None:
+  """Runs in a fresh process whose sys.path starts with the tree to measure: items scored per second. per_item:
+  None, the tree's own default (the old tree has no such choice); else the sandbox scores each item in a process of
+  its own (True, this tree's default) or every item in the worker's one confined process (False)."""
   import jaxrl
   from jaxrl.envs import RewardRunner
 
   work = items(reward, n)
   kw = {}
-  if per_item:
+  if per_item is not None:
     from jaxrl.envs.sandbox import SandboxLimits
 
-    kw = {"sandbox": SandboxLimits(process_per_item=True)}
+    kw = {"sandbox": SandboxLimits(process_per_item=per_item)}
   with RewardRunner(reward, workers=workers, **kw) as runner:
     runner.score(work[:20])  # warm: imports, first parses
     t0 = time.perf_counter()
@@ -65,7 +68,7 @@ def child(reward: str, n: int, workers: int, per_item: bool = False) -> None:
                     "tree": str(pathlib.Path(jaxrl.__file__).parents[1])}))
 
 
-def measure(tree: pathlib.Path, reward: str, n: int, workers: int, per_item: bool = False) -> dict:
+def measure(tree: pathlib.Path, reward: str, n: int, workers: int, per_item: bool | None = None) -> dict:
   code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT)!r}); "
           f"from bench.reward_runner import child; child({reward!r}, {n}, {workers}, {per_item})")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tree, check=True)
@@ -93,7 +96,8 @@ def main(argv=None) -> None:
         for name in names if r % 2 == 0 else names[::-1]:
           n = args.items * (20 if reward == "exact_answer" else 1)  # inline: microseconds an item
           n = n // 4 if name == "per_item" else n  # a fork an item: slower
-          m = measure(old if name == "old" else ROOT, reward, n, args.workers, name == "per_item")
+          per_item = None if name == "old" or reward not in SANDBOXED else name == "per_item"
+          m = measure(old if name == "old" else ROOT, reward, n, args.workers, per_item)
           assert m["tree"] == str(old if name == "old" else ROOT), m
           runs[name].append(m)
       med = {k: statistics.median(m["items_per_s"] for m in v) for k, v in runs.items()}

@@ -292,6 +292,11 @@ class Task:
   # this is set, and then its sandboxes have only the Python-level guards (docs/SECURITY.md)
   allow_unsafe_sandbox: bool = Bool(False, "UNSAFE: run sandboxed rewards without kernel isolation where the kernel "
                                     "refuses it")
+  # A sandboxed reward (one that handles a model's text as code) scores each item in a process of its own, which
+  # holds no channel to the trainer: code that takes the scorer over answers for that item alone. False trades that
+  # for throughput: the worker's one confined process then scores every item, and a scorer taken over may answer
+  # the worker's later items too (still plain data, never run by the trainer; docs/SECURITY.md)
+  reward_process_per_item: bool = Bool(True, "sandboxed rewards: score each item in a process of its own")
   failure_window: int = Int(64, 1, "scored samples in the reward-failure window")
   max_failure_frac: float = Real(0.5, lambda v: 0 <= v < 1, "in [0, 1)",
                                  "failed samples in the window above this fraction stop the run")

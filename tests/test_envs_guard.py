@@ -17,7 +17,7 @@ from jaxrl.envs.calculator import CalculatorEnv, CalculatorTask
 from jaxrl.envs.env import Turn
 from jaxrl.envs.rewards import Check, right_and_wrong
 from jaxrl.envs.runner import RewardResult
-from jaxrl.envs.sandbox import _reachable_by_others, run_code
+from jaxrl.envs.sandbox import SandboxLimits, _reachable_by_others, run_code
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sandbox_rewards  # noqa: E402
@@ -81,8 +81,13 @@ def test_the_self_check_catches_a_reward_broken_only_in_its_sandbox_and_names_wh
   spec_checks = right_and_wrong("<answer>7</answer>", "<answer>8</answer>", {"answer": "7"})
   with RewardRunner(sandbox_rewards.lazy_import_reward, workers=1, sandbox=None) as plain:  # unsandboxed: fine
     guard.self_check("test_lazy_import", plain, spec_checks)
-  with RewardRunner("test_lazy_import", workers=1) as sandboxed:
-    assert sandboxed.sandbox is not None
+  # Scoring each item in a process of its own (the default), the worker first scores the known cases before it is
+  # confined: the lazy import is made once, there, and every item's process inherits it.
+  with RewardRunner("test_lazy_import", workers=1) as per_item:
+    assert per_item.sandbox.process_per_item
+    guard.self_check("test_lazy_import", per_item, spec_checks)
+  one_process = SandboxLimits(process_per_item=False)  # task.reward_process_per_item=False
+  with RewardRunner("test_lazy_import", workers=1, sandbox=one_process) as sandboxed:
     if ROOT:  # as nobody, the folder it imports from on first use is out of reach: every answer scores 0
       with pytest.raises(guard.RewardsBroken) as info:
         guard.self_check("test_lazy_import", sandboxed, spec_checks)

@@ -12,6 +12,7 @@ from jaxrl import console, settings
 from jaxrl.controller.spec import SkipPrompt
 from jaxrl.envs import EnvTask, Episodes, PromptRenderer, RewardRunner, SkipExample, guard, make_task, reward_spec
 from jaxrl.envs.isolation import require as require_isolation
+from jaxrl.envs.sandbox import SandboxLimits
 from jaxrl.rollout import Rollout, SamplingParams
 from jaxrl.sampler import Sampler
 
@@ -80,7 +81,8 @@ class Scorer:
     unsafe = any(reward_spec(n).sandbox for n in names) and require_isolation(t.allow_unsafe_sandbox)
     try:
       for name in names:
-        self.runners[name] = RewardRunner(name, timeout_s=t.reward_timeout_s, unsafe_sandbox=unsafe)
+        sandbox = SandboxLimits(process_per_item=t.reward_process_per_item) if reward_spec(name).sandbox else None
+        self.runners[name] = RewardRunner(name, timeout_s=t.reward_timeout_s, sandbox=sandbox, unsafe_sandbox=unsafe)
     except BaseException:
       self.close()
       raise

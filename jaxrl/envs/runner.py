@@ -12,9 +12,11 @@ Trust runs one way. The trainer sends a worker the pickled fn and items (the wor
 sends back plain data only (jaxrl.envs.wire: length-prefixed JSON, size-capped, each field type- and range-checked,
 the item's number echoed), because code that handles a model's text may take the worker over and write anything on
 its pipe. Nothing a worker sends is unpickled, imported or executed; a malformed message, or an answer for another
-item, is that item's failure ("bad_message") and the worker is replaced. What such code can still do is answer for
-the item it is scoring, and, since a worker scores many items, for later items of that worker until it is
-replaced: values the checks accept (finite floats), never code in the trainer (docs/SECURITY.md).
+item, is that item's failure ("bad_message") and the worker is replaced. A sandboxed worker scores each item in a
+fork of itself that holds no pipe to the trainer (SandboxLimits.process_per_item, the default), so what such code
+can still do is answer for the item it is scoring (a value the checks accept: a finite float); in one process per
+worker (process_per_item=False) also for that worker's later items until it is replaced; never code in the
+trainer (docs/SECURITY.md).
 
 Fns that handle text as code (registered with sandbox=True, e.g. the countdown expression reward), or any fn given
 `sandbox=SandboxLimits(...)`, run in sandboxed workers (jaxrl.envs.sandbox): Landlock (reads of the import roots

@@ -83,9 +83,10 @@ class SandboxLimits:
   open_files: int = 64
   scratch_mb: int = 64  # everything the process may write, in all (the size of its private tmpfs)
   # A reward worker scores each item in a fork of itself that holds no pipe to the trainer, in a nested Landlock
-  # domain: code that takes a scorer over answers for its own item only, not for the worker's later items. Costs a
-  # fork an item (1.4-2.2 ms of CPU here; docs/SECURITY.md)
-  process_per_item: bool = False
+  # domain: code that takes a scorer over answers for its own item only, never through the trainer's pipe nor for
+  # the worker's later items. Costs a fork an item (bench/reward_runner.py; docs/SECURITY.md); False (the run's
+  # task.reward_process_per_item) keeps one confined process per worker, faster, with that residual
+  process_per_item: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

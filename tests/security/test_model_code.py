@@ -8,6 +8,7 @@ the scratch is byte-for-byte and mtime-for-mtime unchanged, and that the trainer
 capabilities).
 """
 
+import dataclasses
 import json
 import os
 import pickle
@@ -161,9 +162,11 @@ FORGE_OWN_ITEM = textwrap.dedent("""
 
 
 def test_a_scorer_taken_over_forges_at_most_its_own_item(canary):
-  # The documented residual (docs/SECURITY.md): code that runs inside the scorer's process can answer for the item
-  # it is scoring (here it reads the item's number from the worker's frame), never for another item, never code.
-  with RewardRunner(model_code_rewards.exec_then_honest, workers=1, timeout_s=20, sandbox=LIMITS) as runner:
+  # The documented residual of one confined process per worker (task.reward_process_per_item=False;
+  # docs/SECURITY.md): code that runs inside the scorer's process can answer for the item it is scoring (here it
+  # reads the item's number from the worker's frame), never for another item, never code.
+  one_process = dataclasses.replace(LIMITS, process_per_item=False)
+  with RewardRunner(model_code_rewards.exec_then_honest, workers=1, timeout_s=20, sandbox=one_process) as runner:
     results = runner.score([("p", FORGE_OWN_ITEM, {"score": 0.0}), ("p", "x = 1", {"score": 0.5}),
                             ("p", "x = 1", {"score": 0.5})])
   assert results[0].value in (0.0, 1.0)  # its own item: forged, or honest if the forgery lost the race
