@@ -18,8 +18,10 @@ VARIANTS = {
                                                           ("low_freq_factor", 1.0),
                                                           ("original_max_position_embeddings", 16.0))),
 }
+T = 7  # sequence length of the default model's _full batches: one compiled forward (and gradient) for its tests
 
 
+@functools.cache  # one build per config: the tests only read the params
 def _model(**kw):
   cfg = ModelConfig.tiny(**kw)
   graphdef, params = nnx.split(Decoder(cfg, nnx.Rngs(0)))
@@ -50,19 +52,26 @@ def test_cached_decode_equals_full_forward(variant):
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-5, rtol=1e-5)
 
 
+def _rows(*rows):
+  """Sequences as one [2, T] batch, padded with token 0 after their ends: the causal forward of a row at position t
+  reads its positions <= t alone, so every test of the default model runs the one _full program of that shape."""
+  return jnp.stack([jnp.pad(r[0], (0, T - r.shape[1])) for r in rows])
+
+
 def test_cached_rows_at_different_positions():
   """Continuous batching: each row of the cache decodes at its own position."""
   cfg, graphdef, params = _model()
   a = jax.random.randint(jax.random.key(2), (1, 7), 0, cfg.vocab_size)
   b = jax.random.randint(jax.random.key(3), (1, 4), 0, cfg.vocab_size)
+  full = _full(graphdef, params, _rows(a, b))
   cache = init_cache(cfg, 2, 8)
   # Row 0 holds a[:6], row 1 holds b[:3]; then decode one token each at positions 6 and 3.
   tok = jnp.zeros((2, 6), jnp.int32).at[0].set(a[0, :6]).at[1, :3].set(b[0, :3])
   pos = jnp.stack([jnp.arange(6), jnp.arange(6)])
   _, cache = forward_cached(graphdef, params, tok, pos, cache)
   logits, _ = forward_cached(graphdef, params, jnp.array([[a[0, 6]], [b[0, 3]]]), jnp.array([[6], [3]]), cache)
-  np.testing.assert_allclose(logits[0, 0], _full(graphdef, params, a)[0, 6], atol=1e-5)
-  np.testing.assert_allclose(logits[1, 0], _full(graphdef, params, b)[0, 3], atol=1e-5)
+  np.testing.assert_allclose(logits[0, 0], full[0, 6], atol=1e-5)
+  np.testing.assert_allclose(logits[1, 0], full[1, 3], atol=1e-5)
 
 
 def test_packed_segments_equal_separate_sequences():
@@ -73,14 +82,15 @@ def test_packed_segments_equal_separate_sequences():
   positions = jnp.array([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0]])
   segments = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0]])
   packed = forward(graphdef, params, tokens, positions, segments)
-  np.testing.assert_allclose(packed[0, :5], _full(graphdef, params, a)[0], atol=1e-5)
-  np.testing.assert_allclose(packed[0, 5:9], _full(graphdef, params, b)[0], atol=1e-5)
+  full = _full(graphdef, params, _rows(a, b))
+  np.testing.assert_allclose(packed[0, :5], full[0, :5], atol=1e-5)
+  np.testing.assert_allclose(packed[0, 5:9], full[1, :4], atol=1e-5)
   assert np.isfinite(np.asarray(packed)).all()  # fully masked padding rows stay finite
 
 
 def test_bfloat16_compute_is_close_to_float32():
   cfg, graphdef, params = _model()
-  tokens = jax.random.randint(jax.random.key(6), (2, 9), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(6), (2, T), 0, cfg.vocab_size)
   ref = _full(graphdef, params, tokens)
   graphdef_bf16, _ = nnx.split(Decoder(cfg.replace(dtype="bfloat16"), nnx.Rngs(0)))
   out = _full(graphdef_bf16, params, tokens)
@@ -92,7 +102,7 @@ def test_bfloat16_compute_is_close_to_float32():
 def test_remat_gives_same_gradients():
   cfg, graphdef, params = _model()
   _, graphdef_r, _ = _model(remat=True)
-  tokens = jax.random.randint(jax.random.key(7), (2, 6), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(7), (2, T), 0, cfg.vocab_size)
   loss = lambda g, p: jnp.sum(_full(g, p, tokens) ** 2)
   g1 = jax.grad(loss, argnums=1)(graphdef, params)
   g2 = jax.grad(loss, argnums=1)(graphdef_r, params)
@@ -105,7 +115,7 @@ def test_unrolled_layer_scan_computes_the_same_logits_gradients_and_cache(unroll
   """model.scan_unroll (2 of tiny's 2 layers, or more than it has: fully unrolled) is the same computation."""
   cfg, graphdef, params = _model()
   _, graphdef_u, _ = _model(scan_unroll=unroll)
-  tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(3), (2, T), 0, cfg.vocab_size)
   loss = lambda g, p: jnp.sum(_full(g, p, tokens) ** 2)
   np.testing.assert_allclose(_full(graphdef_u, params, tokens), _full(graphdef, params, tokens), rtol=1e-5,
                              atol=1e-5)

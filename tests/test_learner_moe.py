@@ -18,7 +18,9 @@ from jaxrl.rollout import Rollout, SamplingParams, make_batch
 from jaxrl.sampler import Sampler, make_engine
 from jaxrl.sharding import make_mesh
 
-CFG = ModelConfig.tiny_moe()
+# The aux coefficient of the load-balance test's "aux on" model (tiny_moe's is 0.001): its train step is then the
+# routing-replay step of the other tests, one program compiled for the file, not two.
+CFG = ModelConfig.tiny_moe(router_aux_loss_coef=0.5)
 B, L = 4, 16
 
 
@@ -149,7 +151,9 @@ def test_load_balance_terms_are_in_the_loss_with_the_model_config_coefficients()
   router = lambda s: np.asarray(s.params["blocks"]["moe"]["router"][...])
   for term, value in (("aux", routing.aux_loss()), ("z", routing.z_loss())):
     assert value > 0.1
-    state_on, m_on = _train(_step_config(off.replace(**{f"router_{term}_loss_coef": 0.5})), params, batch)
+    on = off.replace(**{f"router_{term}_loss_coef": 0.5})
+    assert term == "z" or on == CFG
+    state_on, m_on = _train(_step_config(on), params, batch)
     np.testing.assert_allclose(m_on[f"loss/router_{term}"], value, rtol=1e-5)
     np.testing.assert_allclose(m_on["loss"] - m_off["loss"], 0.5 * value, rtol=1e-4, err_msg=term)
     assert np.abs(router(state_on) - router(state_off)).max() > 1e-4, term

@@ -34,11 +34,11 @@ def engines():
   return make(), make(kv="paged", page_size=PAGE), make(kv="paged", page_size=PAGE, num_pages=14, row_buckets=(1, 2))
 
 
-def _groups(sampler, seed=1, groups=5, n=3, sampling=SP):
+def _groups(sampler, seed=1, groups=5, n=3, sampling=SP, max_tokens=30):
   rng = np.random.default_rng(seed)
   for g in range(groups):
     prompt = rng.integers(2, CFG.vocab_size, rng.integers(3, 14)).tolist()
-    sampler.submit(prompt, group_id=g, n=n, max_tokens=int(rng.integers(5, 30)), sampling=sampling)
+    sampler.submit(prompt, group_id=g, n=n, max_tokens=int(rng.integers(5, max_tokens)), sampling=sampling)
 
 
 def _run(engine, params, seed=1, **kw):
@@ -263,41 +263,58 @@ def test_config_selects_the_paged_cache():
     config_lib.validate(config_lib.override(c, **{"sampler.kv": "ragged"}))
 
 
+def _episodes_with_an_update(engine, params, new_params, sampling):
+  """Three groups, an in-flight update after two generate calls (live samples rebuilt on the new weights: chunks take
+  the XLA path); {(group, index): rollout}. The interpreted kernels cost seconds a generate call, so samples end
+  within 15 tokens: over the 8 drawn before the update, so some sample still spans both versions."""
+  sampler = Sampler(engine, params, seed=0, eos_token_ids=())
+  _groups(sampler, groups=3, seed=4, sampling=sampling, max_tokens=16)
+  first = sampler.step() + sampler.step()
+  sampler.update_params(new_params, version=1)
+  out = {**{(r.group_id, r.sample_index): r for r in first}, **_drain(sampler)}
+  assert sampler.stats.rebuilds == 1 and sampler.cache.pages.num_free == engine.num_pages
+  return out
+
+
+@pytest.fixture(scope="module")
+def xla_episodes(model, engines):
+  """The XLA engine's samples for the Pallas engines to equal: the module's paged engine (its programs compiled once
+  for the file), on 4 devices as slots x kv heads."""
+  _, params, new_params = model
+  assert dict(engines[1].mesh.shape) == {"data": 2, "tensor": 2}
+  return _episodes_with_an_update(engines[1], params, new_params, SP)
+
+
 @pytest.mark.parametrize("attention, axes", [("pallas_gpu", {"data": 1}), ("pallas_tpu", {"data": 1}),
                                              ("pallas_gpu", {"data": 2, "tensor": 2})])
-def test_engine_with_a_pallas_kernel(model, attention, axes):
+def test_engine_with_a_pallas_kernel(model, engines, request, attention, axes):
   """The paged engine decoding through a Pallas kernel (interpret mode on CPU), its pool in the kernels' layout;
   chunks (prefill, the rebuild after an in-flight update) take the XLA path over that layout. GPU: the XLA engine's
-  samples token for token. TPU: the kernel reads keys and values in bfloat16 (its design), so samples drift from
-  a float32 engine's; each token's logprob is still its own distribution's (the full forward, bf16 tolerance). On
-  a mesh of slots x kv heads the kernel runs in shard_map, each device on its slots' queries and its heads' pages."""
+  samples token for token, on one device as on the reference's four. TPU: the kernel reads keys and values in
+  bfloat16 (its design), so samples drift from a float32 engine's; each token's logprob is still its own
+  distribution's (the full forward, bf16 tolerance). On a mesh of slots x kv heads the kernel runs in shard_map,
+  each device on its slots' queries and its heads' pages."""
   _, params, new_params = model
-  mesh = make_mesh(axes, jax.devices()[:math.prod(axes.values())])
+  mesh = make_mesh(axes, jax.devices()[-math.prod(axes.values()):])  # (4 devices: the reference engine's)
   cfg = dataclasses.replace(CFG, head_dim=128) if attention == "pallas_tpu" else CFG  # the TPU kernel's lanes
   graphdef, abstract = abstract_params(cfg)
   if cfg is not CFG:
     params, new_params = (_random_params(abstract, seed) for seed in (0, 1))
   make = lambda **kw: make_engine(cfg, mesh, max_slots=4, max_len=MAX_LEN, steps_per_call=4, min_bucket=8, kv="paged",
                                   page_size=PAGE, **kw)
-  engines = {"xla": make(attention="xla"), attention: make(attention=attention, interpret=True)}
-  assert (engines["xla"].layout, engines[attention].layout) == ("NPZKD", "KNPZD")
-  results = {}
-  for name in (attention,) if attention == "pallas_tpu" else ("xla", attention):
-    sampler = Sampler(engines[name], params, seed=0, eos_token_ids=())
-    # (TPU: no top-k, whose support a bf16 logit can flip at its boundary; the logprobs are compared below.)
-    _groups(sampler, groups=3, seed=4, sampling=SamplingParams(temperature=1.0) if name == "pallas_tpu" else SP)
-    first = sampler.step() + sampler.step()
-    sampler.update_params(new_params, version=1)  # live samples are rebuilt on the new weights (chunks: XLA path)
-    results[name] = {**{(r.group_id, r.sample_index): r for r in first}, **_drain(sampler)}
-    assert sampler.stats.rebuilds == 1 and sampler.cache.pages.num_free == sampler.engine.num_pages
-  got = results[attention]
+  engine = make(attention=attention, interpret=True)
+  xla_layout = (make(attention="xla") if attention == "pallas_tpu" else engines[1]).layout  # GPU: the reference's
+  assert (xla_layout, engine.layout) == ("NPZKD", "KNPZD")
+  # (TPU: no top-k, whose support a bf16 logit can flip at its boundary; the logprobs are compared below.)
+  got = _episodes_with_an_update(engine, params, new_params,
+                                 SamplingParams(temperature=1.0) if attention == "pallas_tpu" else SP)
   assert sorted(got) == [(g, i) for g in range(3) for i in range(3)]
   assert any(set(r.versions.tolist()) == {0, 1} for r in got.values())
   if attention == "pallas_tpu":
     for r in got.values():
       _check_logprobs_match_forward((graphdef, params, new_params), r, atol=2e-2)
     return
-  for k, r in results["xla"].items():
+  for k, r in request.getfixturevalue("xla_episodes").items():
     np.testing.assert_array_equal(got[k].completion_tokens, r.completion_tokens)
     np.testing.assert_array_equal(got[k].versions, r.versions)
     np.testing.assert_allclose(got[k].logprobs, r.logprobs, atol=1e-5)
