@@ -84,7 +84,7 @@ class SandboxLimits:
   scratch_mb: int = 64  # everything the process may write, in all (the size of its private tmpfs)
   # A reward worker scores each item in a fork of itself that holds no pipe to the trainer, in a nested Landlock
   # domain: code that takes a scorer over answers for its own item only, not for the worker's later items. Costs a
-  # fork an item (1.4-2.2 ms of CPU here; docs/SECURITY.md)
+  # fork an item (bench/reward_runner.py; docs/SECURITY.md, "Boundary 2")
   process_per_item: bool = False
 
 
