@@ -9,7 +9,7 @@ problem and turn, so both modes wait on the same tools). The env steps run on a 
 slot); a slot parks while its tool works and continuous batching goes on around it. For each tool latency, rounds
 of a sync and a pipeline run (same config otherwise, max_staleness 0 vs 1) after one warm-up run that compiles
 everything; reports wall seconds per trained model token (observation tokens excluded) and their ratio. Writes
-bench/results/episodes.json; docs/BENCHMARKS.md explains the figures.
+bench/results/episodes.json; docs/BENCHMARKS.md, "Multi-turn episodes with a slow tool", explains the figures.
 """
 
 from __future__ import annotations

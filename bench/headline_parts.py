@@ -6,7 +6,8 @@ by side in one process pinned to one core (as the pipeline's learner and sampler
 1. The learner: configs/bench_headline.py's train step at every packed row bucket, in one chunk
    (rl.microbatch_rows=0) and in chunks of at most 6 rows (the config's setting), both with the layer scan rolled
    (model.scan_unroll=1, the config's), and chunks of 6 with it unrolled (scan_unroll = the model's 4 layers; faster
-   here, no gain in the headline's runs: docs/BENCHMARKS.md); median of `repeats` steps.
+   here, no gain in the headline's runs: docs/BENCHMARKS_HISTORY.md, "The headline: colocated sync vs pipeline");
+   median of `repeats` steps.
 2. The sampler's admissions of one group of 4 samples: per sample an eager fold_in of the group key, a device read
    of its key data and an insert (the sampler before), vs the group's keys in one program and one insert_group
    (now); median over `repeats` groups, each into a decode state while no generate call runs.

@@ -9,7 +9,7 @@ AdamW chain or make_optimizer's AdamW, both applied by the step's apply_update) 
 its arguments (the donated TrainState) and temporaries. The checksums compare the blocked pass
 (jaxrl.integrity) with the whole-array formula it replaced, on the same state shapes (temporaries compiled, time
 measured on the params alone). Peak RSS of the whole job is measured separately with /usr/bin/time -v (the command
-is in docs/BENCHMARKS.md). Writes bench/results/memory.json.
+is in docs/BENCHMARKS.md, "The main job's memory"). Writes bench/results/memory.json.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ profile before every run and after the last; the sampler alone (continuous batch
 alone are timed too. Reports wall time per trained token, steady-state step time (least-squares slope after the
 warm-up steps, as the simulator measures it), sampler/learner idle fractions (Controller.busy), staleness, and the
 simulator's prediction from the session's pooled profiles for the same lengths (replayed group by group). Writes
-bench/results/pipeline.json; docs/BENCHMARKS.md explains the figures."""
+bench/results/pipeline.json; docs/BENCHMARKS.md, "Pipeline vs sync on 8 virtual devices, and the simulator",
+explains the figures."""
 
 from __future__ import annotations
 

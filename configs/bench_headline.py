@@ -21,7 +21,7 @@ from jaxrl import config as config_lib
 def get_config(arg: str | None = None):
   c = config_lib.base()
   c.mode = "pipeline"
-  c.num_steps = 40  # 37 timed steps: the box's speed drifts by up to 2x between minutes, 13 steps were too few
+  c.num_steps = 40  # 37 timed steps: the box's speed drifts between minutes, 13 steps were too few (see below)
   c.mesh.sampler_devices = 1  # of 2: one learner device, one sampler device (a whole process in the pipeline)
   c.model.source = "tiny"
   c.model.tiny = ml_collections.ConfigDict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
@@ -36,15 +36,16 @@ def get_config(arg: str | None = None):
   c.rl.group_size = 4
   c.rl.groups_per_step = 8  # batch of 32 samples
   c.rl.seq_len = 128
-  c.rl.pack = True  # the train step costs the real tokens: comparable with the sampler's share (see BENCHMARKS.md)
+  c.rl.pack = True  # the train step costs the real tokens: comparable with the sampler's share
   c.rl.num_minibatches = 1
-  # Chunks of <= 6 rows: a packed batch of 8+ rows in one chunk ran 1.6x slower per row on one core (out of cache)
+  # Chunks of <= 6 rows: a packed batch of 8+ rows in one chunk ran slower per row on one core (out of cache;
+  # bench/headline_parts.py)
   c.rl.microbatch_rows = 6
   # The pipeline's settings (sync ignores both): with k = 1 a sampler that has its next share's groups admitted
   # has no room for more, so its slots empty while the share's long samples finish (the sync step's tail again), and
   # recomputing the KV cache of every in-flight sample at each update grows with k; k = 2 with keep_kv (continue
-  # in-flight samples over the old keys/values, PipelineRL's in-flight update) took a pipeline step from 0.078-0.082 s
-  # to 0.064-0.067 s on this box (docs/BENCHMARKS.md, "The headline")
+  # in-flight samples over the old keys/values, PipelineRL's in-flight update) gave the shortest pipeline step on this
+  # box. Each choice here, with its figures: docs/BENCHMARKS_HISTORY.md, "The headline: colocated sync vs pipeline".
   c.rl.max_staleness = 2
   c.sampler.on_update = "keep_kv"
   c.rl.queue_groups = 16

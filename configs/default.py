@@ -28,19 +28,21 @@ def get_config(arg: str | None = None):
   c.sampler.max_new_tokens = 24
   c.sampler.temperature = 0.7  # at 1.0 the 135M model almost never answers right: no learning signal
   c.rl.seq_len = 80
-  # Recompute each block in the backward pass: the saved activations were ~1 GiB of the train step's temporaries
-  # (peak RSS -1.9 GB, docs/BENCHMARKS.md "The main job's memory") for one more forward per mini-batch.
+  # Recompute each block in the backward pass: the saved activations were a large part of the train step's
+  # temporaries (bench/memory.py; docs/BENCHMARKS_HISTORY.md, "The main job's memory (issue 14)"), for one more
+  # forward per mini-batch.
   c.model.remat = True
   # A non-finite update skips only itself, not its whole step: an atomic step keeps the pre-step TrainState (params
-  # and Adam moments) while it runs, 1.5 GiB more train-step temporaries here (docs/BENCHMARKS.md, "memory")
+  # and Adam moments) while it runs, as more train-step temporaries (bench/memory.py; docs/BENCHMARKS_HISTORY.md,
+  # "Under 4 GB (2026-12-05)")
   c.rl.atomic_step = False
   c.rl.group_size = 8
   c.rl.groups_per_step = 2
   c.rl.max_staleness = 1
   # Dynamic sampling: a group whose rewards are all equal has no policy gradient yet costs the learner, this run's
-  # bottleneck, a forward and backward; about half the groups here are such. Generating replacements costs the
-  # cheaper sampler, and in the time-to-accuracy bench the filtered runs reached higher held-out accuracy per step
-  # in both modes (docs/BENCHMARKS.md, "Time to accuracy").
+  # bottleneck, a forward and backward; many groups here are such. Generating replacements costs the cheaper
+  # sampler, and in the time-to-accuracy bench the filtered runs reached higher held-out accuracy per step in both
+  # modes (bench/time_to_accuracy.py; docs/BENCHMARKS.md, "Time to accuracy on the main job").
   c.rl.filter_groups = "zero_variance"
   c.optimizer.learning_rate = 2e-5
   c.checkpoint.every_steps = 10

@@ -58,10 +58,10 @@ def get_config(arg: str | None = None):
   c.rl.group_size = 8
   c.rl.groups_per_step = 2
   c.rl.max_staleness = 1
-  # Dynamic sampling: about half the groups here score alike (every thought right, or every one wrong) and carry no
-  # policy gradient; training only groups with signal and generating replacements reached higher held-out accuracy
-  # in both modes, at no slower steps, even though each generated thought costs more here than the main job's answer
-  # (docs/BENCHMARKS.md, "Time to accuracy", the chain-of-thought workload).
+  # Dynamic sampling: many groups here score alike (every thought right, or every one wrong) and carry no policy
+  # gradient; training only groups with signal and generating replacements reached higher held-out accuracy in both
+  # modes, at no slower steps, even though each generated thought costs more here than the main job's answer
+  # (bench/time_to_accuracy.py; docs/BENCHMARKS.md, "The chain-of-thought workload").
   c.rl.filter_groups = "zero_variance"
   c.optimizer.learning_rate = 1e-5  # at 2e-5 the policy grew verbose within 6 steps (above)
   c.checkpoint.every_steps = 10

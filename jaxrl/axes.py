@@ -59,8 +59,8 @@ def constrain_rows(x: jax.Array) -> jax.Array:
   """x with its leading (row) axis split over the learner's batch axes (LEARNER_RULES) of the mesh in context, the
   rest whole; unchanged without one. The learner's train step traces under its mesh (under_mesh), so a model's
   activations stay row-sharded through the layer scan and FSDP gathers each layer's weights: left to itself,
-  XLA:TPU kept the weights sharded and all-reduced the whole batch's activations on every chip instead (5.8x FSDP's
-  collective bytes on Qwen2.5-7B; docs/TPU.md)."""
+  XLA:TPU kept the weights sharded and all-reduced the whole batch's activations on every chip instead (several
+  times FSDP's collective bytes: jaxrl-compile; docs/TPU.md, "What the compiled programs show")."""
   mesh = jax.sharding.get_abstract_mesh()
   axes = () if mesh.empty else tuple(a for a in dict(LEARNER_RULES)["batch"] if a in mesh.axis_names)
   if not axes:

@@ -59,7 +59,7 @@ def _state_handler(compress: bool, multiprocessing: ocp.options.MultiprocessingO
 
   Compressed, TensorStore holds each array's compressed chunks in host memory until the save is written: a save's
   peak RSS grows by about the compressed state and the save takes longer, for a modest saving of disk
-  (docs/BENCHMARKS.md, the main job's memory). Either kind restores with either setting."""
+  (docs/BENCHMARKS_HISTORY.md, "Under 4 GB (2026-12-05)"). Either kind restores with either setting."""
   handler = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
   # It does not pass use_compression on: its PyTree handler is replaced by one that does (the same class stays
   # registered for StandardSave / StandardRestore; tests/test_checkpoint_compression.py checks what lands on disk).

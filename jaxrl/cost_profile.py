@@ -143,7 +143,8 @@ def train_times(train_step: Callable, state, rollouts: list[Rollout], seq_len: i
   batch from the rollouts, trains, and fetches the new version and the metrics. With `publish_to` (an Engine) each
   step's new params are then published as the controller publishes them: moved onto the sampler's shardings and
   placed there, timed apart (the weight transfer). A transfer right after a train step costs more than one
-  repeated back to back on the same params (docs/BENCHMARKS.md), so it is timed where the run pays it.
+  repeated back to back on the same params (docs/BENCHMARKS.md, "Figures moved here from docstrings"), so it is
+  timed where the run pays it.
   """
   times, publish = [], []
   base = jax.random.key(0)

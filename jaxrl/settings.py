@@ -385,12 +385,13 @@ class RL:
   max_segments: int = Int(16, 1, "samples per packed row at most")
   # Every packed row bucket compiled before the first step, so no step pays a compilation mid-run (a multi-process
   # job always does: a late compile stalls every learner's collectives). False: each at its first use (a shorter
-  # start on CPU, where a real model's bucket takes 10-60 s to compile, and not every bucket is met)
+  # start on CPU, where a real model's bucket takes tens of seconds to compile, and not every bucket is met)
   compile_ahead: bool = Bool(True, "compile the train step for every packed row bucket before the first step")
   logprob_chunk: int = Int(0, 0, "> 0: log-probs computed this many positions at a time (no [B, L, V] logits)")
   # Gradient accumulation by size: each update's rows are run in the fewest chunks of at most this many rows per
   # learner device (per row bucket; the same update up to summation order). Bounds activation memory; on
-  # XLA:CPU small chunks stay in the core's cache (docs/BENCHMARKS.md). 0: one chunk
+  # XLA:CPU small chunks stay in the core's cache (bench/headline_parts.py; docs/BENCHMARKS_HISTORY.md, "The
+  # headline: colocated sync vs pipeline"). 0: one chunk
   microbatch_rows: int = Int(0, 0, "rows per gradient-accumulation chunk per device at most (0: whole update)")
   # k: a group admitted at sampler version v is trained by step v + k, late or not (nothing is dropped for
   # staleness): every trained token has staleness <= k, in learner steps (pipeline mode; sync is k = 0). "auto":
@@ -455,7 +456,7 @@ class Checkpoint:
   every_steps: int = Int(5, 1, "save every N learner steps (and at the end)")
   max_to_keep: int = Int(2, 1, "older checkpoints are deleted")
   # zstd: less disk for weights, but a save holds the compressed state in host memory until written (a higher
-  # peak RSS) and takes longer (docs/BENCHMARKS.md)
+  # peak RSS) and takes longer (docs/BENCHMARKS_HISTORY.md, "Under 4 GB (2026-12-05)")
   compress: bool = Bool(False, "zstd-compress the saved arrays")
 
 

@@ -24,10 +24,11 @@ sys.path.insert(0, str(REPO / "configs"))
 import bench_headline  # noqa: E402
 
 TOLERANCE = 0.15
-# The pipeline's learner waits 20-40 ms a step for its share on this CPU loopback (the sampler sends a share's groups
+# The pipeline's learner waits for its share every step on this CPU loopback (the sampler sends a share's groups
 # one cross-process copy each once the learner asks for it). --from-run charges the window's least wait as a per-step
-# hand-off (runlog.handoff_s): the simulator then predicted these runs -5% to -13% (-25% to -39% without it, 6 runs
-# on the shared box, bench/handoff.py). The rest of the wait varies step to step; see docs/BENCHMARKS.md (headline).
+# hand-off (runlog.handoff_s), which brought the simulator's error on these runs within this tolerance; the rest of
+# the wait varies step to step (bench/handoff.py; docs/BENCHMARKS_HISTORY.md, "The headline: colocated sync vs
+# pipeline").
 PIPELINE_TOLERANCE = 0.20
 
 

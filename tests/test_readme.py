@@ -1,5 +1,5 @@
 """README's two commands stay true: CI runs exactly the README's test command; the main job's config exists; its
-train-step snippet stays short and uses what jaxrl.learner exports."""
+train-step snippet stays short and uses what jaxrl.learner exports. Its results table quotes docs/BENCHMARKS.md."""
 
 import re
 from pathlib import Path
@@ -33,3 +33,24 @@ def test_readme_train_step_snippet_is_short_and_uses_the_learner_exports():
   assert len([line for line in snippet.splitlines() if line.strip()]) <= 10
   names = re.search(r"from jaxrl\.learner import (.*)", snippet).group(1).split(", ")
   assert {"StepConfig", "jit_train_step"} <= set(names) <= set(jaxrl.learner.__all__)
+
+
+def _results_rows():
+  """(what, result, command, date) of each row of README's `## Results` table."""
+  readme = (REPO / "README.md").read_text()
+  section = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+  lines = [line for line in section.splitlines() if line.startswith("|")]
+  assert lines[0].replace(" ", "") == "|what|result|command|date|", lines[0]
+  rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
+  assert rows and all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
+  return rows
+
+
+def test_every_readme_result_figure_is_in_benchmarks():
+  benchmarks = (REPO / "docs" / "BENCHMARKS.md").read_text()
+  for what, result, command, date in _results_rows():
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), f"README result {what!r}: date {date!r} is not YYYY-MM-DD"
+    assert command, f"README result {what!r}: no command"
+    figures = re.findall(r"\*\*(.+?)\*\*", what + " " + result)
+    for figure in figures:
+      assert figure in benchmarks, f"README result {what!r}: {figure!r} is not in docs/BENCHMARKS.md"

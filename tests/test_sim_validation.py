@@ -206,7 +206,8 @@ RECORDED_SESSION = REPO / "tests" / "data" / "pipeline_session.json"
 def test_simulator_predicts_a_recorded_sessions_step_time_within_15_percent(mode):
   """Calibrated on a recorded session's pooled profiles and given its groups' lengths, the simulator predicts the
   session's median measured step time within 15%. On live sessions, bench/pipeline.py measures the same (its
-  figures in docs/BENCHMARKS.md): a test does not depend on this machine's speed."""
+  figures in docs/BENCHMARKS.md, "Pipeline vs sync on 8 virtual devices, and the simulator"): a test does not depend
+  on this machine's speed."""
   r = json.loads(RECORDED_SESSION.read_text())
   cfg, b = r["config"], bench_pipeline.get_config(None).bench
   lengths = group_lengths(b.max_groups, r["lengths"]["median"], r["lengths"]["p99_ratio"],

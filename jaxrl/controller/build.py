@@ -273,10 +273,11 @@ def _shapes(batch) -> tuple:
 class CompiledSteps:
   """The train step compiled ahead of time for every batch shape the run can see (train_step_batches), called
   like the jitted step. A packed row bucket met first mid-run would otherwise stall that step by its tracing and
-  compilation (0.3-1.5 s at the headline's size, minutes for a real model on a TPU slice) and, in a multi-process
-  job, every other learner's collectives with it; an ahead-of-time lowering alone does not spare the jitted
-  function its own trace at first call. A batch of another shape falls back to the jitted step (counted in
-  `fallbacks`). place: puts a numpy batch where the step takes it (a multi-process learner's device_put)."""
+  compilation (docs/BENCHMARKS.md, "Figures moved here from docstrings"; minutes for a real model on a TPU slice)
+  and, in a multi-process job, every other learner's collectives with it; an ahead-of-time lowering alone does not
+  spare the jitted function its own trace at first call. A batch of another shape falls back to the jitted step
+  (counted in `fallbacks`). place: puts a numpy batch where the step takes it (a multi-process learner's
+  device_put)."""
 
   def __init__(self, train_step, state, spec: RunSpec, seq_len: int, key, place=lambda batch: batch):
     self.jitted, self.place, self.fallbacks = train_step, place, 0

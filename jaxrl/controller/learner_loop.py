@@ -142,7 +142,7 @@ class LearnerLoop:
     batch = self.spec.make_batch(samples, train_step)
     if self.checkpointer is not None:
       # A save still reading the state would keep it alive through this step, which donates it: a second state
-      # plus Orbax's host copy (docs/BENCHMARKS.md, the main job's memory).
+      # plus Orbax's host copy (docs/BENCHMARKS_HISTORY.md, "The main job's memory (issue 14)").
       self.checkpointer.wait()
     state, metrics = self.train_step(self.state, batch, jax.random.fold_in(self._base_key, train_step))
     applied = int(jax.device_get(state.version)) > step

@@ -119,7 +119,8 @@ class Outbox:
 
   def put_all(self, groups: list[list[Rollout]]) -> None:
     """The groups in packets of up to `capacity` groups: one cross-process copy and a few store calls for a whole
-    share (a packet per group made the learner wait on every group's round trip: docs/BENCHMARKS_HISTORY.md).
+    share (a packet per group made the learner wait on every group's round trip: docs/BENCHMARKS_HISTORY.md,
+    "The headline: colocated sync vs pipeline").
     Each chunk leaves `groups` once it is on its way."""
     while groups:
       t0 = time.perf_counter()

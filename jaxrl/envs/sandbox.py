@@ -84,8 +84,8 @@ class SandboxLimits:
   scratch_mb: int = 64  # everything the process may write, in all (the size of its private tmpfs)
   # A reward worker scores each item in a fork of itself that holds no pipe to the trainer, in a nested Landlock
   # domain: code that takes a scorer over answers for its own item only, never through the trainer's pipe nor for
-  # the worker's later items. Costs a fork an item (bench/reward_runner.py; docs/SECURITY.md); False (the run's
-  # task.reward_process_per_item) keeps one confined process per worker, faster, with that residual
+  # the worker's later items. Costs a fork an item (bench/reward_runner.py; docs/SECURITY.md, "Boundary 2"); False
+  # (the run's task.reward_process_per_item) keeps one confined process per worker, faster, with that residual
   process_per_item: bool = True
 
 

@@ -5,7 +5,7 @@ one way the train step applies an update (`apply_update`).
 checkpoints hold) of optax's chain(clip_by_global_norm, adamw), plus `update_if`, the same update with the skip
 inside, which `apply_update` uses so that XLA updates params and both moments in place: through optax's chain XLA:CPU
 recomputes each new moment inside the parameter update from the old one, so it copies both moments first, and it
-materialises the clipped gradients (docs/BENCHMARKS.md, "The main job's memory").
+materialises the clipped gradients (bench/memory.py; docs/BENCHMARKS_HISTORY.md, "Under 4 GB (2026-12-05)").
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ class StepConfig:
   # If > 0, each batch shape (row bucket) takes the fewest chunks, at least num_microbatches, that split its
   # update's rows per device evenly into chunks of at most this many rows (fewer when no divisor fits: 1 row). The
   # same update up to float summation order: it bounds the activations one chunk holds (and on a CPU keeps a chunk
-  # in the core's cache; docs/BENCHMARKS.md).
+  # in the core's cache: bench/headline_parts.py; docs/BENCHMARKS_HISTORY.md, "The headline: colocated sync vs
+  # pipeline").
   microbatch_rows: int = 0
   compute_dtype: object = None  # if set, floating params are cast to it for the forward pass (fp32 master, bf16 math)
   # Rows over the learner's data axes (jaxrl.sharding.batch_sharding); with jit_train_step's state shardings it

@@ -44,8 +44,9 @@ class ModelConfig:
   # (nothing_saveable: recompute everything; dots_with_no_batch_dims_saveable: keep the weight matmuls).
   remat_policy: str = "nothing_saveable"
   # Layers per iteration of the layer scan (>= num_layers: unrolled, each layer's weights a static slice of the
-  # stacked params; compile time grows with it). Unrolling trades compile time for fewer loop
-  # overheads (bench.headline_parts measures it; docs/BENCHMARKS.md); 1: a loop.
+  # stacked params; compile time grows with it). Unrolling trades compile time for fewer loop overheads
+  # (bench.headline_parts measures it; docs/BENCHMARKS_HISTORY.md, "The headline: colocated sync vs pipeline");
+  # 1: a loop.
   scan_unroll: int = 1
   # The learner's full-sequence attention (jaxrl/kernels/train_attention.py): "auto" is cuDNN flash on GPU in
   # bf16/fp16, splash (Pallas) on TPU, the chunked XLA path on CPU for rows longer than attention_block.

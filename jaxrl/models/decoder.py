@@ -422,8 +422,8 @@ def init_params(cfg: ModelConfig, seed: int = 0):
   """(graphdef, params) of a freshly initialised Decoder, built in one compiled program.
 
   The same values as `nnx.split(Decoder(cfg, nnx.Rngs(seed)))`, without running every initializer eagerly (one
-  dispatch and compilation per op). Measured on the 2-core dev CPU for the tiny model, cold: 9.3 s vs 10.0 s eager
-  with XLA's defaults, 1.9 s vs 2.3 s with backend optimisations off (the tests' setting): a small gain."""
+  dispatch and compilation per op): a small gain on CPU (docs/BENCHMARKS.md, "Figures moved here from
+  docstrings")."""
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed))))
   params = jax.jit(lambda: nnx.split(Decoder(cfg, nnx.Rngs(seed)))[1])()
   return graphdef, params
