@@ -201,7 +201,9 @@ class _PartOfEachShare(LocalCoordinator):
     self.stop.set()
 
 
-def test_the_sampler_loop_admits_for_the_part_of_each_share_it_is_asked_for():
+def _admitting_loop(groups_per_step: int, coord) -> SamplerLoop:
+  """A sampler loop at version 0 (k = 1, groups of 2) whose sampler takes every submission and generates nothing,
+  so that one run of it admits what its book allows and then idles (coord ends it)."""
   class Engine:
     max_slots, max_len = 64, 100
 
@@ -215,11 +217,15 @@ def test_the_sampler_loop_admits_for_the_part_of_each_share_it_is_asked_for():
     def take_newer(self, version):
       return None
 
-  rl = settings.RL(group_size=2, groups_per_step=4, seq_len=8)
+  rl = settings.RL(group_size=2, groups_per_step=groups_per_step, seq_len=8)
   spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
+  return SamplerLoop(spec, sampler=Sampler(), prompts=lambda gid: (np.array([1], np.int32), {}), score=None,
+                     rollouts=None, weights=Weights(), coord=coord)
+
+
+def test_the_sampler_loop_admits_for_the_part_of_each_share_it_is_asked_for():
   for groups, admitted in ((None, 8), (1, 2), (0, 0)):  # k + 1 = 2 steps of places, 4 or 1 or 0 groups each
-    loop = SamplerLoop(spec, sampler=Sampler(), prompts=lambda gid: (np.array([1], np.int32), {}), score=None,
-                       rollouts=None, weights=Weights(), coord=_PartOfEachShare(groups))
+    loop = _admitting_loop(4, _PartOfEachShare(groups))
     loop.run()
     assert loop.book.open_groups() == list(range(admitted))
 
@@ -241,24 +247,8 @@ def test_the_sampler_loop_counts_the_learners_skipped_updates_in_its_book():
   reports, or its admissions (and deadlines) run a version ahead of the learner and a fault run waits forever for
   groups never admitted. Here, at version 0 with k = 1 and 2 groups a step, each skipped update is room for one
   more step of groups."""
-  class Engine:
-    max_slots, max_len = 64, 100
-
-  class Sampler:
-    version, num_waiting, num_active, engine = 0, 0, 0, Engine()
-
-    def submit(self, *args, **kw):
-      pass
-
-  class Weights:
-    def take_newer(self, version):
-      return None
-
-  rl = settings.RL(group_size=2, groups_per_step=2, seq_len=8)
-  spec = RunSpec(rl=rl, sampler=settings.Sampler(), task=settings.Task(), num_steps=10, max_staleness=1)
   for skipped, admitted in ((0, 4), (1, 6), (2, 8)):
-    loop = SamplerLoop(spec, sampler=Sampler(), prompts=lambda gid: (np.array([1], np.int32), {}), score=None,
-                       rollouts=None, weights=Weights(), coord=_SkipsAfterStart(skipped))
+    loop = _admitting_loop(2, _SkipsAfterStart(skipped))
     loop.run()
     assert loop.book.skipped == skipped and loop.book.step == -skipped
     assert loop.book.open_groups() == list(range(admitted))
