@@ -72,7 +72,7 @@ class RpcError(Exception):
 
   def __init__(self, address: str, method: str, waited_for: str, detail: str):
     super().__init__(f"rpc {method!r} to {address}: {detail}")
-    self.address, self.method, self.waited_for = address, method, waited_for
+    self.address, self.method, self.waited_for, self.detail = address, method, waited_for, detail
 
 
 def mac(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
@@ -393,7 +393,7 @@ def _connect(address: str, method: str, timeout_s: float, secret: bytes) -> sock
       sock.close()
       pause = 0.1 * 2**attempt
       if attempt + 1 == HANDSHAKE_TRIES or time.monotonic() + pause >= deadline:
-        raise RpcError(address, method, "connect", f"{str(e).split(': ', 1)[1]} ({attempt + 1} tries)") from None
+        raise RpcError(address, method, "connect", f"{e.detail} ({attempt + 1} tries)") from None
       time.sleep(pause)
     except TimeoutError:
       sock.close()
@@ -401,7 +401,6 @@ def _connect(address: str, method: str, timeout_s: float, secret: bytes) -> sock
     except BaseException:
       sock.close()
       raise
-  raise AssertionError("unreachable")
 
 
 def call(address: str, method: str, request: dict, *, timeout_s: float, secret: bytes) -> dict:
