@@ -23,6 +23,11 @@ sys.path.insert(0, str(REPO / "configs"))
 import tiny  # noqa: E402
 
 
+# The 12-step runs' schedule for the shorter runs too: the optimizer's decay is part of the train step's program, so
+# their steps are the one compiled for the file's first run (the persistent cache), not one more each.
+SCHEDULE = {"optimizer.decay_steps": tiny.get_config().num_steps}
+
+
 def _config(mode, **overrides):
   c = tiny.get_config(mode)
   c.log.tensorboard = False
@@ -70,7 +75,7 @@ def test_counts_add_up(tiny_run):
 
 def test_pipeline_run_on_the_paged_cache(tmp_path):
   c = _config("pipeline", **{"sampler.kv": "paged", "sampler.page_size": 8, "sampler.num_pages": 24, "num_steps": 3,
-                             "eval.num_examples": 0})
+                             "eval.num_examples": 0}, **SCHEDULE)
   summary = train(c, tmp_path)
   led = summary["ledger"]
   assert led["samples_trained"] == 3 * c.rl.group_size * c.rl.groups_per_step
@@ -243,14 +248,16 @@ def _params(workdir):
 @pytest.mark.slow
 def test_sigkill_and_resume_equals_uninterrupted_sync_run(tmp_path):
   steps, every = 8, 4
-  full = _config("sync", num_steps=steps, **{"checkpoint.every_steps": every})
+  full = _config("sync", num_steps=steps, **{"checkpoint.every_steps": every}, **SCHEDULE)
   summary_full = train(full, tmp_path / "full")
 
   killed = tmp_path / "killed"
   cmd = [sys.executable, "-m", "jaxrl.train", "--config=configs/tiny.py:sync", f"--workdir={killed}",
          f"--config.num_steps={steps}", f"--config.checkpoint.every_steps={every}", "--config.log.tensorboard=False",
-         "--config.log.progress=False"]
-  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
+         "--config.log.progress=False", f"--config.optimizer.decay_steps={SCHEDULE['optimizer.decay_steps']}"]
+  # The tests' matmul precision (tests/conftest.py), so the run's programs are the ones just compiled here: it reads
+  # them from the compilation cache it inherits instead of compiling them again.
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.monotonic() + 300
   # The commit marker, not the step folder: a kill between Orbax's rename and the marker is an unfinished save
@@ -264,7 +271,7 @@ def test_sigkill_and_resume_equals_uninterrupted_sync_run(tmp_path):
   latest = max(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
   assert every <= latest < steps  # killed mid-run
 
-  summary = train(_config("sync", num_steps=steps, **{"checkpoint.every_steps": every}), killed)
+  summary = train(_config("sync", num_steps=steps, **{"checkpoint.every_steps": every}, **SCHEDULE), killed)
   assert summary["resumed_from"] == latest and summary["steps"] == steps
   assert summary["ledger"]["samples_trained"] == summary_full["ledger"]["samples_trained"]
   step_a, params_a = _params(tmp_path / "full")
@@ -285,7 +292,8 @@ def test_no_config_dict_reaches_a_component(tmp_path, monkeypatch):
   from jaxrl import config as config_lib
   from jaxrl.settings import RunConfig
 
-  c = _config("pipeline", **{"num_steps": 2, "eval.num_examples": 4, "log.trace": True, "checkpoint.every_steps": 1})
+  c = _config("pipeline", **{"num_steps": 2, "eval.num_examples": 4, "log.trace": True, "checkpoint.every_steps": 1},
+              **SCHEDULE)
   real_validate, inside = config_lib.validate, [0]
   read = {name: getattr(ml_collections.ConfigDict, name) for name in ("__getattr__", "__getitem__", "to_dict")}
   leaks, typed = [], []
