@@ -19,6 +19,9 @@ import tiny  # noqa: E402
 
 NUM_STEPS = 6
 LONG, SHORT = 16, 2
+# The shorter runs decay the learning rate over NUM_STEPS too: the schedule is part of the train step's program, so
+# theirs is the one the out-of-order runs compiled (the persistent cache), not one more per run length.
+SCHEDULE = {"optimizer__decay_steps": NUM_STEPS}
 
 
 def _run_to_the_end(run) -> None:
@@ -83,7 +86,7 @@ def test_out_of_order_groups_are_trained_by_their_deadline_never_dropped(k, tmp_
 def test_a_train_step_never_runs_while_a_checkpoint_save_still_reads_the_state(tmp_path):
   """The step donates the state: with a save in flight it would run beside a second state (issue 14's memory)."""
   c = override(tiny.get_config("pipeline"), num_steps=3, mesh__num_devices=2, mesh__sampler_devices=1,
-               log__tensorboard=False, log__progress=False, checkpoint__every_steps=1)
+               log__tensorboard=False, log__progress=False, checkpoint__every_steps=1, **SCHEDULE)
   run = build(c, tmp_path)
   ctl = run.controller
   real_step, real_save, seen = ctl.learner_loop.train_step, run.checkpointer.save, []
@@ -125,7 +128,7 @@ def test_the_learner_asks_for_the_next_share_before_it_trains_and_never_past_the
   trains (issue 17: the learner waited 6-30 ms a step for a share asked after training); the last step asks for
   nothing more, so no group is generated for a step that never comes. Sync (k = 0) trains what it did before."""
   c = override(tiny.get_config(mode), num_steps=4, mesh__num_devices=2, mesh__sampler_devices=1,
-               log__tensorboard=False, log__progress=False, checkpoint__every_steps=4)
+               log__tensorboard=False, log__progress=False, checkpoint__every_steps=4, **SCHEDULE)
   run = build(c, tmp_path)
   ctl = run.controller
   events = []

@@ -15,8 +15,10 @@ from jaxrl.train import train
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import tiny  # noqa: E402
 
+# Every run decays the learning rate over the 16-step run's steps: the schedule is part of the train step's program,
+# so the three runs share one (the persistent cache) instead of compiling one per run length.
 EPISODES = {"task.name": "token_turns", "sampler.max_len": 64, "rl.seq_len": 64, "sampler.max_new_tokens": 8,
-            "log.tensorboard": False, "log.progress": False, "eval.num_examples": 0}
+            "log.tensorboard": False, "log.progress": False, "eval.num_examples": 0, "optimizer.decay_steps": 16}
 
 
 # 16 pipeline steps: over 8, the reward's rise was 0.09-0.24 across mini-batch draws of the same seed (a rise > 0.2
