@@ -58,16 +58,22 @@ def _run(sampler, task, episodes, groups, n=2, sampling=None, max_tokens=6, upda
   return sorted(out, key=lambda r: (r.group_id, r.sample_index))
 
 
+@pytest.fixture(scope="module")
+def paged_engines():
+  """A pool as large as the dense cache, and one of 10 pages (an episode may need 5): samples are preempted."""
+  return _engine(kv="paged", page_size=8), _engine(kv="paged", page_size=8, num_pages=10)
+
+
 @pytest.mark.parametrize("kv", ["dense", "paged"])
-def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(kv):
-  """Prompt, a turn of 5 generated tokens, a decode call while the slot waits (idle), then 11 observation tokens
-  appended (two chunks of 8): the next tokens and their logprobs equal those of a slot prefilled with the same 21
-  tokens at once."""
-  engine = make_engine(CFG, make_mesh({"data": 2}, jax.devices()[:2]), max_slots=2, max_len=L, steps_per_call=5,
-                       min_bucket=8, rebuild_chunk=8, kv=kv, page_size=8)
+def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(engine, paged_engines, kv):
+  """Prompt, a turn of 4 generated tokens (one generate call), a decode call while the slot waits (idle), then 11
+  observation tokens appended (two chunks of 8): the next tokens and their logprobs equal those of a slot prefilled
+  with the same 20 tokens at once. The module's engines: their programs are the episodes tests'."""
+  engine = engine if kv == "dense" else paged_engines[0]
+  turn_len = engine.steps_per_call
   params = engine.place(_params(0, scale=0.5), 0)
-  settings = engine.slot_settings(jax.random.key(1), SamplingParams(greedy=True), 5)
-  table = np.arange(2 * (L // 8), dtype=np.int32).reshape(2, -1)  # (paged) two slots, pages of 8
+  settings = engine.slot_settings(jax.random.key(1), SamplingParams(greedy=True), turn_len)
+  table = np.arange(engine.max_slots * (L // 8), dtype=np.int32).reshape(engine.max_slots, -1)  # (paged) pages of 8
   rows = {} if kv == "dense" else {"table_row": table[0]}
   prompt = np.array([4, 9, 17, 2, 33], np.int32)
   state = engine.init_decode_state()
@@ -76,7 +82,7 @@ def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(kv):
   state = engine.insert(engine.prefill(params, prompt), state, 0, settings, **rows)
   state, first = engine.generate(params, state)
   turn = np.asarray(first.tokens_SxK[0])
-  assert first.done_S[0]
+  assert first.done_S[0] and len(turn) == turn_len
   state, idle = engine.generate(params, state)  # the parked slot is an idle row of this call
   assert not idle.valid_SxK[0].any()
   observation = np.arange(40, 51, dtype=np.int32)
@@ -91,12 +97,6 @@ def test_append_continues_a_slot_as_a_prefill_of_the_whole_episode(kv):
   np.testing.assert_array_equal(after.tokens_SxK[0], reference.tokens_SxK[1])
   np.testing.assert_allclose(after.logprobs_SxK[0], reference.logprobs_SxK[1], atol=2e-5)
   assert len(set(np.asarray(after.tokens_SxK[0]).tolist())) > 1  # not a degenerate repetition
-
-
-@pytest.fixture(scope="module")
-def paged_engines():
-  """A pool as large as the dense cache, and one of 10 pages (an episode may need 5): samples are preempted."""
-  return _engine(kv="paged", page_size=8), _engine(kv="paged", page_size=8, num_pages=10)
 
 
 def _same_rollouts(a, b):
