@@ -51,7 +51,7 @@ def _kl_gradient(theta, tokens, weights, log_mu, log_ref, cfg):
     return policy_objective(logp, col(log_mu[tokens]), jnp.zeros(len(tokens)), w, cfg,
                             prox_logp_BxL=jax.lax.stop_gradient(logp), ref_logp_BxL=col(log_ref[tokens]))[0]
 
-  return np.asarray(jax.grad(loss)(jnp.asarray(theta)))
+  return np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(theta)))
 
 
 def _reverse_kl_gradient(theta, log_ref):
@@ -59,7 +59,7 @@ def _reverse_kl_gradient(theta, log_ref):
     logp = jax.nn.log_softmax(t)
     return jnp.sum(jnp.exp(logp) * (logp - log_ref))
 
-  return np.asarray(jax.grad(reverse_kl)(jnp.asarray(theta)))
+  return np.asarray(jax.jit(jax.grad(reverse_kl))(jnp.asarray(theta)))
 
 
 # The run config's objective (decoupled PPO, token IS weights truncated at 2) with a k2 KL term.
@@ -76,10 +76,10 @@ def test_k2_gradient_is_the_reverse_kl_gradient_under_stale_samples():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # Truncating the weight at the cap, or dropping it, follows another gradient on the same samples.
   pi = _softmax(theta)
-  for weight in (np.minimum(pi / np.exp(log_mu), 2.0), np.ones(V)):
-    other = jax.grad(lambda t, w=weight: jnp.sum(np.exp(log_mu) * w * 0.5 * (jax.nn.log_softmax(t) - log_ref) ** 2))(
-        jnp.asarray(theta))
-    assert np.abs(np.asarray(other) - want).max() > 1e-2
+  k2 = lambda t, w: jnp.sum(np.exp(log_mu) * w * 0.5 * (jax.nn.log_softmax(t) - log_ref) ** 2)
+  weights = np.stack([np.minimum(pi / np.exp(log_mu), 2.0), np.ones(V)])
+  for other in np.asarray(jax.jit(jax.vmap(jax.grad(k2), (None, 0)))(jnp.asarray(theta), weights)):  # one program
+    assert np.abs(other - want).max() > 1e-2
 
 
 def test_k2_sampled_estimate_converges_to_the_reverse_kl_gradient():
@@ -88,7 +88,7 @@ def test_k2_sampled_estimate_converges_to_the_reverse_kl_gradient():
   theta, log_mu, log_ref = _stale_kl_case()
   n = 20000
   tokens = np.random.default_rng(1).choice(V, size=n, p=np.exp(log_mu) / np.exp(log_mu).sum())
-  one = jax.vmap(lambda y: jnp.asarray(_kl_gradient_one(theta, y, log_mu, log_ref)))(jnp.asarray(tokens))
+  one = jax.jit(jax.vmap(lambda y: jnp.asarray(_kl_gradient_one(theta, y, log_mu, log_ref))))(jnp.asarray(tokens))
   per_draw = np.asarray(one)
   mean, se = per_draw.mean(0), per_draw.std(0) / np.sqrt(n)
   np.testing.assert_allclose(_kl_gradient(theta, tokens, np.full(n, 1.0 / n), log_mu, log_ref, KL_CFG), mean,
@@ -118,12 +118,13 @@ def test_dual_clip_values_gradients_and_flags():
   def held(log_u):
     return dual_clip(w * ppo_surrogate(log_u, adv, 0.2, 0.28)[0], adv, 3.0)
 
-  loss, dual = held(np.log(u))
+  # One program: the values at numpy's log u, the gradient at jnp.log(u)
+  (loss, dual), grad = jax.jit(lambda lu, u: (held(lu), jax.grad(lambda x: held(x)[0].sum())(jnp.log(u))))(
+      np.log(u), u)
   # u=1.6, w=2, A=-1: PPO gives 1.6, weighted 3.2, held at 3; u=2, w=1: 2 (under 3); A>0 above the band:
   # -1.28 * 2; u=0.5, A=-2: below the band, 0.8 * 2 * w = 3.2, under 3 * 2.
   np.testing.assert_allclose(loss, [3.0, 2.0, -2.56, 3.2], rtol=1e-6)
   assert dual.tolist() == [True, False, False, False]
-  grad = jax.grad(lambda lu: held(lu)[0].sum())(jnp.log(u))
   np.testing.assert_allclose(grad, [0.0, 2.0, 0.0, 0.0], rtol=1e-6)  # -w u A where unclipped
   with pytest.raises(ValueError, match="dual_clip"):
     LossConfig(dual_clip=1.1)
@@ -141,13 +142,13 @@ def test_dual_clip_acts_on_a_stale_token_at_the_default_settings():
   weights = np.array([[0.0, 0.5, 0.5]], np.float32)
   adv = np.array([-1.0], np.float32)
 
-  def grad(c):
-    return np.asarray(jax.grad(lambda lp: policy_objective(lp, behavior, adv, weights, c, prox_logp_BxL=prox)[0])(
-        jnp.asarray(logp)))
+  objective = lambda lp, c: policy_objective(lp, behavior, adv, weights, c, prox_logp_BxL=prox)
+  grad = lambda c: jax.grad(lambda lp: objective(lp, c)[0])
+  held, free, (_, stats) = jax.jit(lambda lp: (grad(cfg)(lp), grad(cfg.replace(dual_clip=None))(lp), objective(
+      lp, cfg)))(logp)  # one program for the three
 
-  np.testing.assert_allclose(grad(cfg), [[0.0, 0.0, 0.5 * 1.0]], rtol=1e-6)
-  np.testing.assert_allclose(grad(cfg.replace(dual_clip=None)), [[0.0, 0.5 * 3.2, 0.5 * 1.0]], rtol=1e-5)
-  _, stats = policy_objective(logp, behavior, adv, weights, cfg, prox_logp_BxL=prox)
+  np.testing.assert_allclose(held, [[0.0, 0.0, 0.5 * 1.0]], rtol=1e-6)
+  np.testing.assert_allclose(free, [[0.0, 0.5 * 3.2, 0.5 * 1.0]], rtol=1e-5)
   assert stats["clip_dual"] == 1 and stats["is_truncated"] == 1
 
 
@@ -158,12 +159,17 @@ def test_gspo_averages_over_sequences_not_tokens():
   mask = np.array([[0, 1, 1, 1], [0, 1, 0, 0]], np.float32)
   adv = np.array([1.0, -1.0], np.float32)
   cfg = LossConfig(policy_loss="gspo", aggregation="seq_mean", proximal="recompute", clip_low=0.2, clip_high=0.28)
-  weights = aggregation_weights(mask, np.ones(2), "seq_mean")
-  loss, stats = policy_objective(logp, prox, adv, weights, cfg, prox_logp_BxL=prox)
+
+  @jax.jit
+  def loss_and_grad(logp):  # one program: the weights, the objective and its gradient
+    weights = aggregation_weights(mask, np.ones(2), "seq_mean")
+    objective = lambda lp: policy_objective(lp, prox, adv, weights, cfg, prox_logp_BxL=prox)
+    return objective(logp), jax.grad(lambda lp: objective(lp)[0])(logp)
+
+  (loss, stats), grad = loss_and_grad(logp)
   s0, s1 = np.exp(0.3 / 3), np.exp(0.5)  # sequence ratios: geometric means of the token ratios
   want = 0.5 * (-s0 * 1.0) + 0.5 * (-min(-s1, -1.28))  # sample 1: A < 0, u above the band: unclipped branch
   np.testing.assert_allclose(loss, want, rtol=1e-6)
-  grad = jax.grad(lambda lp: policy_objective(lp, prox, adv, weights, cfg, prox_logp_BxL=prox)[0])(logp)
   # d/d logp_t of 0.5 * -s0 = 0.5 * -s0 / 3 on each of sample 0's tokens; sample 1: 0.5 * s1 on its token.
   np.testing.assert_allclose(grad, [[0, -s0 / 6, -s0 / 6, -s0 / 6], [0, 0.5 * s1, 0, 0]], rtol=1e-5)
   with pytest.raises(ValueError, match="seq_mean"):
@@ -174,7 +180,7 @@ def test_length_normalised_sequence_weights():
   prox = np.log(np.array([[3.0, 0.5, 1.5, 9.0]], np.float32))
   mask = np.array([[True, True, True, False]])
   cfg = LossConfig(proximal="recompute", is_level="sequence_mean", is_cap=None)
-  w, keep, trunc, cap = behavior_weights(prox, np.zeros((1, 4), np.float32), mask, cfg)
+  w, keep, trunc, cap = jax.jit(lambda p: behavior_weights(p, np.zeros((1, 4), np.float32), mask, cfg))(prox)
   np.testing.assert_allclose(w, [[2.25 ** (1 / 3)] * 4], rtol=1e-6)  # (3 * 0.5 * 1.5)^(1/3); entry 3 ignored
   assert keep.all() and not trunc.any() and cap == np.inf
 
@@ -184,16 +190,23 @@ def test_ess_cap_reaches_the_target_and_is_applied():
   valid = np.ones((1, 4), bool)
   # ESS(c) = (3 + c)^2 / (4 (3 + c^2)) = 0.8  <=>  2.2 c^2 - 6 c + 0.6 = 0: c = (6 + sqrt(36 - 5.28)) / 4.4.
   c = (6 + np.sqrt(36 - 5.28)) / 4.4
-  np.testing.assert_allclose(ess_cap(w, valid, 0.8, 20.0), c, rtol=1e-5)
-  np.testing.assert_allclose(ess_fraction(np.minimum(w, c), valid), 0.8, rtol=1e-5)
-  np.testing.assert_allclose(ess_cap(w, valid, 0.2, 20.0), np.exp(20.0), rtol=1e-5)  # already above: no cap
-  np.testing.assert_allclose(ess_cap(np.array([[0.1, 1.0]]), np.ones((1, 2), bool), 0.99, 20.0), 1.0)  # floor 1
-  # Through the objective: the cap is the smaller of is_cap and the ESS cap, and the applied ESS is logged.
   logp = np.zeros((1, 5), np.float32)
   behavior = np.concatenate([[[0.0]], -np.log(w)], 1).astype(np.float32)
   weights = np.array([[0, 0.25, 0.25, 0.25, 0.25]], np.float32)
   cfg = LossConfig(policy_loss="pg", proximal="recompute", is_level="token", is_ess_min=0.8, is_cap=5.0)
-  _, stats = policy_objective(logp, behavior, np.ones(1), weights, cfg, prox_logp_BxL=logp)
+
+  @jax.jit
+  def caps(w, capped, low, logp):  # one program for every call below
+    return (ess_cap(w, valid, 0.8, 20.0), ess_fraction(capped, valid), ess_cap(w, valid, 0.2, 20.0),
+            ess_cap(low, np.ones((1, 2), bool), 0.99, 20.0),
+            policy_objective(logp, behavior, np.ones(1), weights, cfg, prox_logp_BxL=logp)[1])
+
+  at_08, ess, at_02, floor, stats = caps(w, np.minimum(w, c), np.array([[0.1, 1.0]]), logp)
+  np.testing.assert_allclose(at_08, c, rtol=1e-5)
+  np.testing.assert_allclose(ess, 0.8, rtol=1e-5)
+  np.testing.assert_allclose(at_02, np.exp(20.0), rtol=1e-5)  # already above: no cap
+  np.testing.assert_allclose(floor, 1.0)  # floor 1
+  # Through the objective: the cap is the smaller of is_cap and the ESS cap, and the applied ESS is logged.
   np.testing.assert_allclose(stats["is_cap_min"], c, rtol=1e-5)
   np.testing.assert_allclose(stats["w_sum"] ** 2 / (4 * stats["w_sq_sum"]), 0.8, rtol=1e-5)
   assert stats["is_truncated"] == 1
@@ -257,9 +270,7 @@ def test_decoupled_ppo_two_minibatches_on_stale_data_is_the_exact_update():
     if other is None:  # prox and mu swapped: the batch carries prox as its behaviour logprobs
       swapped = batch.replace(behavior_logprobs_BxL=np.where(batch.loss_mask_BxL > 0, prox[batch.tokens_BxL], 0.0)
                               .astype(np.float32))
-      run = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(lr), loss=cfg, batch_size=b, seq_len=2,
-                                      num_minibatches=m))
-      out, _ = run(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr), version=5), swapped, key)
+      out, _ = step(init_train_state({"w": jnp.asarray(w0)}, optax.sgd(lr), version=5), swapped, key)
     else:
       run = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(lr), loss=other, batch_size=b, seq_len=2,
                                       num_minibatches=m))
@@ -280,7 +291,7 @@ def test_k1_in_the_reward_equals_training_on_shaped_rewards():
   step = jit_train_step(StepConfig(model=_bigram, optimizer=optax.sgd(1.0), loss=cfg, batch_size=b, seq_len=2))
   state = init_train_state({"w": jnp.asarray(w0)}, optax.sgd(1.0), ref_params={"w": jnp.asarray(w_ref)})
   out, metrics = step(state, batch, jax.random.key(0))
-  log_ref = np.asarray(token_logprobs(w_ref[batch.tokens_BxL], batch.tokens_BxL)[0])[:, 1]
+  log_ref = np.asarray(jax.jit(lambda w, t: token_logprobs(w[t], t)[0])(w_ref, batch.tokens_BxL))[:, 1]
   kl = log_mu - log_ref
   np.testing.assert_allclose(metrics["kl_reward_mean"], kl.mean(), rtol=1e-5)
   assert metrics["loss/kl"] == 0  # no KL loss term: it is in the reward
