@@ -307,8 +307,8 @@ def test_out_of_support_tokens_are_dropped_and_counted():
   cfg = LossConfig(sampling=SamplingParams(top_k=2))
   step, state, batch = run(cfg)
   # Recompute the behavior logprobs under the same support, as the sampler would report them.
-  logits = bigram(state.params, batch.tokens_BxL, None, None)
-  lp, in_support, _ = token_logprobs(logits, batch.tokens_BxL, cfg.sampling)
+  scores = jax.jit(lambda params, tokens: token_logprobs(bigram(params, tokens, None, None), tokens, cfg.sampling))
+  lp, in_support, _ = scores(state.params, batch.tokens_BxL)
   batch = batch.replace(behavior_logprobs_BxL=np.where(batch.loss_mask_BxL > 0, np.asarray(lp), 0.0))
   trained = batch.loss_mask_BxL > 0
   outside = float((trained & ~np.asarray(in_support)).sum())
