@@ -16,7 +16,8 @@ from jaxrl.checkpoint import Checkpointer
 from jaxrl.config import ConfigError, override, validate
 from jaxrl.controller.weights import WeightPublisher
 from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step, make_optimizer, token_logprobs
-from jaxrl.models import ModelConfig, forward, hf, init_params, lora
+from jaxrl.models import ModelConfig, hf, init_params, lora
+from jaxrl.models import forward as eager_forward
 from jaxrl.rollout import SamplingParams, make_batch
 from jaxrl.sampler import Sampler, make_engine
 from jaxrl.sharding import make_mesh
@@ -35,6 +36,8 @@ def _small(tree, seed, std):
 
 
 PLAIN = hf.abstract_params(CFG.replace(lora=None))[0]  # the graphdef of the same model without adapters
+# The full forward as one program per model and shape (run op by op, each op compiles on its own)
+forward = jax.jit(eager_forward, static_argnums=0)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,8 @@ def model(fresh):
 
 
 def _tokens(n=2, t=6, vocab=CFG.vocab_size):
-  tokens = (jnp.arange(n * t).reshape(n, t) * 7 + 3) % vocab
-  return tokens, jnp.broadcast_to(jnp.arange(t), (n, t)), jnp.ones((n, t), jnp.int32)
+  tokens = ((np.arange(n * t).reshape(n, t) * 7 + 3) % vocab).astype(np.int32)
+  return tokens, np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)), np.ones((n, t), np.int32)
 
 
 def test_fresh_adapters_leave_the_base_model_unchanged(fresh):
@@ -68,8 +71,8 @@ def test_merged_weights_give_the_lora_models_logits(model):
   graphdef, adapters, base = model
   merged = lora.merged(lora.merge(base, adapters), LORA)
   assert not any(isinstance(v, lora.LoRAParam) for _, v in nnx.to_flat_state(merged))
-  lora_logits = forward(graphdef, lora.merge(base, adapters), *_tokens())
-  assert float(jnp.abs(lora_logits - forward(PLAIN, base, *_tokens())).max()) > 1e-3  # adapters matter
+  lora_logits = np.asarray(forward(graphdef, lora.merge(base, adapters), *_tokens()))
+  assert float(np.abs(lora_logits - np.asarray(forward(PLAIN, base, *_tokens()))).max()) > 1e-3  # adapters matter
   np.testing.assert_allclose(forward(PLAIN, merged, *_tokens()), lora_logits, rtol=0, atol=1e-6)
 
 
@@ -109,9 +112,9 @@ def test_on_policy_ratio_is_one_with_top_p_on_published_adapters(model, sampler)
   batch = make_batch(_rollouts(sampler, sp, seed=5), B, L)
   tokens = batch.loss_mask_BxL > 0
   assert tokens.sum() > 30
-  logits = forward(graphdef, lora.merge(base, adapters), batch.tokens_BxL, batch.positions_BxL,
-                   batch.segment_ids_BxL)
-  logp = np.asarray(token_logprobs(logits, batch.tokens_BxL, sp)[0])
+  logp = np.asarray(jax.jit(lambda params, tokens, positions, segments: token_logprobs(
+      eager_forward(graphdef, params, tokens, positions, segments), tokens, sp)[0])(
+      lora.merge(base, adapters), batch.tokens_BxL, batch.positions_BxL, batch.segment_ids_BxL))  # one program
   np.testing.assert_allclose(np.exp(logp[tokens] - batch.behavior_logprobs_BxL[tokens]), 1.0, rtol=0, atol=2e-6)
   step = jit_train_step(StepConfig(model=graphdef, optimizer=optax.sgd(0.1), loss=LossConfig(sampling=sp), batch_size=B,
                                    seq_len=L))
@@ -137,12 +140,11 @@ def test_a_lora_step_trains_the_adapters_alone_as_a_dense_step_of_the_same_low_r
   dense_after, dm = dense_step(init_train_state(dense, optax.sgd(lr)), batch, jax.random.key(0))
   assert m["updates_applied"] == 1
   np.testing.assert_allclose(m["loss"], dm["loss"], rtol=1e-5)
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), after.frozen, base))
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), after.frozen, base))
 
-  factors = {k: v.get_value() for k, v in nnx.to_flat_state(adapters)}
-  moved = {k: v.get_value() for k, v in nnx.to_flat_state(after.params)}
-  dense0 = {k: v.get_value() for k, v in nnx.to_flat_state(dense)}
-  dense1 = {k: v.get_value() for k, v in nnx.to_flat_state(dense_after.params)}
+  # On the host, in numpy: eager jnp ops here would compile one program per op and shape
+  flat = lambda tree: jax.device_get({k: v.get_value() for k, v in nnx.to_flat_state(tree)})
+  factors, moved, dense0, dense1 = flat(adapters), flat(after.params), flat(dense), flat(dense_after.params)
   for path in [p for p in factors if p[-1].endswith("_lora_a")]:
     w = (*path[:-1], path[-1][: -len("_lora_a")])
     b_path = (*path[:-1], w[-1] + "_lora_b")
@@ -150,13 +152,13 @@ def test_a_lora_step_trains_the_adapters_alone_as_a_dense_step_of_the_same_low_r
     dw = (dense0[w] - dense1[w]) / lr  # the dense gradient, per layer [N, in..., out...]
     n_out = b.ndim - 2
     out_axes = tuple(range(dw.ndim - n_out, dw.ndim))
-    want_da = s * jnp.einsum(dw, list(range(dw.ndim)), b, [0, dw.ndim, *out_axes], [*range(dw.ndim - n_out),
+    want_da = s * np.einsum(dw, list(range(dw.ndim)), b, [0, dw.ndim, *out_axes], [*range(dw.ndim - n_out),
                                                                                      dw.ndim])
     in_axes = tuple(range(1, a.ndim - 1))
-    want_db = s * jnp.einsum(a, [0, *in_axes, dw.ndim], dw, list(range(dw.ndim)), [0, dw.ndim, *out_axes])
+    want_db = s * np.einsum(a, [0, *in_axes, dw.ndim], dw, list(range(dw.ndim)), [0, dw.ndim, *out_axes])
     np.testing.assert_allclose((a - moved[path]) / lr, want_da, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose((b - moved[b_path]) / lr, want_db, rtol=1e-4, atol=1e-6)
-    assert float(jnp.abs(want_da).max()) > 1e-4 and float(jnp.abs(want_db).max()) > 1e-4
+    assert float(np.abs(want_da).max()) > 1e-4 and float(np.abs(want_db).max()) > 1e-4
 
   adamw = make_optimizer(1e-3)
   state = init_train_state(adapters, adamw, frozen=base)
@@ -179,7 +181,7 @@ def test_the_kl_reference_is_the_initial_adapters_on_the_shared_base(model, fres
   state, first = step(state, batch, jax.random.key(0))
   state, second = step(state, batch, jax.random.key(1))
   assert abs(float(first["kl_ref"])) < 1e-7 < float(second["kl_ref"])
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), state.ref_params, start))
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), state.ref_params, start))
 
 
 def test_checkpoint_holds_the_adapters_and_restores_them_onto_the_base(model, tmp_path):
@@ -195,8 +197,8 @@ def test_checkpoint_holds_the_adapters_and_restores_them_onto_the_base(model, tm
   restored, record = ckpt.restore(abstract)
   ckpt.close()
   assert restored.frozen is None and record == {"note": "lora"} and int(restored.version) == 3
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), restored.params, adapters))
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), restored.opt_state, state.opt_state))
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), restored.params, adapters))
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), restored.opt_state, state.opt_state))
 
 
 def test_merged_export_reloads_in_the_hf_loader_with_equal_logits_and_adapters_alone(model, fresh, tmp_path):
@@ -210,7 +212,7 @@ def test_merged_export_reloads_in_the_hf_loader_with_equal_logits_and_adapters_a
   np.testing.assert_allclose(forward(plain_graphdef, loaded, *_tokens()), forward(graphdef, params, *_tokens()),
                              rtol=0, atol=1e-6)
   again = lora.load_adapters(path / lora.ADAPTERS_FILE, lora.split(fresh[1])[0])
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), again, adapters))
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b), again, adapters))
 
 
 @pytest.mark.parametrize("fields, match", [
