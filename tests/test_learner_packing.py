@@ -96,13 +96,15 @@ def test_pack_batch_errors():
 
 
 def test_segment_sums_and_to_tokens():
-  seg = jnp.array([[1, 1, 2, 2, 2, 0], [1, 2, 3, 3, 0, 0]])
-  x = jnp.arange(12.0).reshape(2, 6)
-  np.testing.assert_array_equal(segment_sums(x, seg)[0, :5], [1, 1, 9, 9, 9])
-  np.testing.assert_array_equal(segment_sums(x, seg)[1, :4], [6, 7, 17, 17])
-  np.testing.assert_array_equal(segment_sums(x, None), x.sum(1, keepdims=True))
-  vals = jnp.array([[10.0, 20.0, 30.0], [1.0, 2.0, 3.0]])
-  np.testing.assert_array_equal(to_tokens(vals, seg, fill=-1), [[10, 10, 20, 20, 20, -1], [1, 2, 3, 3, -1, -1]])
+  seg = np.array([[1, 1, 2, 2, 2, 0], [1, 2, 3, 3, 0, 0]], np.int32)
+  x = np.arange(12.0, dtype=np.float32).reshape(2, 6)
+  vals = np.array([[10.0, 20.0, 30.0], [1.0, 2.0, 3.0]], np.float32)
+  sums, whole, tokens = jax.device_get(jax.jit(lambda x, seg, vals: (
+      segment_sums(x, seg), segment_sums(x, None), to_tokens(vals, seg, fill=-1)))(x, seg, vals))  # one program
+  np.testing.assert_array_equal(sums[0, :5], [1, 1, 9, 9, 9])
+  np.testing.assert_array_equal(sums[1, :4], [6, 7, 17, 17])
+  np.testing.assert_array_equal(whole, x.sum(1, keepdims=True))
+  np.testing.assert_array_equal(tokens, [[10, 10, 20, 20, 20, -1], [1, 2, 3, 3, -1, -1]])
 
 
 _BEHAVIOR = dict(proximal="behavior", is_level="none", is_cap=None)  # PPO anchored at mu, no IS weights
@@ -206,11 +208,9 @@ def test_packed_minibatches_hold_their_own_samples():
 
 
 def _tiny_decoder(**kw):
-  from flax import nnx
-
-  from jaxrl.models import Decoder, ModelConfig
-  cfg = ModelConfig.tiny(vocab_size=V, **kw)
-  return nnx.split(Decoder(cfg, nnx.Rngs(0)))
+  """nnx.split(Decoder(cfg, nnx.Rngs(0))), its params built in one compiled program (init_params), not op by op."""
+  from jaxrl.models import ModelConfig, init_params
+  return init_params(ModelConfig.tiny(vocab_size=V, **kw))
 
 
 def test_perturbing_one_segment_changes_no_other_segment():
