@@ -1,6 +1,8 @@
 """Mixture-of-experts policies in the learner: routing replay (the learner routes each sampled token as the sampler
 did), the recorded routing through the sampler, batches and packing, and the load-balance terms of the objective."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,8 @@ from sampling_util import random_params, run_groups
 from jaxrl.learner import LossConfig, StepConfig, init_train_state, jit_train_step
 from jaxrl.learner.packing import pack_batch
 from jaxrl.learner.step import batch_arrays, check_batch, token_logprobs_of
-from jaxrl.models import ModelConfig, init_params
+from jaxrl.models import ModelConfig
+from jaxrl.models import init_params as fresh_params
 from jaxrl.models.hf import abstract_params
 from jaxrl.rollout import Rollout, SamplingParams, make_batch
 from jaxrl.sampler import Sampler, make_engine
@@ -22,6 +25,12 @@ from jaxrl.sharding import make_mesh
 # routing-replay step of the other tests, one program compiled for the file, not two.
 CFG = ModelConfig.tiny_moe(router_aux_loss_coef=0.5)
 B, L = 4, 16
+
+
+@functools.cache
+def init_params(cfg):
+  """(graphdef, params) of a fresh model, built once per config for the file (_train copies the params it donates)."""
+  return fresh_params(cfg)
 
 
 def _rollouts(seed=0, forced=True):
@@ -45,9 +54,15 @@ def _step_config(cfg=CFG, routing="replay", graphdef=None, **kw):
                     seq_len=L, **kw)
 
 
+@functools.cache
+def _scorer():
+  config = _step_config()
+  return jax.jit(lambda p, x: token_logprobs_of(config, p, x)[0])
+
+
 def _on_policy(rollouts, params, batch):
   """The rollouts with their behaviour logprobs scored by the learner's own forward under their recorded routing."""
-  logp = np.asarray(jax.jit(lambda p, x: token_logprobs_of(_step_config(), p, x)[0])(params, batch_arrays(batch)))
+  logp = np.asarray(_scorer()(params, batch_arrays(batch)))
   for row, r in enumerate(rollouts):
     start = len(r.prompt_tokens)
     r.logprobs = logp[row, start : start + len(r.completion_tokens)].copy()
@@ -128,8 +143,8 @@ def test_sampler_records_the_routing_and_replay_scores_it(kv):
              and r.prompt_experts.shape == (len(r.prompt_tokens) - 1, cfg.num_layers, cfg.num_experts_per_tok)
              for r in rollouts)
   batch = make_batch(rollouts, B, L)
-  _, routing = nnx.merge(graphdef, params)(batch.tokens_BxL, batch.positions_BxL, batch.segment_ids_BxL,
-                                           routing=True)
+  _, routing = jax.jit(lambda p: nnx.merge(graphdef, p)(batch.tokens_BxL, batch.positions_BxL, batch.segment_ids_BxL,
+                                                        routing=True))(params)  # one program, not one per op
   recorded = np.asarray(batch.experts_BxLxNxK)
   at = recorded[..., 0, 0] >= 0
   assert at.sum() == sum(len(r.completion_tokens) + len(r.prompt_tokens) - 1 for r in rollouts)  # all but padding
