@@ -22,7 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "configs"))
 import tiny  # noqa: E402
 
-
 # The 12-step runs' schedule for the shorter runs too: the optimizer's decay is part of the train step's program, so
 # their steps are the one compiled for the file's first run (the persistent cache), not one more each.
 SCHEDULE = {"optimizer.decay_steps": tiny.get_config().num_steps}

@@ -153,9 +153,9 @@ def test_tiny_job_trains_on_an_int8_sampler_with_its_ess_reported(tmp_path):
   (a float sampler's are 1 within 2e-6, its ess_applied_frac 1.0), and the run reports their ESS."""
   # The learning rate decays over tiny's 12 steps, as in its full runs: the schedule is part of the train step's
   # program, so this one is theirs (tests/test_e2e.py's, in the compilation cache), not one of its own.
-  c = config_lib.override(tiny.get_config("sync"), num_steps=2, **{"sampler.weight_dtype": "int8",
-                                                                   "log.tensorboard": False, "log.progress": False,
-                                                                   "optimizer.decay_steps": tiny.get_config().num_steps})
+  c = config_lib.override(tiny.get_config("sync"), num_steps=2, **{
+      "sampler.weight_dtype": "int8", "log.tensorboard": False, "log.progress": False,
+      "optimizer.decay_steps": tiny.get_config().num_steps})
   summary = train(c, tmp_path)
   assert summary["steps"] == 2
   records = read_jsonl(tmp_path / "metrics.jsonl")
