@@ -343,12 +343,14 @@ def test_launcher_passes_a_sigterm_on_to_every_process(tmp_path, monkeypatch, ca
   assert signal.getsignal(signal.SIGTERM) is before  # the launcher's handler is gone with the job
 
 
-def test_processes_of_a_cpu_job_compile_their_programs_themselves(tmp_path, monkeypatch, capsys):
-  """The persistent compilation cache is off in a multi-process CPU job: with it, process 0 alone ran executables
-  loaded from the cache (its key holds each process's own CPU topology) beside the others' fresh compiles, whose
-  collectives XLA:CPU issued in another order, and a 2-learner-process job hung (runtime.initialize)."""
+def test_a_cpu_job_caches_only_programs_that_run_on_one_process(tmp_path, monkeypatch, capsys):
+  """The persistent compilation cache is off in a multi-process CPU job whose learner spans processes: with it,
+  process 0 alone ran executables loaded from the cache (its key holds each process's own CPU topology) beside the
+  others' fresh compiles, whose collectives XLA:CPU issued in another order, and a 2-learner-process job hung
+  (runtime.initialize). With the learner on one process no program crosses processes, and the cache is back on
+  (runtime.cache_process_local_programs): process 0, the one JAX lets write, caches its programs."""
   cache = tmp_path / "cache"
-  (tmp_path / "cross_process_sum.py").write_text(textwrap.dedent(f"""
+  (tmp_path / "cache_probe.py").write_text(textwrap.dedent(f"""
       import os
       import jax, numpy as np
       from jax.sharding import NamedSharding, PartitionSpec as P
@@ -357,17 +359,30 @@ def test_processes_of_a_cpu_job_compile_their_programs_themselves(tmp_path, monk
       jax.config.update("jax_compilation_cache_dir", {str(cache)!r})
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
       jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-      mesh = jax.make_mesh((2,), ("data",), devices=jax.devices())
-      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.full(3, jax.process_index() + 1.0))
-      total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+      topology = runtime.Topology.split(1, jax.devices(), jax.process_index())  # one sampler process: the last
+      on = runtime.cache_process_local_programs(topology)
+      learners = topology.learner_devices
+      if len(learners) == 2 and jax.process_index() in topology.learner_processes:  # a learner across processes
+        mesh = jax.make_mesh((2,), ("data",), devices=learners)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")),
+                                                   np.full(3, jax.process_index() + 1.0))
+        total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+      else:
+        total = jax.jit(lambda a: a.sum())(jax.device_put(np.full(3, 3.0), jax.local_devices()[0]))
+      jax.effects_barrier()
       entries = len(os.listdir({str(cache)!r})) if os.path.isdir({str(cache)!r}) else 0
-      print(f"process {{jax.process_index()}}: sum {{float(total)}}, cache entries {{entries}}", flush=True)
+      print(f"process {{jax.process_index()}}: cache {{on}}, sum {{float(total)}}, cache entries {{entries}}",
+            flush=True)
   """))
   monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
-  assert launch.main(["--num_processes=2", "--devices_per_process=1", "--module=cross_process_sum", "--"]) == 0
+  assert launch.main(["--num_processes=3", "--devices_per_process=1", "--module=cache_probe", "--"]) == 0
   out = capsys.readouterr().out
-  for p in range(2):
-    assert f"] process {p}: sum 9.0, cache entries 0" in out, out[-2000:]
+  for p in range(3):
+    assert f"] process {p}: cache False, sum 9.0, cache entries 0" in out, out[-2000:]
+  assert launch.main(["--num_processes=2", "--devices_per_process=1", "--module=cache_probe", "--"]) == 0
+  out = capsys.readouterr().out
+  assert "] process 0: cache True, sum 9.0, cache entries 1" in out, out[-2000:]
+  assert "] process 1: cache True, sum 9.0" in out, out[-2000:]
 
 
 def test_launcher_success_and_usage(tmp_path, monkeypatch, capsys):

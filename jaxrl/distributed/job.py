@@ -253,6 +253,7 @@ def main(argv=None):
   except ValueError as e:
     print(f"jaxrl: process {me}: config: mesh.sampler_devices={c.mesh.sampler_devices}: {e}", file=sys.stderr)
     hard_exit(2)
+  runtime.cache_process_local_programs(topology)
   watchdog = Watchdog(store, me, topology.name, jax.process_count(),
                       timeout_s=flags_def.heartbeat_timeout_s).start()
   workdir = Path(flags_def.workdir)

@@ -55,7 +55,24 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # loaded executable does not issue its collectives in a fresh compile's order: with the learner's layer scan
     # gathering weights (axes.constrain_rows), process 0 waited in an all-gather inside the scan and process 1 in
     # an all-reduce outside it, and the job trained no step. (TPU and GPU processes share one key.)
+    # cache_process_local_programs turns it back on for a job with no program across processes.
+    global _cache_wanted
+    _cache_wanted = bool(jax.config.jax_enable_compilation_cache)
     jax.config.update("jax_enable_compilation_cache", False)
+
+
+_cache_wanted = False  # the persistent cache was on when initialize turned it off
+
+
+def cache_process_local_programs(topology: Topology) -> bool:
+  """Turns the persistent compilation cache back on (if initialize turned it off) when every program of the job
+  runs on one process's devices: the learner on one process, as each sampler replica is. No program then has
+  collectives across processes, and an executable loaded from the cache runs as a fresh compile does (only process 0
+  writes entries: the learner's programs are the ones cached). Call before the first compile: JAX decides the
+  cache's use once, at the first compile, so a later call leaves it off. Returns whether it is on."""
+  if _cache_wanted and len(topology.learner_processes) == 1:
+    jax.config.update("jax_enable_compilation_cache", True)
+  return bool(jax.config.jax_enable_compilation_cache)
 
 
 @dataclasses.dataclass(frozen=True)
