@@ -278,6 +278,7 @@ def main(argv):
 def run():
   """Console entry point (jaxrl-generate)."""
   platforms.skip_tpu_probe()
+  platforms.freeze_startup_objects()
   app.run(main)
 
 

@@ -93,6 +93,7 @@ def export(policy: Policy, out: str | os.PathLike) -> Path:
 def export_main(argv=None):
   """Console entry point (jaxrl-export)."""
   platforms.skip_tpu_probe()
+  platforms.freeze_startup_objects()
   from absl import flags
   from ml_collections import config_flags
 

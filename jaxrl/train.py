@@ -155,6 +155,7 @@ def _cpu_devices() -> None:
 
 def main(argv=None):
   platforms.skip_tpu_probe()
+  platforms.freeze_startup_objects()
   _cpu_devices()
   hostmem.return_freed_memory()
   from absl import flags

@@ -71,3 +71,21 @@ def test_libtpu_installed_but_not_probed_on_this_host():
   quiet = _start_jax(skip=True)
   assert quiet.returncode == 0 and quiet.stdout.strip() == "cpu"
   assert "TPU" not in quiet.stderr, quiet.stderr
+
+
+def test_startup_objects_are_frozen_once_per_process(monkeypatch):
+  """The entry points' freeze moves what is alive to the permanent generation, once: objects made after the first
+  call (a second main() in one process) stay collectable."""
+  import gc
+
+  monkeypatch.setattr(platforms, "_frozen", False)
+  gc.unfreeze()
+  try:
+    platforms.freeze_startup_objects()
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000  # the imports at least
+    later = [[i] for i in range(5000)]
+    platforms.freeze_startup_objects()
+    assert gc.get_freeze_count() == frozen and len(later) == 5000
+  finally:
+    gc.unfreeze()

@@ -238,6 +238,7 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
 
 def main(argv=None):
   platforms.skip_tpu_probe()
+  platforms.freeze_startup_objects()
   from absl import flags
 
   flags_def = flags.FLAGS

@@ -161,6 +161,7 @@ class SamplerProgram:
 
 def main(argv=None):
   platforms.skip_tpu_probe()
+  platforms.freeze_startup_objects()
   from absl import flags
   from ml_collections import config_flags
 
