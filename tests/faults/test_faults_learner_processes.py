@@ -2,7 +2,8 @@
 process) serving two independent samplers (issue 43): every step trained by both learner processes in lock step,
 both publishing bitwise-equal weights of every version, a sampler pulling from the follower; and a lead learner
 SIGKILLed mid-run: the follower stops within a bound, both learner processes are relaunched, resume from the
-checkpoint, the samplers reconnect and the run completes with its history and ledger exact."""
+checkpoint and the samplers reconnect; then the follower's host preempted (SIGTERM): the lead stops both after the
+same step with a checkpoint; relaunched again, the run completes with its history and ledger exact."""
 
 import json
 import re
@@ -39,9 +40,23 @@ def _samplers(tmp_path, steps: int, port: int) -> list:
                       tmp_path / f"sampler{i}.log") for i in range(2)]
 
 
-def _trained(workdir) -> int:
+def _trained(workdir, attempt: int) -> int:
+  """Steps trained by attempt `attempt` (the train events after the trace's start event of that attempt; 0 until the
+  attempt has written it)."""
   path = workdir / "trace.jsonl"
-  return sum(e["event"] == "train" and e["applied"] for e in read_trace(path)) if path.exists() else 0
+  events = read_trace(path) if path.exists() else []
+  starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+  if len(starts) <= attempt:
+    return 0
+  return sum(e["event"] == "train" and e["applied"] for e in events[starts[attempt]:])
+
+
+def _wait_trained(workdir, learners, attempt: int, steps: int, timeout_s: float = 400) -> None:
+  end = time.monotonic() + timeout_s
+  while _trained(workdir, attempt) < steps:
+    assert all(p.poll() is None for p in learners), learners[0].log.read_text()[-3000:]
+    assert time.monotonic() < end, f"attempt {attempt}: fewer than {steps} steps in {timeout_s}s"
+    time.sleep(0.2)
 
 
 def _finish(procs, timeout_s: float = 300.0) -> None:
@@ -75,17 +90,23 @@ def _check_run(workdir, tmp_path, steps: int, attempts: int) -> dict:
 
 
 def _run(tmp_path, steps: int, during=None) -> float:
-  """Two learner processes and two samplers to the end of the run; `during(learners)` returns the learner
-  processes that end it (e.g. relaunched ones). Returns the run's seconds."""
+  """Two learner processes and two samplers to the end of the run; `during(learners, launch)` returns the learner
+  processes that end it (launch(attempt) starts a pair again). Returns the run's seconds."""
   (port,) = free_ports(1)
-  learners = _learners(tmp_path, tmp_path / "run", steps, port, 0)
+  procs = []
+
+  def launch(attempt: int) -> list:
+    learners = _learners(tmp_path, tmp_path / "run", steps, port, attempt)
+    procs.extend(learners)
+    return learners
+
+  learners = launch(0)
   samplers = _samplers(tmp_path, steps, port)
-  procs = learners + samplers
+  procs += samplers
   t0 = time.monotonic()
   try:
     if during is not None:
-      learners = during(learners, lambda: _learners(tmp_path, tmp_path / "run", steps, port, 1))
-      procs += learners
+      learners = during(learners, launch)
     _finish(learners + samplers)
   finally:
     for p in procs:
@@ -95,53 +116,42 @@ def _run(tmp_path, steps: int, during=None) -> float:
 
 
 @pytest.mark.timeout(900)
-def test_the_lead_learner_killed_the_follower_stops_and_both_resume_with_the_samplers(tmp_path):
-  """Also the clean run's checks (a test of its own before; this one makes every one of them, across a resume): every
-  step trained once in lock step, equal weights at every version, pulls served by the follower."""
-  def kill_the_lead(learners, relaunch):
-    end = time.monotonic() + 400
-    while _trained(tmp_path / "run") < 3:  # past the checkpoint of step 2
-      assert all(p.poll() is None for p in learners), learners[0].log.read_text()[-3000:]
-      assert time.monotonic() < end, "no third step in 400s"
-      time.sleep(0.2)
+def test_the_lead_learner_killed_then_the_follower_preempted_both_stop_and_resume_with_the_samplers(tmp_path):
+  """The lead SIGKILLed after step 3: the follower stops on its own; both relaunched, they resume, and once they
+  trained 2 steps the follower's host is preempted (SIGTERM): the lead stops them both after the same step, with a
+  checkpoint; relaunched again, they finish. The samplers run on through all three attempts. Also the clean run's
+  checks (a test of its own before): every step trained once in lock step, equal weights at every version, pulls
+  served by the follower."""
+  workdir = tmp_path / "run"
+  stopped = {}
+
+  def kill_then_preempt(learners, launch):
+    _wait_trained(workdir, learners, 0, 3)  # past the checkpoint of step 2
     kill(learners[0])
     killed_at = time.monotonic()
     code = learners[1].wait(90)  # the follower stops on its own, within a bound
     print(f"follower stopped {time.monotonic() - killed_at:.1f}s after the lead was killed, exit {code}")
     assert code != 0
-    return relaunch()
-
-  seconds = _run(tmp_path, 6, kill_the_lead)
-  summary = _check_run(tmp_path / "run", tmp_path, 6, attempts=2)
-  print(f"two learner processes, two samplers, the lead killed after step 3: 6 steps in {seconds:.1f}s",
-        json.dumps({k: summary["ledger"][k] for k in ("samples_generated", "samples_trained", "samples_refused")}))
-  assert summary["resumed_from"] is not None and summary["resumed_from"] >= 2
-  for log in tmp_path.glob("sampler*.log"):  # each registered with the first learner and again with the relaunch
-    assert log.read_text().count("jaxrl-sampler: sampler ") >= 2, log.read_text()[-3000:]
-
-
-@pytest.mark.timeout(600)
-def test_a_follower_learner_preempted_stops_every_learner_process_after_the_same_step(tmp_path):
-  workdir = tmp_path / "run"
-  (port,) = free_ports(1)
-  learners = _learners(tmp_path, workdir, 8, port, 0)
-  samplers = _samplers(tmp_path, 8, port)
-  try:
-    end = time.monotonic() + 400
-    while _trained(workdir) < 2:
-      assert all(p.poll() is None for p in learners), learners[0].log.read_text()[-3000:]
-      assert time.monotonic() < end, "no second step in 400s"
-      time.sleep(0.2)
+    learners = launch(1)
+    _wait_trained(workdir, learners, 1, 2)
     learners[1].send_signal(signal.SIGTERM)  # the follower's host preempted: the lead stops them both
     assert learners[0].wait(120) == 143, learners[0].log.read_text()[-3000:]
     assert learners[1].wait(60) == 0, learners[1].log.read_text()[-3000:]
-  finally:
-    for p in learners + samplers:
-      if p.poll() is None:
-        kill(p)
-  summary = json.loads((workdir / "summary.json").read_text())
-  assert summary["stopped_by"] == "SIGTERM" and 2 <= summary["version"] < 8
-  assert [p["version"] for p in summary["learner_processes"]] == [summary["version"]] * 2
-  assert committed_steps(workdir)[-1] == summary["version"]  # saved together, at the step both stopped after
-  check_history(read_trace(workdir / "trace.jsonl"), summary, GROUP_SIZE)
-  assert "learner process 1 got SIGTERM: stopping after the current step" in learners[0].log.read_text()
+    summary = json.loads((workdir / "summary.json").read_text())
+    stopped.update(summary=summary, committed=committed_steps(workdir), lead_log=learners[0].log.read_text(),
+                   history=check_history(read_trace(workdir / "trace.jsonl"), summary, GROUP_SIZE))
+    return launch(2)
+
+  seconds = _run(tmp_path, 10, kill_then_preempt)
+  at_stop = stopped["summary"]
+  assert at_stop["stopped_by"] == "SIGTERM" and at_stop["resumed_from"] >= 2 and 4 <= at_stop["version"] < 10
+  assert [p["version"] for p in at_stop["learner_processes"]] == [at_stop["version"]] * 2
+  assert stopped["committed"][-1] == at_stop["version"]  # saved together, at the step both stopped after
+  assert "learner process 1 got SIGTERM: stopping after the current step" in stopped["lead_log"]
+  summary = _check_run(workdir, tmp_path, 10, attempts=3)
+  print(f"two learner processes, two samplers, the lead killed after step 3, the follower preempted: 10 steps in "
+        f"{seconds:.1f}s", json.dumps({k: summary["ledger"][k] for k in ("samples_generated", "samples_trained",
+                                                                          "samples_refused")}))
+  assert summary["resumed_from"] == at_stop["version"] and "stopped_by" not in summary
+  for log in tmp_path.glob("sampler*.log"):  # each registered with every attempt's learners
+    assert log.read_text().count("jaxrl-sampler: sampler ") >= 3, log.read_text()[-3000:]
