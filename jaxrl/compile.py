@@ -516,8 +516,7 @@ def main(argv=None):
   from absl import flags
   from ml_collections import config_flags
 
-  platforms.skip_tpu_probe()  # this host's own runtime: CPU; the target's chips come from libtpu's topology
-  platforms.freeze_startup_objects()
+  platforms.entry_point()  # this host's own runtime: CPU; the target's chips come from libtpu's topology
   flags_def = flags.FLAGS
   config_flags.DEFINE_config_file("config", None, "config file, e.g. configs/default.py[:arg]", lock_config=True)
   flags.DEFINE_string("target", None, "TPU topology: v5e:2x2, v5p:4x4x2, v6e:4x4, ...")

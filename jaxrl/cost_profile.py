@@ -402,8 +402,7 @@ def summary(cal: Calibration, details: dict) -> str:
 
 
 def main(argv=None):
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   from absl import app, flags
   from ml_collections import config_flags
 

@@ -277,8 +277,7 @@ def main(argv):
 
 def run():
   """Console entry point (jaxrl-generate)."""
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   app.run(main)
 
 

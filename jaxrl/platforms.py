@@ -2,10 +2,10 @@
 
 With libtpu installed (the `tpu` extra, for jaxrl-compile), every jax start asks the cloud metadata server what TPU
 it is on and prints the failures (worker hostnames, accelerator type) on a host without one. The entry points call
-`skip_tpu_probe()` first: where no TPU is attached and JAX_PLATFORMS is not set, it names the platforms the host has
-(a GPU's when its device node and jax plugin are there, and the CPU), so the TPU runtime is not started; a compile for
-a TPU target still loads libtpu for its topology (jaxrl.compile). Then `freeze_startup_objects()`: what the imports
-made is set aside from the garbage collector's walks.
+`entry_point()` first, which calls `skip_tpu_probe()`: where no TPU is attached and JAX_PLATFORMS is not set, it names
+the platforms the host has (a GPU's when its device node and jax plugin are there, and the CPU), so the TPU runtime is
+not started; a compile for a TPU target still loads libtpu for its topology (jaxrl.compile). Then
+`freeze_startup_objects()`: what the imports made is set aside from the garbage collector's walks.
 """
 
 from __future__ import annotations
@@ -77,6 +77,12 @@ def tpu_compiler_env(chip: str, topology: str) -> None:
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
+def entry_point() -> None:
+  """What every entry point's main() does first, once its module's imports are done."""
+  skip_tpu_probe()
+  freeze_startup_objects()
+
+
 def freeze_startup_objects() -> None:
   """Moves every object alive now (the imported modules: jax, flax, optax, orbax, and their caches) to the garbage
   collector's permanent generation: a collection no longer walks them. Entry points call it once their imports are
@@ -90,4 +96,3 @@ def freeze_startup_objects() -> None:
 
 
 _frozen = False
-

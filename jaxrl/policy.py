@@ -92,8 +92,7 @@ def export(policy: Policy, out: str | os.PathLike) -> Path:
 
 def export_main(argv=None):
   """Console entry point (jaxrl-export)."""
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   from absl import flags
   from ml_collections import config_flags
 

@@ -154,8 +154,7 @@ def _cpu_devices() -> None:
 
 
 def main(argv=None):
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   _cpu_devices()
   hostmem.return_freed_memory()
   from absl import flags

@@ -237,8 +237,7 @@ def train(c, workdir: str | Path, topology: runtime.Topology, store, *, dump_dir
 
 
 def main(argv=None):
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   from absl import flags
 
   flags_def = flags.FLAGS

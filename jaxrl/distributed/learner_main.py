@@ -401,8 +401,7 @@ def train(c, workdir: str | Path, learners: Learners = Learners(), **channels) -
 
 
 def main(argv=None):
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   from absl import flags
   from ml_collections import config_flags
 

@@ -160,8 +160,7 @@ class SamplerProgram:
 
 
 def main(argv=None):
-  platforms.skip_tpu_probe()
-  platforms.freeze_startup_objects()
+  platforms.entry_point()
   from absl import flags
   from ml_collections import config_flags
 
